@@ -1,0 +1,343 @@
+//! The command line. Invariant: every command validates its input before it touches a
+//! service, and a bad input ends in one line on stderr naming the problem, with exit code 2.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{self, ConfigError, SecretUrl, Services};
+use crate::{broker, db};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "kfs-worker",
+    version,
+    about = "Background-job runtime of the knowledge platform: outbox relay and ack-after-commit consumers over Postgres and RabbitMQ"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub conn: ConnArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Connection settings, from flags or the environment.
+#[derive(Debug, Args)]
+pub struct ConnArgs {
+    /// Postgres URL, e.g. postgres://postgres@127.0.0.1:5432/kfs
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// RabbitMQ URL
+    #[arg(long, env = "AMQP_URL", global = true, hide_env_values = true, default_value = config::DEFAULT_AMQP_URL, hide_default_value = true)]
+    pub amqp_url: String,
+    /// Prefix of every exchange and queue name; isolates deployments and tests
+    #[arg(long, env = "KFS_QUEUE_PREFIX", global = true, default_value = config::DEFAULT_QUEUE_PREFIX)]
+    pub queue_prefix: String,
+    /// How long to wait for a service to answer before giving up (e.g. 5s)
+    #[arg(long, env = "KFS_CONNECT_TIMEOUT", global = true, default_value = "5s")]
+    pub connect_timeout: String,
+}
+
+impl ConnArgs {
+    pub fn database_url(&self) -> Result<SecretUrl, ConfigError> {
+        config::database_url(self.database_url.as_deref())
+    }
+
+    pub fn connect_timeout(&self) -> Result<Duration, ConfigError> {
+        config::duration("KFS_CONNECT_TIMEOUT", &self.connect_timeout)
+    }
+
+    pub fn services(&self) -> Result<Services, ConfigError> {
+        Ok(Services {
+            database_url: self.database_url()?,
+            amqp_url: config::amqp_url(&self.amqp_url)?,
+            queue_prefix: config::queue_prefix(&self.queue_prefix)?,
+            connect_timeout: self.connect_timeout()?,
+        })
+    }
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the database migrations (adopts an existing platform database)
+    Migrate,
+    /// Check that Postgres and RabbitMQ are reachable and accept the credentials
+    Check,
+    /// Run the relay, the consumers and maintenance until SIGTERM/SIGINT
+    Run(Box<RunArgs>),
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// Run the outbox relay (with no role flag, every role runs)
+    #[arg(long)]
+    pub relay: bool,
+    /// Run the consumers
+    #[arg(long)]
+    pub consumer: bool,
+    /// Run maintenance: early takeover of dead workers' jobs and outbox retention
+    #[arg(long)]
+    pub maintenance: bool,
+    /// Job kinds to relay and consume: compile, deletion, research (and probe, the engine's test kind)
+    #[arg(long, env = "KFS_KINDS", default_value = "compile,deletion,research")]
+    pub kinds: String,
+    /// This process's worker id; unique per process (default: host-pid)
+    #[arg(long, env = "KFS_WORKER_ID")]
+    pub worker_id: Option<String>,
+    /// Unacked deliveries per kind, which is also how many slices run at once per kind
+    #[arg(long, env = "KFS_PREFETCH", default_value_t = 16)]
+    pub prefetch: u16,
+    /// Most steps one delivery runs before the job goes back to the queue
+    #[arg(long, env = "KFS_SLICE_STEPS", default_value_t = 64)]
+    pub slice_steps: u32,
+    /// Most time one delivery runs before the job goes back to the queue
+    #[arg(long, env = "KFS_SLICE_TIME", default_value = "20s")]
+    pub slice_time: String,
+    /// Lease per kind, e.g. compile=60s,deletion=30s (defaults: compile 60s, deletion 30s, research 30s)
+    #[arg(long, env = "KFS_LEASES", default_value = "")]
+    pub leases: String,
+    /// Base of the retry backoff for every kind (default: per kind, 5s)
+    #[arg(long, env = "KFS_RETRY_BASE")]
+    pub retry_base: Option<String>,
+    /// Cap of the retry backoff for every kind (default 5m)
+    #[arg(long, env = "KFS_RETRY_MAX")]
+    pub retry_max: Option<String>,
+    /// Outbox rows the relay claims per round trip
+    #[arg(long, env = "KFS_RELAY_BATCH", default_value_t = 256)]
+    pub relay_batch: i64,
+    /// How long a dispatched message may wait for a consumer before it is published again
+    #[arg(long, env = "KFS_VISIBILITY", default_value = "300s")]
+    pub visibility: String,
+    /// Publish attempts before an outbox row is dead and its job failed
+    #[arg(long, env = "KFS_MAX_DISPATCH_ATTEMPTS", default_value_t = 10)]
+    pub max_dispatch_attempts: i32,
+    /// Relay polling interval when no notification arrives
+    #[arg(long, env = "KFS_RELAY_POLL", default_value = "1s")]
+    pub relay_poll: String,
+    /// How long shutdown waits for running slices
+    #[arg(long, env = "KFS_SHUTDOWN_GRACE", default_value = "30s")]
+    pub shutdown_grace: String,
+}
+
+impl RunArgs {
+    pub fn options(&self, conn: &ConnArgs) -> Result<crate::runtime::RunOptions, ConfigError> {
+        use crate::consumer::{slice::Budget, ConsumerConfig};
+        use crate::jobs::Kind;
+        use crate::relay::RelayConfig;
+
+        let services = conn.services()?;
+        let kinds = Kind::parse_list(&self.kinds).map_err(|e| ConfigError::new("KFS_KINDS", e))?;
+        let worker_id = config::worker_id(self.worker_id.as_deref())?;
+        if self.prefetch == 0 {
+            return Err(ConfigError::new("KFS_PREFETCH", "must be at least 1"));
+        }
+        if self.slice_steps == 0 {
+            return Err(ConfigError::new("KFS_SLICE_STEPS", "must be at least 1"));
+        }
+        if !(1..=10_000).contains(&self.relay_batch) {
+            return Err(ConfigError::new(
+                "KFS_RELAY_BATCH",
+                "must be between 1 and 10000",
+            ));
+        }
+        if self.max_dispatch_attempts < 1 {
+            return Err(ConfigError::new(
+                "KFS_MAX_DISPATCH_ATTEMPTS",
+                "must be at least 1",
+            ));
+        }
+        let mut consumer_cfg = ConsumerConfig {
+            prefetch: self.prefetch,
+            budget: Budget {
+                max_steps: self.slice_steps,
+                max_time: config::duration("KFS_SLICE_TIME", &self.slice_time)?,
+            },
+            shutdown_grace: config::duration("KFS_SHUTDOWN_GRACE", &self.shutdown_grace)?,
+            ..ConsumerConfig::default()
+        };
+        for part in self
+            .leases
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+        {
+            let (k, d) = part.split_once('=').ok_or_else(|| {
+                ConfigError::new(
+                    "KFS_LEASES",
+                    "expected KIND=DURATION pairs, e.g. compile=60s",
+                )
+            })?;
+            let kind = Kind::parse_list(k).map_err(|e| ConfigError::new("KFS_LEASES", e))?[0];
+            let lease = config::duration("KFS_LEASES", d)?;
+            if lease < std::time::Duration::from_secs(1) {
+                return Err(ConfigError::new(
+                    "KFS_LEASES",
+                    "a lease must be at least 1s",
+                ));
+            }
+            if let Some(p) = consumer_cfg.policies.get_mut(&kind) {
+                p.lease = lease;
+            }
+        }
+        let retry_base = self
+            .retry_base
+            .as_deref()
+            .map(|r| config::duration("KFS_RETRY_BASE", r))
+            .transpose()?;
+        let retry_max = self
+            .retry_max
+            .as_deref()
+            .map(|r| config::duration("KFS_RETRY_MAX", r))
+            .transpose()?;
+        for p in consumer_cfg.policies.values_mut() {
+            if let Some(b) = retry_base {
+                p.retry.base = b;
+            }
+            if let Some(m) = retry_max {
+                p.retry.max = m;
+            }
+        }
+        let relay_cfg = RelayConfig {
+            batch: self.relay_batch,
+            visibility: config::duration("KFS_VISIBILITY", &self.visibility)?,
+            max_dispatch_attempts: self.max_dispatch_attempts,
+            poll: config::duration("KFS_RELAY_POLL", &self.relay_poll)?,
+            ..RelayConfig::default()
+        };
+        let all = !(self.relay || self.consumer || self.maintenance);
+        Ok(crate::runtime::RunOptions {
+            services,
+            worker_id,
+            kinds,
+            relay: all || self.relay,
+            consumer: all || self.consumer,
+            maintenance: all || self.maintenance,
+            relay_cfg,
+            consumer_cfg,
+            maintenance_cfg: crate::maintenance::MaintenanceConfig::default(),
+        })
+    }
+}
+
+/// A failed command: the one line to print, and the exit code.
+#[derive(Debug)]
+pub struct Failure {
+    pub message: String,
+    pub code: u8,
+}
+
+impl Failure {
+    pub fn usage(message: impl ToString) -> Self {
+        Self {
+            message: message.to_string(),
+            code: 2,
+        }
+    }
+
+    pub fn runtime(message: impl ToString) -> Self {
+        Self {
+            message: message.to_string(),
+            code: 1,
+        }
+    }
+}
+
+impl From<ConfigError> for Failure {
+    fn from(e: ConfigError) -> Self {
+        Self::usage(e)
+    }
+}
+
+pub async fn run(cli: Cli) -> ExitCode {
+    let result = match cli.command {
+        Command::Migrate => migrate(&cli.conn).await,
+        Command::Check => check(&cli.conn).await,
+        Command::Run(args) => run_worker(&cli.conn, &args).await,
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+async fn migrate(conn: &ConnArgs) -> Result<(), Failure> {
+    let url = conn.database_url()?;
+    let timeout = conn.connect_timeout()?;
+    let pool = db::connect(&url, "kfs-worker migrate", 2, timeout)
+        .await
+        .map_err(Failure::usage)?;
+    let before = applied_versions(&pool).await;
+    db::migrate(&pool)
+        .await
+        .map_err(|e| Failure::runtime(format!("migration failed: {e}")))?;
+    let after = applied_versions(&pool).await;
+    let new = after.saturating_sub(before);
+    println!(
+        "migrations: {} applied now, {} in total, database {} is up to date",
+        new,
+        db::MIGRATOR.iter().count(),
+        url
+    );
+    Ok(())
+}
+
+async fn applied_versions(pool: &sqlx::PgPool) -> usize {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM _sqlx_migrations WHERE success")
+        .fetch_one(pool)
+        .await
+        .map_or(0, |n| n as usize)
+}
+
+async fn run_worker(conn: &ConnArgs, args: &RunArgs) -> Result<(), Failure> {
+    let opts = args.options(conn)?;
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    tokio::spawn(crate::runtime::signals(shutdown.clone()));
+    crate::runtime::run(opts, shutdown)
+        .await
+        .map_err(|e| Failure::usage(format!("{e:#}")))
+}
+
+async fn check(conn: &ConnArgs) -> Result<(), Failure> {
+    let services = conn.services()?;
+    let timeout = services.connect_timeout;
+    let mut problems = Vec::new();
+
+    match db::connect(&services.database_url, "kfs-worker check", 1, timeout).await {
+        Ok(pool) => {
+            let version: String = sqlx::query_scalar("SELECT current_setting('server_version')")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or_else(|_| "unknown version".into());
+            println!(
+                "postgres: ok, PostgreSQL {version} at {}",
+                services.database_url
+            );
+        }
+        Err(e) => problems.push(e.to_string()),
+    }
+
+    match broker::connect(&services.amqp_url, "kfs-worker check", timeout).await {
+        Ok(c) => {
+            let channel = c.create_channel().await;
+            let _ = c.close(200, "check done".into()).await;
+            match channel {
+                Ok(_) => println!("rabbitmq: ok at {}", services.amqp_url),
+                Err(e) => problems.push(format!(
+                    "RabbitMQ at {} accepted the login but refused a channel: {e}",
+                    services.amqp_url.endpoint(5672)
+                )),
+            }
+        }
+        Err(e) => problems.push(e.to_string()),
+    }
+
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::usage(problems.join("\nerror: ")))
+    }
+}

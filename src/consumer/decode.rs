@@ -1,0 +1,247 @@
+//! Decoding a delivery into the outbox row it points at. Invariant: decoding is pure and total:
+//! any bytes and properties give either a [`DeliveryRef`] or a [`DecodeError`] naming why, never
+//! a panic, and nothing is looked up in the database until decoding succeeded.
+
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::BasicProperties;
+use uuid::Uuid;
+
+use super::lease::DeliveryRef;
+use crate::jobs::Kind;
+
+/// Bodies are a few hundred bytes; anything past this is not ours.
+pub const MAX_BODY: usize = 64 * 1024;
+pub const SCHEMA_VERSION: i64 = 1;
+
+pub const H_OUTBOX_ID: &str = "x-kfs-outbox-id";
+pub const H_REVISION: &str = "x-kfs-delivery-revision";
+pub const H_SCHEMA: &str = "x-kfs-schema-version";
+pub const H_TRACEPARENT: &str = "traceparent";
+
+/// The parts of a message that decoding reads, independent of the AMQP client.
+#[derive(Clone, Debug, Default)]
+pub struct Envelope<'a> {
+    pub message_id: Option<&'a str>,
+    pub event_type: Option<&'a str>,
+    pub schema_version: Option<i64>,
+    pub outbox_id: Option<&'a str>,
+    pub body: &'a [u8],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DecodeError {
+    #[error("body of {0} bytes is larger than {MAX_BODY}")]
+    Oversized(usize),
+    #[error("no message_id (the delivery id)")]
+    NoDeliveryId,
+    #[error("message_id is not a delivery id")]
+    BadDeliveryId,
+    #[error("type '{0}' does not belong on this queue")]
+    WrongType(String),
+    #[error("no {H_SCHEMA} header")]
+    NoSchemaVersion,
+    #[error("schema version {0} is not supported")]
+    WrongSchemaVersion(i64),
+    #[error("no valid {H_OUTBOX_ID} header")]
+    BadOutboxId,
+    #[error("body is not a JSON object")]
+    NotJsonObject,
+    #[error("body has no valid '{0}'")]
+    BadJobId(&'static str),
+}
+
+impl DecodeError {
+    /// A short label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            DecodeError::Oversized(_) => "oversized",
+            DecodeError::NoDeliveryId | DecodeError::BadDeliveryId => "delivery_id",
+            DecodeError::WrongType(_) => "wrong_type",
+            DecodeError::NoSchemaVersion | DecodeError::WrongSchemaVersion(_) => "schema_version",
+            DecodeError::BadOutboxId => "outbox_id",
+            DecodeError::NotJsonObject => "not_json",
+            DecodeError::BadJobId(_) => "job_id",
+        }
+    }
+}
+
+pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError> {
+    if env.body.len() > MAX_BODY {
+        return Err(DecodeError::Oversized(env.body.len()));
+    }
+    let delivery_id = env.message_id.ok_or(DecodeError::NoDeliveryId)?;
+    if delivery_id.is_empty()
+        || delivery_id.len() > 255
+        || delivery_id.chars().any(char::is_control)
+    {
+        return Err(DecodeError::BadDeliveryId);
+    }
+    if let Some(t) = env.event_type {
+        if t != kind.event_type() {
+            return Err(DecodeError::WrongType(t.chars().take(64).collect()));
+        }
+    }
+    match env.schema_version {
+        None => return Err(DecodeError::NoSchemaVersion),
+        Some(SCHEMA_VERSION) => {}
+        Some(v) => return Err(DecodeError::WrongSchemaVersion(v)),
+    }
+    let outbox_id = env
+        .outbox_id
+        .and_then(|s| Uuid::parse_str(s).ok())
+        .ok_or(DecodeError::BadOutboxId)?;
+    let body: serde_json::Value =
+        serde_json::from_slice(env.body).map_err(|_| DecodeError::NotJsonObject)?;
+    let obj = body.as_object().ok_or(DecodeError::NotJsonObject)?;
+    let field = kind.spec().payload_id_field;
+    let job_id = obj
+        .get(field)
+        .and_then(serde_json::Value::as_str)
+        .and_then(|s| Uuid::parse_str(s).ok())
+        .filter(|u| !u.is_nil())
+        .ok_or(DecodeError::BadJobId(field))?;
+    Ok(DeliveryRef {
+        kind,
+        job_id,
+        outbox_id,
+        delivery_id: delivery_id.to_owned(),
+    })
+}
+
+/// Reads the envelope out of AMQP properties.
+pub fn envelope<'a>(props: &'a BasicProperties, body: &'a [u8]) -> Envelope<'a> {
+    let headers = props.headers().as_ref();
+    Envelope {
+        message_id: props.message_id().as_ref().map(|s| s.as_str()),
+        event_type: props.kind().as_ref().map(|s| s.as_str()),
+        schema_version: headers.and_then(|h| int_header(h, H_SCHEMA)),
+        outbox_id: headers.and_then(|h| str_header(h, H_OUTBOX_ID)),
+        body,
+    }
+}
+
+pub fn str_header<'a>(h: &'a FieldTable, key: &str) -> Option<&'a str> {
+    match h.inner().get(key)? {
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok(),
+        AMQPValue::ShortString(s) => Some(s.as_str()),
+        _ => None,
+    }
+}
+
+pub fn int_header(h: &FieldTable, key: &str) -> Option<i64> {
+    match h.inner().get(key)? {
+        AMQPValue::ShortShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortInt(v) => Some(i64::from(*v)),
+        AMQPValue::ShortUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongUInt(v) => Some(i64::from(*v)),
+        AMQPValue::LongLongInt(v) => Some(*v),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OUTBOX: &str = "0b5c1a55-7d0e-4a39-9f0e-3c6a2d7a9d11";
+    const JOB: &str = "7a1f3c2e-5b8d-4e6f-a0b1-c2d3e4f50617";
+
+    fn good(body: &[u8]) -> Envelope<'_> {
+        Envelope {
+            message_id: Some("d-1"),
+            event_type: Some("document.compile"),
+            schema_version: Some(1),
+            outbox_id: Some(OUTBOX),
+            body,
+        }
+    }
+
+    #[test]
+    fn decodes_a_good_message() {
+        let body = format!(r#"{{"attemptId":"{JOB}","traceparent":"00-x"}}"#);
+        let d = decode(Kind::Compile, &good(body.as_bytes())).unwrap();
+        assert_eq!(d.job_id.to_string(), JOB);
+        assert_eq!(d.outbox_id.to_string(), OUTBOX);
+        assert_eq!(d.delivery_id, "d-1");
+    }
+
+    #[test]
+    fn rejects_each_kind_of_bad_message() {
+        let ok = format!(r#"{{"attemptId":"{JOB}"}}"#);
+        let big = vec![b' '; MAX_BODY + 1];
+        let cases: Vec<(Envelope<'_>, DecodeError)> = vec![
+            (good(&big), DecodeError::Oversized(MAX_BODY + 1)),
+            (
+                Envelope {
+                    message_id: None,
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::NoDeliveryId,
+            ),
+            (
+                Envelope {
+                    message_id: Some(""),
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::BadDeliveryId,
+            ),
+            (
+                Envelope {
+                    event_type: Some("deletion.job"),
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::WrongType("deletion.job".into()),
+            ),
+            (
+                Envelope {
+                    schema_version: None,
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::NoSchemaVersion,
+            ),
+            (
+                Envelope {
+                    schema_version: Some(2),
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::WrongSchemaVersion(2),
+            ),
+            (
+                Envelope {
+                    outbox_id: Some("nope"),
+                    ..good(ok.as_bytes())
+                },
+                DecodeError::BadOutboxId,
+            ),
+            (good(b"not json"), DecodeError::NotJsonObject),
+            (good(b"[1,2]"), DecodeError::NotJsonObject),
+            (
+                good(br#"{"attemptId":42}"#),
+                DecodeError::BadJobId("attemptId"),
+            ),
+            (
+                good(br#"{"deletionJobId":"7a1f3c2e-5b8d-4e6f-a0b1-c2d3e4f50617"}"#),
+                DecodeError::BadJobId("attemptId"),
+            ),
+            (
+                good(br#"{"attemptId":"00000000-0000-0000-0000-000000000000"}"#),
+                DecodeError::BadJobId("attemptId"),
+            ),
+        ];
+        for (env, want) in cases {
+            assert_eq!(decode(Kind::Compile, &env).unwrap_err(), want);
+        }
+    }
+
+    #[test]
+    fn reads_headers_of_any_integer_width() {
+        let mut h = FieldTable::default();
+        h.insert(H_SCHEMA.into(), AMQPValue::ShortShortUInt(1));
+        h.insert(H_OUTBOX_ID.into(), AMQPValue::LongString(OUTBOX.into()));
+        assert_eq!(int_header(&h, H_SCHEMA), Some(1));
+        assert_eq!(str_header(&h, H_OUTBOX_ID), Some(OUTBOX));
+        assert_eq!(int_header(&h, "missing"), None);
+    }
+}

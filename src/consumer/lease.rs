@@ -1,0 +1,487 @@
+//! The consumer's writes: claim, fence, heartbeat and end of slice. Invariant: every write to
+//! a claimed job compares `lease_token`, `row_version` and an unexpired lease, and zero rows
+//! changed means the lease is lost. Locks are always taken job row first, then outbox row, so
+//! that claims, steps and heartbeats never deadlock each other.
+
+use std::time::Duration;
+
+use sqlx::{PgConnection, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::jobs::{JobCtx, Kind, KindSpec, States};
+
+/// The prepared statement texts of one kind, rendered once.
+#[derive(Debug)]
+pub struct Statements {
+    claim: String,
+    claim_outbox: String,
+    diagnose: String,
+    fence: String,
+    advance: String,
+    heartbeat: String,
+    end_succeed: String,
+    end_fail: String,
+    end_cancel: String,
+    end_wait: String,
+    end_continue: String,
+    fail_exhausted: String,
+    rearm_at_retry: String,
+}
+
+const LEASE_CLEAR: &str =
+    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
+
+impl Statements {
+    pub fn new(spec: &KindSpec) -> Self {
+        let (claimable, running_set, live, terminal) = match spec.states {
+            States::RunState { .. } => (
+                "(j.run_state IN ('dispatch_pending', 'queued') \
+                  OR (j.run_state = 'retry_wait' AND j.retry_at <= {now}) \
+                  OR (j.run_state = 'running' AND (j.lease_expires_at <= {now} OR NOT kfs_worker_alive(j.worker_id))))",
+                "run_state = 'running', retry_at = NULL, started_at = coalesce(j.started_at, now()),",
+                "run_state = 'running'",
+                "run_state IN ('succeeded', 'failed', 'canceled', 'superseded')",
+            ),
+            States::Stage => (
+                "(j.stage NOT IN ('paused', 'completed', 'failed', 'canceled') \
+                  AND (j.retry_at IS NULL OR j.retry_at <= {now}) \
+                  AND (j.lease_token IS NULL OR j.lease_expires_at <= {now} OR NOT kfs_worker_alive(j.worker_id)))",
+                "retry_at = NULL,",
+                "stage NOT IN ('paused', 'completed', 'failed', 'canceled')",
+                "stage IN ('completed', 'failed', 'canceled')",
+            ),
+        };
+        let fence = format!("id = $1 AND lease_token = $2 AND row_version = $3 AND lease_expires_at > {{now}} AND {live}");
+
+        let (succeed, fail, cancel, wait, cont) = match spec.states {
+            States::RunState { failed_keeps_slot } => (
+                "run_state = 'succeeded', checkpoint = $5, active_slot = NULL, completed_at = now(), \
+                 last_error_code = NULL, last_error_message = NULL"
+                    .to_owned(),
+                if failed_keeps_slot {
+                    "run_state = 'failed', last_error_code = $5, last_error_message = $6".to_owned()
+                } else {
+                    "run_state = 'failed', active_slot = NULL, completed_at = now(), \
+                     last_error_code = $5, last_error_message = $6"
+                        .to_owned()
+                },
+                "run_state = 'canceled', active_slot = NULL, completed_at = now(), \
+                 last_error_code = $5, last_error_message = $6"
+                    .to_owned(),
+                "run_state = 'retry_wait', retry_at = {now+$5}, last_error_code = $6, last_error_message = $7, \
+                 execution_attempts = execution_attempts - $8"
+                    .to_owned(),
+                "run_state = 'queued', execution_attempts = execution_attempts - 1".to_owned(),
+            ),
+            States::Stage => (
+                // $5 (the final stage) is always 'completed' for research.
+                "stage = $5, completed_at = {now}, error = NULL".to_owned(),
+                "stage = 'failed', completed_at = {now}, error = $5 || ': ' || $6".to_owned(),
+                "stage = 'canceled', completed_at = {now}, error = $5 || ': ' || $6".to_owned(),
+                "retry_at = {now+$5}, error = $6 || ': ' || $7, execution_attempts = execution_attempts - $8".to_owned(),
+                "execution_attempts = execution_attempts - 1".to_owned(),
+            ),
+        };
+
+        let end = |job_set: &str, outbox_set: &str| {
+            spec.sql(&format!(
+                "WITH j AS ( \
+                   UPDATE {{job}} SET {job_set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = {{now}} \
+                   WHERE {fence} RETURNING retry_at \
+                 ) \
+                 UPDATE {{outbox}} AS o SET {outbox_set}, lock_token = NULL, locked_by = NULL, locked_until = NULL, \
+                   updated_at = {{now}} \
+                 FROM j WHERE o.id = $4 RETURNING o.id"
+            ))
+        };
+
+        let exhausted_set = match spec.states {
+            States::RunState { failed_keeps_slot: true } => {
+                "run_state = 'failed', retry_at = NULL, last_error_code = 'attempts_exhausted', last_error_message = $3"
+            }
+            States::RunState { failed_keeps_slot: false } => {
+                "run_state = 'failed', retry_at = NULL, active_slot = NULL, completed_at = now(), \
+                 last_error_code = 'attempts_exhausted', last_error_message = $3"
+            }
+            States::Stage => "stage = 'failed', retry_at = NULL, completed_at = {now}, error = 'attempts_exhausted: ' || $3",
+        };
+
+        Statements {
+            claim: spec.sql(&format!(
+                "UPDATE {{job}} AS j SET {running_set} \
+                   worker_id = $3, lease_token = $4, lease_expires_at = {{now+$5}}, heartbeat_at = {{now}}, \
+                   execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = {{now}} \
+                 WHERE j.id = $1 AND {claimable} AND j.execution_attempts < j.max_execution_attempts \
+                   AND EXISTS (SELECT 1 FROM {{outbox}} o WHERE o.id = $2 AND o.{{fk}} = $1 AND o.queue_job_id = $6 \
+                               AND o.status IN ('dispatching', 'dispatched', 'leased')) \
+                 RETURNING j.{{cp}}::text, j.row_version, j.execution_attempts, j.max_execution_attempts"
+            )),
+            claim_outbox: spec.sql(
+                "UPDATE {outbox} SET status = 'leased', available_at = (SELECT lease_expires_at FROM {job} WHERE id = $3), \
+                   delivered_at = {now}, \
+                   lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {now} \
+                 WHERE id = $1 AND queue_job_id = $2 AND status IN ('dispatching', 'dispatched', 'leased')",
+            ),
+            diagnose: spec.sql(&format!(
+                "SELECT o.status::text, o.queue_job_id, o.{{fk}} = $1 AS same_job, \
+                   j.row_version, ({terminal}) AS terminal, \
+                   (j.{{cp}} = 'paused') AS paused, \
+                   (j.lease_token IS NOT NULL AND j.lease_expires_at > {{now}} AND kfs_worker_alive(j.worker_id)) AS lease_live, \
+                   (j.execution_attempts >= j.max_execution_attempts) AS exhausted, \
+                   (j.retry_at IS NOT NULL AND j.retry_at > {{now}}) AS retry_later \
+                 FROM {{outbox}} o LEFT JOIN {{job}} j ON j.id = o.{{fk}} WHERE o.id = $2"
+            )),
+            fence: spec.sql(&format!(
+                "UPDATE {{job}} SET row_version = row_version + 1, updated_at = {{now}} WHERE {fence} RETURNING row_version"
+            )),
+            advance: spec.sql("UPDATE {job} SET {cp} = $2 WHERE id = $1"),
+            heartbeat: spec.sql(&format!(
+                "WITH j AS ( \
+                   UPDATE {{job}} SET lease_expires_at = {{now+$3}}, heartbeat_at = {{now}} \
+                   WHERE id = $1 AND lease_token = $2 AND lease_expires_at > {{now}} AND {live} \
+                   RETURNING lease_expires_at \
+                 ), o AS ( \
+                   UPDATE {{outbox}} SET available_at = j.lease_expires_at FROM j \
+                   WHERE {{outbox}}.id = $4 AND {{outbox}}.status = 'leased' AND {{outbox}}.queue_job_id = $5 \
+                   RETURNING 1 \
+                 ) SELECT count(*) FROM j"
+            )),
+            end_succeed: end(&succeed, "status = 'completed'"),
+            end_fail: end(&fail, "status = 'dead', last_error = $5 || ': ' || $6"),
+            end_cancel: end(&cancel, "status = 'canceled', last_error = $5 || ': ' || $6"),
+            end_wait: end(&wait, "status = 'pending', available_at = j.retry_at, dispatch_attempts = 0, last_error = NULL"),
+            end_continue: end(&cont, "status = 'pending', available_at = {now}, dispatch_attempts = 0, last_error = NULL"),
+            fail_exhausted: spec.sql(&format!(
+                "WITH j AS ( \
+                   UPDATE {{job}} SET {exhausted_set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = {{now}} \
+                   WHERE id = $1 AND row_version = $2 RETURNING id \
+                 ) \
+                 UPDATE {{outbox}} AS o SET status = 'dead', last_error = 'attempts_exhausted', lock_token = NULL, \
+                   locked_by = NULL, locked_until = NULL, updated_at = {{now}} \
+                 FROM j WHERE o.id = $4 RETURNING o.id"
+            )),
+            rearm_at_retry: spec.sql(
+                "UPDATE {outbox} AS o SET status = 'pending', available_at = j.retry_at, dispatch_attempts = 0, \
+                   lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {now} \
+                 FROM {job} j WHERE o.id = $2 AND j.id = $1 AND o.{fk} = j.id AND o.queue_job_id = $3 \
+                   AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.retry_at IS NOT NULL",
+            ),
+        }
+    }
+}
+
+/// What a delivery found in the database.
+#[derive(Clone, Debug)]
+pub enum Claim {
+    /// The job is ours until the lease runs out.
+    Claimed(JobCtx),
+    /// The delivery does not match the outbox row (an older or unknown delivery).
+    Stale(&'static str),
+    /// Another live worker holds the job.
+    Duplicate,
+    /// The job already ended.
+    Terminal,
+    /// The job used up its attempts; it was failed now.
+    Exhausted,
+}
+
+impl Claim {
+    pub fn outcome(&self) -> &'static str {
+        match self {
+            Claim::Claimed(_) => "claimed",
+            Claim::Stale(_) => "stale",
+            Claim::Duplicate => "duplicate",
+            Claim::Terminal => "terminal",
+            Claim::Exhausted => "exhausted",
+        }
+    }
+}
+
+/// The identity of a delivery, taken from the message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeliveryRef {
+    pub kind: Kind,
+    pub job_id: Uuid,
+    pub outbox_id: Uuid,
+    pub delivery_id: String,
+}
+
+/// Claims the job a delivery points at, in one transaction.
+pub async fn claim(
+    conn: &mut PgConnection,
+    st: &Statements,
+    d: &DeliveryRef,
+    worker_id: &str,
+    lease: Duration,
+) -> Result<Claim, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let token = Uuid::new_v4();
+    let row: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.claim)
+        .bind(d.job_id)
+        .bind(d.outbox_id)
+        .bind(worker_id)
+        .bind(token)
+        .bind(millis(lease))
+        .bind(&d.delivery_id)
+        .fetch_optional(&mut *tx)
+        .await?;
+    if let Some((checkpoint, row_version, attempts, max_attempts)) = row {
+        let outbox = sqlx::query(&st.claim_outbox)
+            .bind(d.outbox_id)
+            .bind(&d.delivery_id)
+            .bind(d.job_id)
+            .execute(&mut *tx)
+            .await?;
+        if outbox.rows_affected() == 1 {
+            tx.commit().await?;
+            return Ok(Claim::Claimed(JobCtx {
+                kind: d.kind,
+                job_id: d.job_id,
+                outbox_id: d.outbox_id,
+                delivery_id: d.delivery_id.clone(),
+                lease_token: token,
+                row_version,
+                checkpoint,
+                execution_attempts: attempts,
+                max_execution_attempts: max_attempts,
+                worker_id: worker_id.to_owned(),
+            }));
+        }
+        // The relay took the outbox row back between our two statements: not ours after all.
+        tx.rollback().await?;
+        return Ok(Claim::Stale("outbox row changed during the claim"));
+    }
+    let verdict = diagnose(&mut tx, st, d).await?;
+    tx.commit().await?;
+    Ok(verdict)
+}
+
+async fn diagnose(
+    tx: &mut Transaction<'_, Postgres>,
+    st: &Statements,
+    d: &DeliveryRef,
+) -> Result<Claim, sqlx::Error> {
+    type Row = (
+        String,
+        Option<String>,
+        bool,
+        Option<i32>,
+        Option<bool>,
+        Option<bool>,
+        Option<bool>,
+        Option<bool>,
+        Option<bool>,
+    );
+    let row: Option<Row> = sqlx::query_as(&st.diagnose)
+        .bind(d.job_id)
+        .bind(d.outbox_id)
+        .fetch_optional(&mut **tx)
+        .await?;
+    let Some((
+        status,
+        queue_job_id,
+        same_job,
+        row_version,
+        terminal,
+        paused,
+        lease_live,
+        exhausted,
+        retry_later,
+    )) = row
+    else {
+        return Ok(Claim::Stale("no such outbox row"));
+    };
+    if !same_job {
+        return Ok(Claim::Stale("outbox row belongs to another job"));
+    }
+    if queue_job_id.as_deref() != Some(d.delivery_id.as_str()) {
+        return Ok(Claim::Stale("a newer delivery replaced this one"));
+    }
+    if !matches!(status.as_str(), "dispatching" | "dispatched" | "leased") {
+        return Ok(Claim::Stale("outbox row is no longer out for delivery"));
+    }
+    let Some(row_version) = row_version else {
+        return Ok(Claim::Stale("no such job"));
+    };
+    if terminal == Some(true) {
+        return Ok(Claim::Terminal);
+    }
+    if paused == Some(true) {
+        return Ok(Claim::Stale("job is paused"));
+    }
+    if lease_live == Some(true) {
+        return Ok(Claim::Duplicate);
+    }
+    if exhausted == Some(true) {
+        let done = sqlx::query(&st.fail_exhausted)
+            .bind(d.job_id)
+            .bind(row_version)
+            .bind("the job used up its execution attempts")
+            .bind(d.outbox_id)
+            .execute(&mut **tx)
+            .await?;
+        return Ok(if done.rows_affected() == 1 {
+            Claim::Exhausted
+        } else {
+            Claim::Duplicate
+        });
+    }
+    if retry_later == Some(true) {
+        // Delivered before its retry time: put the outbox row back so the relay sends it then.
+        sqlx::query(&st.rearm_at_retry)
+            .bind(d.job_id)
+            .bind(d.outbox_id)
+            .bind(&d.delivery_id)
+            .execute(&mut **tx)
+            .await?;
+        return Ok(Claim::Stale("delivered before the job's retry time"));
+    }
+    Ok(Claim::Stale("job is not claimable"))
+}
+
+/// Locks the job row for one step and checks that the lease is still ours. Returns the new
+/// row version, or `None` when the lease is lost.
+pub async fn fence(
+    tx: &mut PgConnection,
+    st: &Statements,
+    job: &JobCtx,
+) -> Result<Option<i32>, sqlx::Error> {
+    sqlx::query_scalar(&st.fence)
+        .bind(job.job_id)
+        .bind(job.lease_token)
+        .bind(job.row_version)
+        .fetch_optional(tx)
+        .await
+}
+
+/// Moves the checkpoint. Only valid right after [`fence`] in the same transaction.
+pub async fn advance(
+    tx: &mut PgConnection,
+    st: &Statements,
+    job: &JobCtx,
+    checkpoint: &str,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&st.advance)
+        .bind(job.job_id)
+        .bind(checkpoint)
+        .execute(tx)
+        .await?;
+    Ok(())
+}
+
+/// Extends the lease and the outbox visibility. `false`: the lease is lost.
+pub async fn heartbeat(
+    conn: &mut PgConnection,
+    st: &Statements,
+    job: &JobCtx,
+    lease: Duration,
+) -> Result<bool, sqlx::Error> {
+    let n: i64 = sqlx::query_scalar(&st.heartbeat)
+        .bind(job.job_id)
+        .bind(job.lease_token)
+        .bind(millis(lease))
+        .bind(job.outbox_id)
+        .bind(&job.delivery_id)
+        .fetch_one(conn)
+        .await?;
+    Ok(n == 1)
+}
+
+/// How a slice ends, as written to the database.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum End {
+    Succeed {
+        checkpoint: String,
+    },
+    Fail {
+        code: String,
+        message: String,
+    },
+    Cancel {
+        code: String,
+        message: String,
+    },
+    /// `retry_wait` until `delay` from now. `refund`: give the attempt back (a planned wait,
+    /// not a failure).
+    Wait {
+        delay: Duration,
+        code: String,
+        message: String,
+        refund: bool,
+    },
+    /// The slice budget ran out: claimable again at once.
+    Continue,
+}
+
+impl End {
+    pub fn name(&self) -> &'static str {
+        match self {
+            End::Succeed { .. } => "succeeded",
+            End::Fail { .. } => "failed",
+            End::Cancel { .. } => "canceled",
+            End::Wait { .. } => "wait",
+            End::Continue => "continue",
+        }
+    }
+}
+
+/// Ends the slice. `false`: the lease was lost and nothing was written.
+pub async fn end(
+    conn: &mut PgConnection,
+    st: &Statements,
+    job: &JobCtx,
+    how: &End,
+) -> Result<bool, sqlx::Error> {
+    fn base<'q>(
+        sql: &'q str,
+        job: &JobCtx,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(sql)
+            .bind(job.job_id)
+            .bind(job.lease_token)
+            .bind(job.row_version)
+            .bind(job.outbox_id)
+    }
+    let done = match how {
+        End::Succeed { checkpoint } => {
+            base(&st.end_succeed, job)
+                .bind(checkpoint)
+                .execute(conn)
+                .await?
+        }
+        End::Fail { code, message } => {
+            base(&st.end_fail, job)
+                .bind(code)
+                .bind(message)
+                .execute(conn)
+                .await?
+        }
+        End::Cancel { code, message } => {
+            base(&st.end_cancel, job)
+                .bind(code)
+                .bind(message)
+                .execute(conn)
+                .await?
+        }
+        End::Wait {
+            delay,
+            code,
+            message,
+            refund,
+        } => {
+            base(&st.end_wait, job)
+                .bind(millis(*delay))
+                .bind(code)
+                .bind(message)
+                .bind(i32::from(*refund))
+                .execute(conn)
+                .await?
+        }
+        End::Continue => base(&st.end_continue, job).execute(conn).await?,
+    };
+    Ok(done.rows_affected() == 1)
+}
+
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}

@@ -1,0 +1,523 @@
+//! Consumers: decode → claim → steps → end of slice → ack. Invariant: a delivery is acked only
+//! after the transaction that decides it has committed (claim verdict or end of slice); an
+//! undecodable delivery is rejected to the dead-letter queue without touching Postgres; while
+//! Postgres cannot be reached nothing is acked.
+
+pub mod decode;
+pub mod lease;
+pub mod slice;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
+use lapin::types::FieldTable;
+use sqlx::PgPool;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::crash;
+use crate::jobs::{Handler, JobCtx, Kind, Policy};
+use lease::{Claim, DeliveryRef, End, Statements};
+use slice::{Budget, Next, Progress};
+
+/// What became of a delivery.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Handled {
+    /// Commit done; ack. Carries the claim outcome and, if a slice ran, how it ended.
+    Ack {
+        claim: &'static str,
+        end: Option<&'static str>,
+    },
+    /// Undecodable: reject without requeue, into the dead-letter queue.
+    Reject(String),
+    /// Shutting down before the decision committed: leave it unacked for redelivery.
+    Abandon,
+}
+
+/// Counters of what the consumers did, for tests, status and metrics.
+#[derive(Debug, Default)]
+pub struct Counters {
+    pub claimed: AtomicU64,
+    pub stale: AtomicU64,
+    pub duplicate: AtomicU64,
+    pub terminal: AtomicU64,
+    pub exhausted: AtomicU64,
+    pub poison: AtomicU64,
+    pub lease_lost: AtomicU64,
+    pub slices: AtomicU64,
+}
+
+impl Counters {
+    fn claim(&self, c: &Claim) {
+        let n = match c {
+            Claim::Claimed(_) => &self.claimed,
+            Claim::Stale(_) => &self.stale,
+            Claim::Duplicate => &self.duplicate,
+            Claim::Terminal => &self.terminal,
+            Claim::Exhausted => &self.exhausted,
+        };
+        n.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ConsumerConfig {
+    /// Unacked deliveries per kind; also how many run at once.
+    pub prefetch: u16,
+    pub budget: Budget,
+    pub policies: HashMap<Kind, Policy>,
+    /// How long shutdown waits for running slices to end.
+    pub shutdown_grace: Duration,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            prefetch: 16,
+            budget: Budget::default(),
+            policies: [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe]
+                .into_iter()
+                .map(|k| (k, k.spec().policy))
+                .collect(),
+            shutdown_grace: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Runs jobs for deliveries. Shared by all consumers of one process.
+pub struct Engine {
+    pool: PgPool,
+    worker_id: String,
+    handlers: HashMap<Kind, Arc<dyn Handler>>,
+    statements: HashMap<Kind, Arc<Statements>>,
+    cfg: ConsumerConfig,
+    pub counters: Counters,
+}
+
+impl Engine {
+    pub fn new(
+        pool: PgPool,
+        worker_id: impl Into<String>,
+        handlers: Vec<Arc<dyn Handler>>,
+        cfg: ConsumerConfig,
+    ) -> Self {
+        let handlers: HashMap<Kind, Arc<dyn Handler>> =
+            handlers.into_iter().map(|h| (h.kind(), h)).collect();
+        let statements = handlers
+            .keys()
+            .map(|&k| (k, Arc::new(Statements::new(k.spec()))))
+            .collect();
+        Self {
+            pool,
+            worker_id: worker_id.into(),
+            handlers,
+            statements,
+            cfg,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn kinds(&self) -> Vec<Kind> {
+        let mut k: Vec<Kind> = self.handlers.keys().copied().collect();
+        k.sort();
+        k
+    }
+
+    pub fn worker_id(&self) -> &str {
+        &self.worker_id
+    }
+
+    fn policy(&self, kind: Kind) -> Policy {
+        self.cfg
+            .policies
+            .get(&kind)
+            .copied()
+            .unwrap_or(kind.spec().policy)
+    }
+
+    /// Handles one delivery from its AMQP properties and body.
+    pub async fn process(
+        &self,
+        kind: Kind,
+        props: &lapin::BasicProperties,
+        body: &[u8],
+        shutdown: &CancellationToken,
+    ) -> Handled {
+        let env = decode::envelope(props, body);
+        match decode::decode(kind, &env) {
+            Ok(d) => self.process_ref(&d, shutdown).await,
+            Err(e) => {
+                self.counters.poison.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(kind = %kind, reason = %e, label = e.label(), "rejecting an undecodable delivery to the dead-letter queue");
+                Handled::Reject(e.to_string())
+            }
+        }
+    }
+
+    /// Handles one decoded delivery: claim, then run a slice if the job is ours.
+    pub async fn process_ref(&self, d: &DeliveryRef, shutdown: &CancellationToken) -> Handled {
+        let st = &self.statements[&d.kind];
+        let policy = self.policy(d.kind);
+        let claim = loop {
+            let attempt = async {
+                let mut conn = self.pool.acquire().await?;
+                lease::claim(&mut conn, st, d, &self.worker_id, policy.lease).await
+            };
+            match attempt.await {
+                Ok(c) => break c,
+                Err(e) => {
+                    tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, "claim failed; not acking, will retry");
+                    if !self.pause(shutdown).await {
+                        return Handled::Abandon;
+                    }
+                }
+            }
+        };
+        self.counters.claim(&claim);
+        let outcome = claim.outcome();
+        let Claim::Claimed(job) = claim else {
+            if let Claim::Stale(why) = claim {
+                tracing::debug!(kind = %d.kind, job_id = %d.job_id, delivery_id = %d.delivery_id, why, "stale delivery acked without work");
+            }
+            crash::point("before-ack");
+            return Handled::Ack {
+                claim: outcome,
+                end: None,
+            };
+        };
+        tracing::debug!(kind = %d.kind, job_id = %job.job_id, checkpoint = %job.checkpoint, attempt = job.execution_attempts, "claimed");
+        crash::point("after-claim-commit");
+        let end = self.run_slice(job, policy, shutdown).await;
+        match end {
+            Some(end) => {
+                crash::point("before-ack");
+                Handled::Ack {
+                    claim: outcome,
+                    end: Some(end),
+                }
+            }
+            None => Handled::Abandon,
+        }
+    }
+
+    /// Waits before retrying a database call. `false`: shutting down instead.
+    async fn pause(&self, shutdown: &CancellationToken) -> bool {
+        tokio::select! {
+            () = shutdown.cancelled() => false,
+            () = tokio::time::sleep(Duration::from_millis(500)) => true,
+        }
+    }
+
+    /// Runs steps until the slice ends. Returns how it ended (`"lease_lost"` when fenced out),
+    /// or `None` when shutdown interrupted it before its end committed.
+    async fn run_slice(
+        &self,
+        mut job: JobCtx,
+        policy: Policy,
+        shutdown: &CancellationToken,
+    ) -> Option<&'static str> {
+        self.counters.slices.fetch_add(1, Ordering::Relaxed);
+        let st = &self.statements[&job.kind];
+        let handler = self.handlers[&job.kind].clone();
+        let lost = CancellationToken::new();
+        let _heartbeat = HeartbeatGuard::start(
+            self.pool.clone(),
+            job.clone(),
+            policy,
+            lost.clone(),
+            st.clone(),
+        );
+        let started = Instant::now();
+        let mut steps_done = 0u32;
+        loop {
+            if lost.is_cancelled() {
+                return Some(self.lease_lost(&job));
+            }
+            let mut tx = match self.pool.begin().await {
+                Ok(tx) => tx,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot begin a step; retrying");
+                    if !self.pause(shutdown).await {
+                        return None;
+                    }
+                    continue;
+                }
+            };
+            let rv_before = job.row_version;
+            let fenced = match lease::fence(&mut tx, st, &job).await {
+                Ok(Some(rv)) => rv,
+                Ok(None) => return Some(self.lease_lost(&job)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "fence failed; retrying");
+                    if !self.pause(shutdown).await {
+                        return None;
+                    }
+                    continue;
+                }
+            };
+            job.row_version = fenced;
+            let result = handler.step(&mut tx, &job).await;
+            steps_done += 1;
+            let progress = Progress {
+                steps_done,
+                elapsed: started.elapsed(),
+                attempts: job.execution_attempts,
+                max_attempts: job.max_execution_attempts,
+            };
+            let next = slice::after_step(
+                result,
+                progress,
+                self.cfg.budget,
+                policy.retry,
+                rand::random(),
+            );
+            let committed: Result<Option<&'static str>, sqlx::Error> = async {
+                match &next {
+                    Next::Step(cp) => {
+                        lease::advance(&mut tx, st, &job, cp).await?;
+                        tx.commit().await?;
+                        Ok(None)
+                    }
+                    Next::End { checkpoint, end } => {
+                        if let Some(cp) = checkpoint {
+                            lease::advance(&mut tx, st, &job, cp).await?;
+                        }
+                        if !lease::end(&mut tx, st, &job, end).await? {
+                            return Ok(Some("lease_lost"));
+                        }
+                        tx.commit().await?;
+                        Ok(Some(end.name()))
+                    }
+                    Next::Abort(end) => {
+                        tx.rollback().await?;
+                        job.row_version = rv_before;
+                        let mut conn = self.pool.acquire().await?;
+                        if !lease::end(&mut conn, st, &job, end).await? {
+                            return Ok(Some("lease_lost"));
+                        }
+                        if let End::Fail { code, message } | End::Wait { code, message, .. } = end {
+                            tracing::warn!(kind = %job.kind, job_id = %job.job_id, code, message, end = end.name(), "step did not finish");
+                        }
+                        Ok(Some(end.name()))
+                    }
+                }
+            }
+            .await;
+            match committed {
+                Ok(None) => {
+                    crash::point("after-step-commit");
+                    if let Next::Step(cp) = next {
+                        job.checkpoint = cp;
+                        job.row_version = fenced;
+                    }
+                }
+                Ok(Some("lease_lost")) => return Some(self.lease_lost(&job)),
+                Ok(Some(end)) => {
+                    crash::point("after-step-commit");
+                    tracing::debug!(kind = %job.kind, job_id = %job.job_id, end, steps = steps_done, "slice ended");
+                    return Some(end);
+                }
+                Err(e) => {
+                    // The commit may or may not have happened. Find out from the row itself:
+                    // while our lease token is on a live row, only we can have written it.
+                    tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, "step commit uncertain; resynchronising");
+                    match self.resync(&job, shutdown).await {
+                        Resync::Ours {
+                            row_version,
+                            checkpoint,
+                        } => {
+                            job.row_version = row_version;
+                            job.checkpoint = checkpoint;
+                        }
+                        Resync::Gone => return Some("ended"),
+                        Resync::Lost => return Some(self.lease_lost(&job)),
+                        Resync::Shutdown => return None,
+                    }
+                }
+            }
+        }
+    }
+
+    fn lease_lost(&self, job: &JobCtx) -> &'static str {
+        self.counters.lease_lost.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(kind = %job.kind, job_id = %job.job_id, "lease lost; stopping the slice and writing nothing more");
+        "lease_lost"
+    }
+
+    async fn resync(&self, job: &JobCtx, shutdown: &CancellationToken) -> Resync {
+        let st = job.kind.spec();
+        let (live, terminal) = match st.states {
+            crate::jobs::States::RunState { .. } => {
+                ("run_state = 'running'", "run_state <> 'running'")
+            }
+            crate::jobs::States::Stage => (
+                "stage NOT IN ('paused', 'completed', 'failed', 'canceled')",
+                "stage IN ('completed', 'failed', 'canceled')",
+            ),
+        };
+        let sql = st.sql(&format!(
+            "SELECT row_version, {{cp}}::text, (lease_token = $2 AND lease_expires_at > {{now}} AND {live}) AS ours, \
+               (lease_token IS NULL AND {terminal}) AS ended \
+             FROM {{job}} WHERE id = $1"
+        ));
+        loop {
+            type Row = (i32, String, Option<bool>, Option<bool>);
+            let row: Result<Option<Row>, _> = sqlx::query_as(&sql)
+                .bind(job.job_id)
+                .bind(job.lease_token)
+                .fetch_optional(&self.pool)
+                .await;
+            match row {
+                Ok(Some((rv, cp, Some(true), _))) => {
+                    return Resync::Ours {
+                        row_version: rv,
+                        checkpoint: cp,
+                    }
+                }
+                Ok(_) => return Resync::Lost,
+                Err(e) => {
+                    tracing::warn!(error = %e, "database unreachable; waiting");
+                    if !self.pause(shutdown).await {
+                        return Resync::Shutdown;
+                    }
+                }
+            }
+        }
+    }
+}
+
+enum Resync {
+    Ours {
+        row_version: i32,
+        checkpoint: String,
+    },
+    #[allow(dead_code)]
+    Gone,
+    Lost,
+    Shutdown,
+}
+
+/// Extends the lease every lease/3 while the slice runs; stops when dropped. A refused
+/// heartbeat cancels `lost`, so the slice stops at its next step.
+struct HeartbeatGuard {
+    stop: CancellationToken,
+}
+
+impl HeartbeatGuard {
+    fn start(
+        pool: PgPool,
+        job: JobCtx,
+        policy: Policy,
+        lost: CancellationToken,
+        statements: Arc<Statements>,
+    ) -> Self {
+        let stop = CancellationToken::new();
+        let stop2 = stop.clone();
+        tokio::spawn(async move {
+            let every = policy.heartbeat().max(Duration::from_millis(100));
+            loop {
+                tokio::select! {
+                    () = stop2.cancelled() => return,
+                    () = tokio::time::sleep(every) => {}
+                }
+                let beat = async {
+                    let mut conn = pool.acquire().await?;
+                    lease::heartbeat(&mut conn, &statements, &job, policy.lease).await
+                };
+                match beat.await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        lost.cancel();
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(job_id = %job.job_id, error = %e, "heartbeat failed; will try again")
+                    }
+                }
+            }
+        });
+        Self { stop }
+    }
+}
+
+impl Drop for HeartbeatGuard {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// Consumes one kind's queue on `channel` until shutdown or until the channel fails.
+pub async fn consume(
+    engine: Arc<Engine>,
+    channel: lapin::Channel,
+    queue: String,
+    kind: Kind,
+    prefetch: u16,
+    shutdown: CancellationToken,
+) -> Result<(), lapin::Error> {
+    channel
+        .basic_qos(prefetch, BasicQosOptions::default())
+        .await?;
+    let tag = format!("{}:{}", engine.worker_id(), kind);
+    let mut consumer = channel
+        .basic_consume(
+            queue.as_str().into(),
+            tag.as_str().into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+    let mut running = JoinSet::new();
+    let result = loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break Ok(()),
+            Some(done) = running.join_next(), if !running.is_empty() => {
+                if let Err(e) = done {
+                    tracing::error!(error = %e, "delivery task panicked");
+                }
+            }
+            next = consumer.next() => {
+                let delivery = match next {
+                    Some(Ok(d)) => d,
+                    Some(Err(e)) => break Err(e),
+                    None => break Ok(()),
+                };
+                let engine = engine.clone();
+                let shutdown = shutdown.clone();
+                running.spawn(async move {
+                    let handled = engine.process(kind, &delivery.properties, &delivery.data, &shutdown).await;
+                    let sent = match &handled {
+                        Handled::Ack { .. } => delivery.ack(BasicAckOptions::default()).await,
+                        Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
+                        Handled::Abandon => Ok(true),
+                    };
+                    if let Err(e) = sent {
+                        // The decision is committed; the broker redelivers and the claim sees it.
+                        tracing::warn!(error = %e, "could not settle a delivery with the broker");
+                    }
+                });
+            }
+        }
+    };
+    // Stop taking deliveries, then let the running slices end with their commits and acks.
+    let _ = channel
+        .basic_cancel(
+            tag.as_str().into(),
+            lapin::options::BasicCancelOptions::default(),
+        )
+        .await;
+    let grace = engine.cfg.shutdown_grace;
+    let drained = tokio::time::timeout(grace, async {
+        while running.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(kind = %kind, "slices still running after the shutdown grace period; leaving them to redelivery");
+        running.abort_all();
+    }
+    result
+}

@@ -1,0 +1,37 @@
+//! Kill points for crash tests. Invariant: without the `crash-points` feature this compiles to
+//! nothing; with it, `KFS_CRASH_AT=<point>[:<n>]` aborts the process at the n-th (default
+//! first) pass through that point, the way SIGKILL would: no destructor, no flush, no ack.
+
+/// The points the engine passes through.
+pub const POINTS: [&str; 5] = [
+    "after-claim-commit",
+    "after-step-commit",
+    "before-ack",
+    "after-publish-before-mark",
+    "after-mark-before-confirm-wait",
+];
+
+#[cfg(feature = "crash-points")]
+pub fn point(name: &'static str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    static TARGET: OnceLock<Option<(String, u64)>> = OnceLock::new();
+    static SEEN: AtomicU64 = AtomicU64::new(0);
+    let target = TARGET.get_or_init(|| {
+        let raw = std::env::var("KFS_CRASH_AT").ok()?;
+        let (p, n) = raw
+            .split_once(':')
+            .map_or((raw.as_str(), 1), |(p, n)| (p, n.parse().unwrap_or(1)));
+        Some((p.to_owned(), n))
+    });
+    if let Some((p, n)) = target {
+        if p == name && SEEN.fetch_add(1, Ordering::SeqCst) + 1 >= *n {
+            eprintln!("kfs-worker: crash point {name} reached, aborting");
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn point(_name: &'static str) {}

@@ -1,0 +1,171 @@
+//! Postgres: pools, migrations and the translation of driver errors into plain words.
+//! Invariant: Postgres is the source of truth; nothing here ever prints a connection string.
+
+use std::time::Duration;
+
+use sqlx::migrate::Migrator;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
+
+use crate::config::SecretUrl;
+
+/// The project's migrations: the platform's job schema plus this project's own objects.
+/// Every statement is guarded, so running them over an existing platform database adopts it.
+pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+
+/// Why Postgres could not be used, in words an operator can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("cannot reach Postgres at {endpoint}: {reason}")]
+    Unreachable { endpoint: String, reason: String },
+    #[error("Postgres at {endpoint} refused the credentials of user \"{user}\": {reason}")]
+    Refused {
+        endpoint: String,
+        user: String,
+        reason: String,
+    },
+    #[error("Postgres at {endpoint} has no database \"{database}\"")]
+    NoDatabase { endpoint: String, database: String },
+    #[error("Postgres at {endpoint} failed: {reason}")]
+    Other { endpoint: String, reason: String },
+}
+
+pub fn connect_options(
+    url: &SecretUrl,
+    application_name: &str,
+) -> Result<PgConnectOptions, ConnectError> {
+    let options: PgConnectOptions =
+        url.expose()
+            .parse()
+            .map_err(|e: sqlx::Error| ConnectError::Other {
+                endpoint: url.endpoint(5432),
+                reason: format!("invalid connection options ({})", describe_config_error(&e)),
+            })?;
+    Ok(options
+        .application_name(application_name)
+        .log_statements(tracing::log::LevelFilter::Trace)
+        .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2)))
+}
+
+/// Never the raw error text: sqlx configuration errors may quote the URL.
+fn describe_config_error(e: &sqlx::Error) -> &'static str {
+    match e {
+        sqlx::Error::Configuration(_) => "a parameter in the URL is not understood",
+        _ => "the URL could not be used",
+    }
+}
+
+/// Opens a pool and checks it with one round trip, so that failures surface at start.
+pub async fn connect(
+    url: &SecretUrl,
+    application_name: &str,
+    max_connections: u32,
+    timeout: Duration,
+) -> Result<PgPool, ConnectError> {
+    let options = connect_options(url, application_name)?;
+    // One direct connection first: a pool would turn every failure into a timeout.
+    let probe = tokio::time::timeout(
+        timeout,
+        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
+    )
+    .await;
+    match probe {
+        Ok(Ok(conn)) => {
+            let _ = sqlx::Connection::close(conn).await;
+            Ok(PgPoolOptions::new()
+                .max_connections(max_connections)
+                .acquire_timeout(timeout.max(Duration::from_secs(30)))
+                .connect_lazy_with(options))
+        }
+        Ok(Err(e)) => Err(classify_connect_error(url, &e)),
+        Err(_) => Err(ConnectError::Unreachable {
+            endpoint: url.endpoint(5432),
+            reason: format!("no answer within {}s", timeout.as_secs()),
+        }),
+    }
+}
+
+pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError {
+    let endpoint = url.endpoint(5432);
+    match e {
+        sqlx::Error::Io(io) => ConnectError::Unreachable {
+            endpoint,
+            reason: io_reason(io),
+        },
+        sqlx::Error::PoolTimedOut => ConnectError::Unreachable {
+            endpoint,
+            reason: "timed out while connecting".into(),
+        },
+        sqlx::Error::Tls(_) => ConnectError::Other {
+            endpoint,
+            reason: "the TLS handshake failed".into(),
+        },
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            match code.as_ref() {
+                // invalid_password, invalid_authorization_specification
+                "28P01" | "28000" => ConnectError::Refused {
+                    endpoint,
+                    user: url.username().to_owned(),
+                    reason: db.message().to_owned(),
+                },
+                "3D000" => ConnectError::NoDatabase {
+                    endpoint,
+                    database: url.url().path().trim_start_matches('/').to_owned(),
+                },
+                _ => ConnectError::Other {
+                    endpoint,
+                    reason: format!("{} (SQLSTATE {code})", db.message()),
+                },
+            }
+        }
+        other => ConnectError::Other {
+            endpoint,
+            reason: other.to_string(),
+        },
+    }
+}
+
+fn io_reason(io: &std::io::Error) -> String {
+    use std::io::ErrorKind::*;
+    match io.kind() {
+        ConnectionRefused => "connection refused (is Postgres running and listening there?)".into(),
+        TimedOut => "connection timed out".into(),
+        NotFound => "host not found".into(),
+        _ => io.to_string(),
+    }
+}
+
+/// Applies every pending migration. Safe to run from many processes at once: sqlx holds an
+/// advisory lock for the duration.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    MIGRATOR.run(pool).await
+}
+
+/// True for errors where the same work may succeed if tried again: lost connections,
+/// serialization failures (40001), deadlocks (40P01), and the server shutting down.
+pub fn is_retryable(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        sqlx::Error::Database(db) => matches!(
+            db.code().as_deref(),
+            Some(
+                "40001"
+                    | "40P01"
+                    | "57P01"
+                    | "57P02"
+                    | "57P03"
+                    | "53300"
+                    | "08000"
+                    | "08003"
+                    | "08006"
+                    | "08001"
+                    | "08004"
+            )
+        ),
+        _ => false,
+    }
+}

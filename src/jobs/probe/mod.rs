@@ -1,0 +1,173 @@
+//! The probe kind: the engine's own job kind, used by its tests and benchmarks so that they do
+//! not depend on the real handlers. Invariant: each step inserts exactly one effect row in the
+//! step's transaction, so `count(*) per (job, step) = 1` proves each effect was applied once.
+
+use std::time::Duration;
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use super::{Handler, JobCtx, JobError, Kind, Step};
+
+const SCHEMA: &str = include_str!("schema.sql");
+
+/// Creates the probe tables (idempotent). Needs the project's migrations first.
+pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
+    sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    Ok(())
+}
+
+/// How a probe job behaves.
+#[derive(Clone, Debug)]
+pub struct ProbeSpec {
+    pub steps: i32,
+    pub step_sleep: Duration,
+    /// `none`, `retry_once` (a retryable error on the first attempt), `fatal`, `retry_always`.
+    pub fail_mode: &'static str,
+    pub max_attempts: i32,
+}
+
+impl Default for ProbeSpec {
+    fn default() -> Self {
+        Self {
+            steps: 1,
+            step_sleep: Duration::ZERO,
+            fail_mode: "none",
+            max_attempts: 5,
+        }
+    }
+}
+
+/// Writes a probe job and its outbox row, as the platform's API would: in the caller's
+/// transaction, `dispatch_pending` with a pending outbox row.
+pub async fn enqueue(tx: &mut PgConnection, spec: &ProbeSpec) -> Result<Uuid, sqlx::Error> {
+    let id = Uuid::now_v7();
+    sqlx::query(
+        r#"
+        WITH j AS (
+          INSERT INTO kfs_probe_jobs (id, checkpoint, run_state, active_slot, steps_total, step_sleep_ms, fail_mode,
+            execution_attempts, max_execution_attempts, row_version, created_at, updated_at)
+          VALUES ($1, 'queued', 'dispatch_pending', 1, $2, $3, $4, 0, $5, 1, now(), now())
+          RETURNING id
+        )
+        INSERT INTO kfs_probe_outbox (id, probe_job_id, delivery_revision, event_type, schema_version,
+          idempotency_key, payload, status, available_at, dispatch_attempts, created_at, updated_at)
+        SELECT gen_random_uuid(), j.id, 1, 'probe.job', 1, 'probe.job:' || j.id || ':1',
+          jsonb_build_object('probeJobId', j.id), 'pending', now(), 0, now(), now()
+        FROM j
+        "#,
+    )
+    .bind(id)
+    .bind(spec.steps)
+    .bind(i32::try_from(spec.step_sleep.as_millis()).unwrap_or(i32::MAX))
+    .bind(spec.fail_mode)
+    .bind(spec.max_attempts)
+    .execute(tx)
+    .await?;
+    Ok(id)
+}
+
+/// Enqueues `n` jobs in one statement; for benchmarks and large tests.
+pub async fn enqueue_many(pool: &PgPool, n: i64, spec: &ProbeSpec) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        r#"
+        WITH j AS (
+          INSERT INTO kfs_probe_jobs (id, checkpoint, run_state, active_slot, steps_total, step_sleep_ms, fail_mode,
+            execution_attempts, max_execution_attempts, row_version, created_at, updated_at)
+          SELECT gen_random_uuid(), 'queued', 'dispatch_pending', 1, $2, $3, $4, 0, $5, 1, now(), now()
+          FROM generate_series(1, $1)
+          RETURNING id
+        )
+        INSERT INTO kfs_probe_outbox (id, probe_job_id, delivery_revision, event_type, schema_version,
+          idempotency_key, payload, status, available_at, dispatch_attempts, created_at, updated_at)
+        SELECT gen_random_uuid(), j.id, 1, 'probe.job', 1, 'probe.job:' || j.id || ':1',
+          jsonb_build_object('probeJobId', j.id), 'pending', now(), 0, now(), now()
+        FROM j
+        "#,
+    )
+    .bind(n)
+    .bind(spec.steps)
+    .bind(i32::try_from(spec.step_sleep.as_millis()).unwrap_or(i32::MAX))
+    .bind(spec.fail_mode)
+    .bind(spec.max_attempts)
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The step number a checkpoint stands for: `queued` is 0, `step-3` is 3.
+pub fn step_of(checkpoint: &str) -> Option<i32> {
+    match checkpoint {
+        "queued" => Some(0),
+        other => other.strip_prefix("step-")?.parse().ok(),
+    }
+}
+
+pub struct ProbeHandler;
+
+#[async_trait::async_trait]
+impl Handler for ProbeHandler {
+    fn kind(&self) -> Kind {
+        Kind::Probe
+    }
+
+    async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
+        let (steps_total, sleep_ms, fail_mode): (i32, i32, String) = sqlx::query_as(
+            "SELECT steps_total, step_sleep_ms, fail_mode FROM kfs_probe_jobs WHERE id = $1",
+        )
+        .bind(job.job_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        let done = step_of(&job.checkpoint).ok_or_else(|| {
+            JobError::fatal(
+                "bad_checkpoint",
+                format!("unknown checkpoint '{}'", job.checkpoint),
+            )
+        })?;
+        match fail_mode.as_str() {
+            "fatal" => return Err(JobError::fatal("probe_fatal", "the probe was told to fail")),
+            "retry_always" => {
+                return Err(JobError::retryable(
+                    "probe_retry",
+                    "the probe was told to retry",
+                ))
+            }
+            "retry_once" if job.execution_attempts == 1 => {
+                return Err(JobError::retryable(
+                    "probe_retry",
+                    "the probe fails its first attempt",
+                ))
+            }
+            _ => {}
+        }
+        if sleep_ms > 0 {
+            tokio::time::sleep(Duration::from_millis(u64::try_from(sleep_ms).unwrap_or(0))).await;
+        }
+        let step = done + 1;
+        sqlx::query("INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) VALUES ($1, $2, $3, $4)")
+            .bind(job.job_id)
+            .bind(step)
+            .bind(&job.worker_id)
+            .bind(job.lease_token)
+            .execute(&mut *tx)
+            .await?;
+        if step >= steps_total {
+            Ok(Step::Succeed("done".into()))
+        } else {
+            Ok(Step::Advance(format!("step-{step}")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_of;
+
+    #[test]
+    fn checkpoints_map_to_steps() {
+        assert_eq!(step_of("queued"), Some(0));
+        assert_eq!(step_of("step-7"), Some(7));
+        assert_eq!(step_of("done"), None);
+        assert_eq!(step_of("step-x"), None);
+    }
+}

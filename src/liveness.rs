@@ -1,0 +1,79 @@
+//! Worker liveness through a session-level advisory lock. Invariant: while a worker process
+//! runs, its Postgres session holds `(7038579, hashtext(worker_id))`; the moment the process
+//! or its session dies, `kfs_worker_alive(worker_id)` turns false and its jobs can be taken
+//! over without waiting for their leases to expire. Fencing keeps that safe either way.
+
+use std::time::Duration;
+
+use sqlx::{Connection, PgConnection};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::SecretUrl;
+
+pub const LOCK_NAMESPACE: i32 = 7_038_579;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LivenessError {
+    #[error("worker id \"{0}\" is already in use by a live process; give each process its own KFS_WORKER_ID")]
+    InUse(String),
+    #[error("{0}")]
+    Db(#[from] sqlx::Error),
+}
+
+/// Takes the worker's lock on a dedicated connection.
+pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, LivenessError> {
+    let options = crate::db::connect_options(url, &format!("kfs-worker liveness {worker_id}"))
+        .map_err(|e| LivenessError::Db(sqlx::Error::Configuration(e.to_string().into())))?;
+    let mut conn = PgConnection::connect_with(&options).await?;
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
+        .bind(LOCK_NAMESPACE)
+        .bind(worker_id)
+        .fetch_one(&mut conn)
+        .await?;
+    if got {
+        Ok(conn)
+    } else {
+        Err(LivenessError::InUse(worker_id.to_owned()))
+    }
+}
+
+/// Holds the lock until shutdown; re-takes it after the session is lost.
+pub async fn hold(
+    url: SecretUrl,
+    worker_id: String,
+    mut conn: PgConnection,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => {
+                let _ = conn.close().await;
+                return;
+            }
+            () = tokio::time::sleep(Duration::from_secs(2)) => {}
+        }
+        if conn.ping().await.is_ok() {
+            continue;
+        }
+        tracing::warn!(
+            worker_id,
+            "liveness session lost; jobs held by this worker may be taken over"
+        );
+        loop {
+            if shutdown.is_cancelled() {
+                return;
+            }
+            match acquire(&url, &worker_id).await {
+                Ok(c) => {
+                    conn = c;
+                    tracing::info!(worker_id, "liveness lock taken again");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(worker_id, error = %e, "cannot take the liveness lock yet");
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                }
+            }
+        }
+    }
+}

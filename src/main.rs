@@ -1,0 +1,19 @@
+//! The `kfs-worker` binary: parses the command line, starts logging, and hands over to
+//! [`kfs_worker::cli`].
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = kfs_worker::cli::Cli::parse();
+    // Long-running commands log at info; one-shot commands speak through their own output,
+    // and the AMQP client's own error lines would only repeat what the command says.
+    let filter = match cli.command {
+        kfs_worker::cli::Command::Run(_) => "info,sqlx=warn,lapin=warn,amq_protocol=warn",
+        _ => "warn,sqlx=error,lapin=off,amq_protocol=off",
+    };
+    kfs_worker::telemetry::init(filter);
+    kfs_worker::cli::run(cli).await
+}

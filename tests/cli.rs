@@ -1,0 +1,180 @@
+//! The command line against real services: bad configuration and unreachable or refusing
+//! services each give one clear line and exit code 2, and no secret is ever printed.
+
+mod common;
+
+use std::process::{Command, Output};
+
+fn kfs(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
+    cmd.args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("AMQP_URL")
+        .env_remove("RUST_LOG");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run kfs-worker")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Exactly one `error:` line per problem, and the exit code 2.
+fn assert_usage_error(o: &Output, lines: usize, needle: &str) {
+    let err = stderr(o);
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert_eq!(
+        err.lines().filter(|l| l.starts_with("error: ")).count(),
+        lines,
+        "stderr: {err}"
+    );
+    assert_eq!(
+        err.lines().count(),
+        lines,
+        "nothing but the error lines: {err}"
+    );
+    assert!(err.contains(needle), "expected {needle:?} in: {err}");
+    assert!(!err.contains("hunter2"), "a secret leaked: {err}");
+}
+
+#[test]
+fn check_passes_against_the_running_services() {
+    let db = common::admin_url();
+    let o = kfs(
+        &["check"],
+        &[("DATABASE_URL", &db), ("AMQP_URL", &common::amqp_url())],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "stdout: {out} stderr: {}", stderr(&o));
+    assert!(out.contains("postgres: ok"), "{out}");
+    assert!(out.contains("rabbitmq: ok"), "{out}");
+    assert!(!out.contains("guest:guest"), "password printed: {out}");
+}
+
+#[test]
+fn check_with_a_wrong_rabbitmq_password_says_so() {
+    let o = kfs(
+        &["check"],
+        &[
+            ("DATABASE_URL", &common::admin_url()),
+            ("AMQP_URL", "amqp://guest:hunter2@127.0.0.1:5672/%2f"),
+        ],
+    );
+    assert_usage_error(
+        &o,
+        1,
+        "RabbitMQ at 127.0.0.1:5672 refused the credentials of user \"guest\"",
+    );
+}
+
+#[test]
+fn check_with_a_postgres_role_that_cannot_log_in_says_so() {
+    let o = kfs(
+        &["check"],
+        &[
+            (
+                "DATABASE_URL",
+                "postgres://no_such_role:hunter2@127.0.0.1:5432/postgres",
+            ),
+            ("AMQP_URL", &common::amqp_url()),
+        ],
+    );
+    assert_usage_error(
+        &o,
+        1,
+        "Postgres at 127.0.0.1:5432 refused the credentials of user \"no_such_role\"",
+    );
+}
+
+#[test]
+fn check_with_closed_ports_says_which_service_is_unreachable() {
+    let o = kfs(
+        &["check"],
+        &[
+            (
+                "DATABASE_URL",
+                "postgres://postgres:hunter2@127.0.0.1:1/postgres",
+            ),
+            ("AMQP_URL", "amqp://guest:hunter2@127.0.0.1:1/%2f"),
+        ],
+    );
+    let err = stderr(&o);
+    assert_usage_error(
+        &o,
+        2,
+        "cannot reach Postgres at 127.0.0.1:1: connection refused",
+    );
+    assert!(
+        err.contains("cannot reach RabbitMQ at 127.0.0.1:1: connection refused"),
+        "{err}"
+    );
+}
+
+#[test]
+fn malformed_urls_name_the_variable_and_hide_the_password() {
+    let o = kfs(
+        &["check"],
+        &[("DATABASE_URL", "postgres//admin:hunter2@db/kfs")],
+    );
+    assert_usage_error(&o, 1, "DATABASE_URL: is not a valid URL");
+    let o = kfs(
+        &["check"],
+        &[
+            ("DATABASE_URL", &common::admin_url()),
+            ("AMQP_URL", "amqp://guest:hunter2@127.0.0.1:notaport/%2f"),
+        ],
+    );
+    assert_usage_error(&o, 1, "AMQP_URL: ");
+    let o = kfs(
+        &["migrate"],
+        &[("DATABASE_URL", "mysql://root:hunter2@127.0.0.1/kfs")],
+    );
+    assert_usage_error(&o, 1, "DATABASE_URL: has scheme 'mysql'");
+}
+
+#[test]
+fn missing_database_url_is_one_clear_line() {
+    let o = kfs(&["migrate"], &[]);
+    assert_usage_error(&o, 1, "DATABASE_URL: is not set");
+}
+
+#[test]
+fn bad_run_settings_are_refused_before_connecting() {
+    let db = common::admin_url();
+    for (var, value, needle) in [
+        (
+            "KFS_KINDS",
+            "compile,bogus",
+            "KFS_KINDS: unknown job kind 'bogus'",
+        ),
+        ("KFS_QUEUE_PREFIX", "has space", "KFS_QUEUE_PREFIX: must be"),
+        (
+            "KFS_SLICE_TIME",
+            "soon",
+            "KFS_SLICE_TIME: must be a duration",
+        ),
+        (
+            "KFS_LEASES",
+            "compile",
+            "KFS_LEASES: expected KIND=DURATION",
+        ),
+        ("KFS_WORKER_ID", " ", "KFS_WORKER_ID: must be"),
+    ] {
+        let o = kfs(&["run"], &[("DATABASE_URL", &db), (var, value)]);
+        assert_usage_error(&o, 1, needle);
+    }
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    for sub in ["migrate", "check", "run"] {
+        let o = kfs(&[sub, "--help"], &[]);
+        assert!(o.status.success(), "{sub} --help failed");
+        assert!(
+            String::from_utf8_lossy(&o.stdout).contains("Usage: kfs-worker"),
+            "{sub}"
+        );
+    }
+}

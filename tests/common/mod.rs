@@ -1,0 +1,317 @@
+//! Test harness: a fresh database and unique broker names per test, real services only.
+//! Invariant: every test gets its own database (migrated, probe kind installed) and its own
+//! queue prefix, and both are removed when the `TestEnv` is dropped.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kfs_worker::broker::Topology;
+use kfs_worker::config::{self, Services};
+use kfs_worker::jobs::Kind;
+use sqlx::{Connection, PgConnection, PgPool};
+
+pub const ALL_KINDS: [Kind; 4] = [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe];
+
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+pub fn amqp_url() -> String {
+    std::env::var("AMQP_URL").unwrap_or_else(|_| config::DEFAULT_AMQP_URL.into())
+}
+
+/// The admin URL with another database name.
+pub fn url_for(db: &str) -> String {
+    let mut u = url::Url::parse(&admin_url()).expect("DATABASE_URL");
+    u.set_path(&format!("/{db}"));
+    u.to_string()
+}
+
+pub struct TestEnv {
+    pub db_name: String,
+    pub url: String,
+    pub pool: PgPool,
+    pub prefix: String,
+    pub topology: Topology,
+    pub amqp: lapin::Connection,
+    cleaned: bool,
+}
+
+impl TestEnv {
+    /// A fresh migrated database with the probe kind installed, and a declared topology
+    /// under a unique prefix.
+    pub async fn new() -> TestEnv {
+        let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
+        let db_name = format!("kfs_t_{tag}");
+        let mut admin = PgConnection::connect(&admin_url())
+            .await
+            .expect("connect to the admin database");
+        sqlx::query(&format!("CREATE DATABASE \"{db_name}\""))
+            .execute(&mut admin)
+            .await
+            .expect("create database");
+        admin.close().await.ok();
+        let url = url_for(&db_name);
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .expect("pool");
+        kfs_worker::db::migrate(&pool).await.expect("migrate");
+        kfs_worker::jobs::probe::install(&pool)
+            .await
+            .expect("install probe kind");
+        let prefix = format!("t{tag}");
+        let topology = Topology::new(&prefix);
+        let amqp = lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default())
+            .await
+            .expect("connect to RabbitMQ");
+        let ch = amqp.create_channel().await.expect("channel");
+        topology
+            .declare(&ch, &ALL_KINDS)
+            .await
+            .expect("declare topology");
+        TestEnv {
+            db_name,
+            url,
+            pool,
+            prefix,
+            topology,
+            amqp,
+            cleaned: false,
+        }
+    }
+
+    pub fn services(&self) -> Services {
+        Services {
+            database_url: config::database_url(Some(&self.url)).unwrap(),
+            amqp_url: config::amqp_url(&amqp_url()).unwrap(),
+            queue_prefix: self.prefix.clone(),
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    pub async fn channel(&self) -> lapin::Channel {
+        self.amqp.create_channel().await.expect("channel")
+    }
+
+    /// A channel in confirm mode, as the relay uses.
+    pub async fn confirm_channel(&self) -> lapin::Channel {
+        let ch = self.channel().await;
+        ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .expect("confirm_select");
+        ch
+    }
+
+    /// Messages waiting in a queue.
+    pub async fn queue_depth(&self, queue: &str) -> u32 {
+        let ch = self.channel().await;
+        let q = ch
+            .queue_declare(
+                queue.into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .expect("passive declare");
+        q.message_count()
+    }
+
+    /// Polls `f` until it returns true or `timeout` passes. Returns whether it became true.
+    pub async fn wait_until<F, Fut>(&self, timeout: Duration, mut f: F) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if f().await {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        f().await
+    }
+
+    /// Environment for a worker process bound to this test's database and queues.
+    pub fn worker_env(&self) -> Vec<(String, String)> {
+        vec![
+            ("DATABASE_URL".into(), self.url.clone()),
+            ("AMQP_URL".into(), amqp_url()),
+            ("KFS_QUEUE_PREFIX".into(), self.prefix.clone()),
+            (
+                "RUST_LOG".into(),
+                "info,kfs_worker=debug,sqlx=warn,lapin=warn".into(),
+            ),
+        ]
+    }
+
+    /// Spawns `kfs-worker` with `args`, this test's environment and `extra` variables.
+    pub fn spawn_worker(&self, name: &str, args: &[&str], extra: &[(&str, &str)]) -> Worker {
+        let log = std::env::temp_dir().join(format!(
+            "{}-{name}-{}.log",
+            self.db_name,
+            uuid::Uuid::new_v4().simple()
+        ));
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
+        cmd.args(args).stdout(Stdio::null()).stderr(file);
+        for (k, v) in self.worker_env() {
+            cmd.env(k, v);
+        }
+        for (k, v) in extra {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn().expect("spawn kfs-worker");
+        Worker {
+            child,
+            log,
+            name: name.to_owned(),
+        }
+    }
+
+    /// Drops the queues and the database now.
+    pub async fn cleanup(mut self) {
+        self.cleaned = true;
+        cleanup(&self.db_name, &self.topology, &self.pool).await;
+    }
+}
+
+async fn cleanup(db_name: &str, topology: &Topology, pool: &PgPool) {
+    pool.close().await;
+    if let Ok(conn) =
+        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await
+    {
+        if let Ok(ch) = conn.create_channel().await {
+            let _ = topology.delete(&ch, &ALL_KINDS).await;
+        }
+        let _ = conn.close(200, "bye".into()).await;
+    }
+    if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
+        let _ = sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS \"{db_name}\" WITH (FORCE)"
+        ))
+        .execute(&mut admin)
+        .await;
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        if self.cleaned {
+            return;
+        }
+        // A failed test still removes its database and queues.
+        let db = self.db_name.clone();
+        let topology = self.topology.clone();
+        let pool = self.pool.clone();
+        let _ = std::thread::spawn(move || {
+            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                rt.block_on(cleanup(&db, &topology, &pool));
+            }
+        })
+        .join();
+    }
+}
+
+/// A `kfs-worker` child process.
+pub struct Worker {
+    pub child: Child,
+    pub log: PathBuf,
+    pub name: String,
+}
+
+impl Worker {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let _ = Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status();
+    }
+
+    /// SIGKILL and reap.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Waits for the process to exit by itself.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Counts of probe jobs by run_state.
+pub async fn probe_states(pool: &PgPool) -> Vec<(String, i64)> {
+    sqlx::query_as("SELECT run_state, count(*) FROM kfs_probe_jobs GROUP BY 1 ORDER BY 1")
+        .fetch_all(pool)
+        .await
+        .unwrap()
+}
+
+/// Every probe job succeeded and each of its steps' effects exists exactly once.
+pub async fn assert_probe_invariants(pool: &PgPool) {
+    let not_done: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE run_state <> 'succeeded'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        not_done,
+        0,
+        "jobs not succeeded: {:?}",
+        probe_states(pool).await
+    );
+    let bad: Vec<(uuid::Uuid, i32, i64)> = sqlx::query_as(
+        "SELECT j.id, s.step, count(e.id) FROM kfs_probe_jobs j \
+         CROSS JOIN LATERAL generate_series(1, j.steps_total) AS s(step) \
+         LEFT JOIN kfs_probe_effects e ON e.job_id = j.id AND e.step = s.step \
+         GROUP BY 1, 2 HAVING count(e.id) <> 1 LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(
+        bad.is_empty(),
+        "effects not applied exactly once (job, step, count): {bad:?}"
+    );
+    let outbox: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_outbox WHERE status <> 'completed'")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(outbox, 0, "outbox rows not completed");
+}
