@@ -34,6 +34,9 @@ pub struct ConnArgs {
     /// Prefix of every exchange and queue name; isolates deployments and tests
     #[arg(long, env = "KFS_QUEUE_PREFIX", global = true, default_value = config::DEFAULT_QUEUE_PREFIX)]
     pub queue_prefix: String,
+    /// Where document bytes live: file://<dir>, memory://, s3://bucket/prefix, gs://…, az://…
+    #[arg(long, env = "KFS_OBJECT_STORE", global = true, default_value = config::DEFAULT_OBJECT_STORE)]
+    pub object_store: String,
     /// How long to wait for a service to answer before giving up (e.g. 5s)
     #[arg(long, env = "KFS_CONNECT_TIMEOUT", global = true, default_value = "5s")]
     pub connect_timeout: String,
@@ -66,6 +69,30 @@ pub enum Command {
     Check,
     /// Run the relay, the consumers and maintenance until SIGTERM/SIGINT
     Run(Box<RunArgs>),
+    /// Jobs by state, outbox by status, relay lag and dead letters, per kind
+    Status(StatusArgs),
+    /// The main job end to end: compile documents, research them, delete a source, survive a kill
+    Demo(crate::demo::DemoArgs),
+    /// Request, retry and inspect document compilations
+    Compile(crate::jobs::compile::cli::CompileArgs),
+    /// Request deletions of spaces, sources and documents, and retry failed ones
+    #[command(name = "delete", alias = "deletion")]
+    Delete(crate::jobs::deletion::cli::DeleteArgs),
+    /// Request, control (pause, resume, cancel) and follow research tasks
+    Research(crate::jobs::research::cli::ResearchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// One JSON object instead of the table
+    #[arg(long)]
+    pub json: bool,
+    /// Refresh every N seconds until interrupted
+    #[arg(long, value_name = "SECONDS", num_args = 0..=1, default_missing_value = "2")]
+    pub watch: Option<u64>,
+    /// Kinds to show
+    #[arg(long, default_value = "compile,deletion,research")]
+    pub kinds: String,
 }
 
 #[derive(Debug, Args)]
@@ -118,6 +145,9 @@ pub struct RunArgs {
     /// How long shutdown waits for running slices
     #[arg(long, env = "KFS_SHUTDOWN_GRACE", default_value = "30s")]
     pub shutdown_grace: String,
+    /// Address of /healthz, /readyz and /metrics; "off" for none, port 0 for any free port
+    #[arg(long, env = "KFS_HTTP_ADDR", default_value = "127.0.0.1:9464")]
+    pub http_addr: String,
 }
 
 impl RunArgs {
@@ -208,6 +238,7 @@ impl RunArgs {
         let all = !(self.relay || self.consumer || self.maintenance);
         Ok(crate::runtime::RunOptions {
             services,
+            object_store: config::object_store(&conn.object_store)?,
             worker_id,
             kinds,
             relay: all || self.relay,
@@ -216,6 +247,15 @@ impl RunArgs {
             relay_cfg,
             consumer_cfg,
             maintenance_cfg: crate::maintenance::MaintenanceConfig::default(),
+            http_addr: match self.http_addr.trim() {
+                "off" | "" => None,
+                a => Some(a.parse().map_err(|_| {
+                    ConfigError::new(
+                        "KFS_HTTP_ADDR",
+                        "must be host:port such as 127.0.0.1:9464, or off",
+                    )
+                })?),
+            },
         })
     }
 }
@@ -254,6 +294,11 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Migrate => migrate(&cli.conn).await,
         Command::Check => check(&cli.conn).await,
         Command::Run(args) => run_worker(&cli.conn, &args).await,
+        Command::Status(args) => status(&cli.conn, &args).await,
+        Command::Demo(args) => crate::demo::run(&cli.conn, &args).await,
+        Command::Compile(args) => crate::jobs::compile::cli::run(&cli.conn, &args).await,
+        Command::Delete(args) => crate::jobs::deletion::cli::run(&cli.conn, &args).await,
+        Command::Research(args) => crate::jobs::research::cli::run(&cli.conn, &args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -290,6 +335,53 @@ async fn applied_versions(pool: &sqlx::PgPool) -> usize {
         .fetch_one(pool)
         .await
         .map_or(0, |n| n as usize)
+}
+
+async fn status(conn: &ConnArgs, args: &StatusArgs) -> Result<(), Failure> {
+    use crate::jobs::Kind;
+    let services = conn.services()?;
+    let kinds = Kind::parse_list(&args.kinds).map_err(|e| ConfigError::new("--kinds", e))?;
+    if args.watch == Some(0) {
+        return Err(Failure::usage("--watch: must be at least 1 second"));
+    }
+    let pool = db::connect(
+        &services.database_url,
+        "kfs-worker status",
+        2,
+        services.connect_timeout,
+    )
+    .await
+    .map_err(Failure::usage)?;
+    let topology = broker::Topology::new(&services.queue_prefix);
+    loop {
+        let mut st = crate::status::read(&pool, &kinds).await.map_err(|e| {
+            Failure::runtime(format!(
+                "cannot read the job tables: {e} (did you run `kfs-worker migrate`?)"
+            ))
+        })?;
+        if let Ok(amqp) = broker::connect(
+            &services.amqp_url,
+            "kfs-worker status",
+            services.connect_timeout,
+        )
+        .await
+        {
+            crate::status::add_queue_depths(&mut st, &amqp, &topology, &kinds).await;
+            let _ = amqp.close(200, "status".into()).await;
+        }
+        if args.json {
+            println!("{}", serde_json::to_string(&st).unwrap_or_default());
+        } else {
+            if args.watch.is_some() {
+                print!("\x1b[2J\x1b[H");
+            }
+            print!("{}", crate::status::render(&st));
+        }
+        match args.watch {
+            Some(secs) => tokio::time::sleep(Duration::from_secs(secs)).await,
+            None => return Ok(()),
+        }
+    }
 }
 
 async fn run_worker(conn: &ConnArgs, args: &RunArgs) -> Result<(), Failure> {

@@ -7,12 +7,19 @@
 //! - [`config`] — settings from the environment, validated once, secrets redacted.
 //! - [`db`] — Postgres pools, migrations, error classification.
 //! - [`broker`] — RabbitMQ connections, topology and message shape.
+//! - [`platform`] — writers of the platform's own rows (spaces, sources, documents), for demo and tests.
+//! - [`publication`] — which document generations a space serves; head moves by CAS.
 //! - [`relay`] — outbox rows to confirmed messages.
 //! - [`consumer`] — deliveries to fenced, checkpointed steps; ack after commit.
 //! - [`jobs`] — the job kinds, their policies and handlers.
+//! - [`store`] — the object store port (local directory, S3, GCS, Azure).
 //! - [`liveness`] — worker liveness for fast takeover.
 //! - [`maintenance`] — early takeover sweeps and outbox retention.
 //! - [`runtime`] — the `run` process: relay, consumers and maintenance under one shutdown.
+//! - [`http`] — health, readiness and metrics over HTTP.
+//! - [`metrics`] — metric names and the Prometheus recorder.
+//! - [`status`] — what the job tables and queues hold right now.
+//! - [`demo`] — the main job end to end, for newcomers.
 //! - [`cli`] — the command line.
 //! - [`telemetry`] — logging.
 //! - [`crash`] — kill points for crash tests.
@@ -24,9 +31,16 @@ pub mod config;
 pub mod consumer;
 pub mod crash;
 pub mod db;
+pub mod demo;
+pub mod http;
 pub mod jobs;
 pub mod liveness;
 pub mod maintenance;
+pub mod metrics;
+pub mod platform;
+pub mod publication;
 pub mod relay;
 pub mod runtime;
+pub mod status;
+pub mod store;
 pub mod telemetry;

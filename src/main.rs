@@ -12,6 +12,7 @@ async fn main() -> ExitCode {
     // and the AMQP client's own error lines would only repeat what the command says.
     let filter = match cli.command {
         kfs_worker::cli::Command::Run(_) => "info,sqlx=warn,lapin=warn,amq_protocol=warn",
+        kfs_worker::cli::Command::Demo(_) => "warn,sqlx=error,lapin=off,amq_protocol=off",
         _ => "warn,sqlx=error,lapin=off,amq_protocol=off",
     };
     kfs_worker::telemetry::init(filter);

@@ -12,6 +12,9 @@ use crate::jobs::{Kind, States};
 #[derive(Clone, Debug)]
 pub struct MaintenanceConfig {
     pub sweep_every: Duration,
+    /// How long a dead worker's job waits for the broker's own redelivery before the sweep
+    /// publishes it again.
+    pub sweep_grace: Duration,
     pub retention: Duration,
     pub retention_batch: i64,
     pub retention_every: Duration,
@@ -21,6 +24,7 @@ impl Default for MaintenanceConfig {
     fn default() -> Self {
         Self {
             sweep_every: Duration::from_secs(1),
+            sweep_grace: Duration::from_secs(2),
             retention: Duration::from_secs(7 * 24 * 3600),
             retention_batch: 500,
             retention_every: Duration::from_secs(60),
@@ -28,20 +32,75 @@ impl Default for MaintenanceConfig {
     }
 }
 
-/// Makes the outbox rows of jobs leased by dead workers due now, so the relay publishes them
-/// again and a live worker takes over long before the lease would expire.
-pub async fn sweep_once(pool: &PgPool, kind: Kind) -> Result<u64, sqlx::Error> {
+/// Jobs leased by workers that are no longer alive, whose outbox rows wait for a later time.
+pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
     let spec = kind.spec();
-    let running = match spec.states {
-        States::RunState { .. } => "j.run_state = 'running'",
-        States::Stage => "j.lease_token IS NOT NULL",
-    };
+    let sql = spec.sql(&format!(
+        "SELECT j.id FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
+         WHERE o.status IN ('leased', 'dispatched') AND o.available_at > {{now}} \
+           AND {} AND NOT kfs_worker_alive(j.worker_id)",
+        running(kind)
+    ));
+    sqlx::query_scalar(&sql).fetch_all(pool).await
+}
+
+/// Makes the outbox rows of `jobs` due now, if they are still leased by a dead worker, so the
+/// relay publishes them again and a live worker takes over long before the lease would expire.
+pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64, sqlx::Error> {
+    let spec = kind.spec();
     let sql = spec.sql(&format!(
         "UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
-         WHERE o.{{fk}} = j.id AND o.status = 'leased' AND o.available_at > {{now}} \
-           AND {running} AND NOT kfs_worker_alive(j.worker_id)"
+         WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') \
+           AND o.available_at > {{now}} AND {} AND NOT kfs_worker_alive(j.worker_id)",
+        running(kind)
     ));
-    Ok(sqlx::query(&sql).execute(pool).await?.rows_affected())
+    Ok(sqlx::query(&sql)
+        .bind(jobs)
+        .execute(pool)
+        .await?
+        .rows_affected())
+}
+
+/// One sweep: what [`dead_leases`] finds, re-armed at once (no grace). Tests call this.
+pub async fn sweep_once(pool: &PgPool, kind: Kind) -> Result<u64, sqlx::Error> {
+    let jobs = dead_leases(pool, kind).await?;
+    if jobs.is_empty() {
+        return Ok(0);
+    }
+    rearm(pool, kind, &jobs).await
+}
+
+fn running(kind: Kind) -> &'static str {
+    match kind.spec().states {
+        States::RunState { .. } => "j.run_state = 'running'",
+        States::Stage => "j.lease_token IS NOT NULL",
+    }
+}
+
+/// A worker starting under the id of a dead predecessor (a restart with a fixed
+/// `KFS_WORKER_ID`) would make the predecessor's leases look alive. Right after taking the
+/// liveness lock, such leases can only be the predecessor's: end them now, so their jobs are
+/// claimable at once and their outbox rows are due.
+pub async fn release_own_leases(
+    pool: &PgPool,
+    kind: Kind,
+    worker_id: &str,
+) -> Result<u64, sqlx::Error> {
+    let spec = kind.spec();
+    let sql = spec.sql(&format!(
+        "WITH j AS ( \
+           UPDATE {{job}} j SET lease_expires_at = {{now}} \
+           WHERE j.worker_id = $1 AND {} AND j.lease_expires_at > {{now}} RETURNING j.id \
+         ) \
+         UPDATE {{outbox}} o SET available_at = {{now}} FROM j \
+         WHERE o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
+        running(kind)
+    ));
+    Ok(sqlx::query(&sql)
+        .bind(worker_id)
+        .execute(pool)
+        .await?
+        .rows_affected())
 }
 
 /// Deletes up to `batch` finished outbox rows older than `older_than`. Dead rows stay: they are
@@ -74,20 +133,44 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut last_retention = tokio::time::Instant::now();
+    // A dead worker's unacked deliveries come back from the broker at once, and usually win;
+    // only jobs still held by a dead worker after a grace period are published again.
+    let mut seen: std::collections::HashMap<(Kind, uuid::Uuid), tokio::time::Instant> =
+        Default::default();
     loop {
         tokio::select! {
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(cfg.sweep_every) => {}
         }
+        let now = tokio::time::Instant::now();
+        let mut still = std::collections::HashMap::new();
         for &kind in &kinds {
-            match sweep_once(&pool, kind).await {
-                Ok(0) => {}
-                Ok(n) => {
-                    tracing::info!(kind = %kind, rows = n, "re-armed jobs of dead workers for takeover")
+            let found = match dead_leases(&pool, kind).await {
+                Ok(f) => f,
+                Err(e) => {
+                    tracing::debug!(kind = %kind, error = %e, "sweep failed");
+                    continue;
                 }
-                Err(e) => tracing::debug!(kind = %kind, error = %e, "sweep failed"),
+            };
+            let mut due = Vec::new();
+            for job in found {
+                let first = *seen.get(&(kind, job)).unwrap_or(&now);
+                if now.duration_since(first) >= cfg.sweep_grace {
+                    due.push(job);
+                }
+                still.insert((kind, job), first);
+            }
+            if !due.is_empty() {
+                match rearm(&pool, kind, &due).await {
+                    Ok(0) => {}
+                    Ok(n) => {
+                        tracing::info!(kind = %kind, rows = n, "re-armed jobs of dead workers for takeover")
+                    }
+                    Err(e) => tracing::debug!(kind = %kind, error = %e, "re-arm failed"),
+                }
             }
         }
+        seen = still;
         if last_retention.elapsed() >= cfg.retention_every {
             last_retention = tokio::time::Instant::now();
             for &kind in &kinds {

@@ -24,6 +24,7 @@ use crate::{db, liveness};
 #[derive(Clone, Debug)]
 pub struct RunOptions {
     pub services: Services,
+    pub object_store: crate::config::SecretUrl,
     pub worker_id: String,
     pub kinds: Vec<Kind>,
     pub relay: bool,
@@ -32,11 +33,8 @@ pub struct RunOptions {
     pub relay_cfg: RelayConfig,
     pub consumer_cfg: ConsumerConfig,
     pub maintenance_cfg: MaintenanceConfig,
-}
-
-/// The handlers this build has.
-pub fn handlers() -> Vec<Arc<dyn Handler>> {
-    vec![Arc::new(jobs::probe::ProbeHandler)]
+    /// Where `/healthz`, `/readyz` and `/metrics` listen; `None` turns the HTTP server off.
+    pub http_addr: Option<std::net::SocketAddr>,
 }
 
 /// Reconnect delays: 100 ms doubling to 10 s, with jitter, forever.
@@ -61,11 +59,19 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let s = &opts.services;
     let pool_size =
         (u32::from(opts.consumer_cfg.prefetch) * opts.kinds.len() as u32 + 8).clamp(8, 64);
-    let pool = db::connect(
+    // The shortest lease of the kinds this process runs: a step idle in its transaction for
+    // longer than that is as good as dead.
+    let idle = opts
+        .kinds
+        .iter()
+        .filter_map(|k| opts.consumer_cfg.policies.get(k).map(|p| p.lease))
+        .min();
+    let pool = db::connect_with(
         &s.database_url,
         &format!("kfs-worker {}", opts.worker_id),
         pool_size,
         s.connect_timeout,
+        idle,
     )
     .await?;
     if opts.kinds.contains(&Kind::Probe) {
@@ -73,27 +79,49 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     }
     let topology = Topology::new(&s.queue_prefix);
     let mut tasks = JoinSet::new();
+    let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
+    if let Some(addr) = opts.http_addr {
+        let listener = crate::http::bind(addr).await?;
+        let bound = listener.local_addr()?;
+        let state = crate::http::AppState {
+            pool: pool.clone(),
+            health: health.clone(),
+            kinds: opts.kinds.clone(),
+            services: s.clone(),
+            topology: topology.clone(),
+            metrics: crate::metrics::install(),
+        };
+        let shutdown = shutdown.clone();
+        tasks.spawn(async move {
+            if let Err(e) = crate::http::serve(listener, state, shutdown).await {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        });
+        tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
+    }
 
     if opts.consumer {
         let lock = liveness::acquire(&s.database_url, &opts.worker_id).await?;
+        for &kind in &opts.kinds {
+            let n = maintenance::release_own_leases(&pool, kind, &opts.worker_id).await?;
+            if n > 0 {
+                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
+            }
+        }
         tasks.spawn(liveness::hold(
             s.database_url.clone(),
             opts.worker_id.clone(),
             lock,
             shutdown.clone(),
         ));
-        let available = handlers();
-        let (with, without): (Vec<Kind>, Vec<Kind>) = opts
-            .kinds
-            .iter()
-            .partition(|k| available.iter().any(|h| h.kind() == **k));
-        for k in &without {
-            tracing::warn!(kind = %k, "this build has no handler for the kind; its messages stay queued for a worker that has one");
-        }
-        let handlers: Vec<Arc<dyn Handler>> = available
+        let deps = jobs::Deps {
+            store: crate::store::Store::open(&opts.object_store)?,
+        };
+        let handlers: Vec<Arc<dyn Handler>> = jobs::handlers(&deps)?
             .into_iter()
-            .filter(|h| with.contains(&h.kind()))
+            .filter(|h| opts.kinds.contains(&h.kind()))
             .collect();
+        let with = opts.kinds.clone();
         let engine = Arc::new(Engine::new(
             pool.clone(),
             opts.worker_id.clone(),
@@ -102,6 +130,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         ));
         tasks.spawn(consumers(
             engine,
+            health.clone(),
             s.clone(),
             topology.clone(),
             with,
@@ -119,6 +148,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         );
         tasks.spawn(relay_loop(
             relay,
+            health.clone(),
             s.clone(),
             topology.clone(),
             shutdown.clone(),
@@ -138,13 +168,34 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         relay = opts.relay, consumer = opts.consumer,
         "kfs-worker running"
     );
-    while let Some(done) = tasks.join_next().await {
-        if let Err(e) = done {
-            tracing::error!(error = %e, "a task panicked; shutting down");
-            shutdown.cancel();
+    // After shutdown is requested, running slices get the grace period to commit and ack; then
+    // the process exits whatever is still waiting (it left nothing acked before its commit).
+    let bound = opts.consumer_cfg.shutdown_grace + Duration::from_secs(10);
+    let mut deadline: Option<tokio::time::Instant> = None;
+    loop {
+        if deadline.is_none() && shutdown.is_cancelled() {
+            deadline = Some(tokio::time::Instant::now() + bound);
+        }
+        let until =
+            deadline.unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
+        tokio::select! {
+            done = tasks.join_next() => match done {
+                None => break,
+                Some(Err(e)) => {
+                    tracing::error!(error = %e, "a task panicked; shutting down");
+                    shutdown.cancel();
+                }
+                Some(Ok(())) => {}
+            },
+            () = shutdown.cancelled(), if deadline.is_none() => {}
+            () = tokio::time::sleep_until(until) => {
+                tracing::warn!("parts still running after the shutdown bound; exiting anyway");
+                tasks.abort_all();
+                break;
+            }
         }
     }
-    pool.close().await;
+    let _ = tokio::time::timeout(Duration::from_secs(3), pool.close()).await;
     Ok(())
 }
 
@@ -152,6 +203,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
 /// backoff when the broker goes away.
 async fn consumers(
     engine: Arc<Engine>,
+    health: Arc<crate::http::Health>,
     services: Services,
     topology: Topology,
     kinds: Vec<Kind>,
@@ -188,6 +240,7 @@ async fn consumers(
                     shutdown.clone(),
                 ));
             }
+            health.set_consumer(true);
             tracing::info!("consuming");
             // One consumer failing means the connection is in trouble: rebuild all of them.
             let first = running.join_next().await;
@@ -196,7 +249,10 @@ async fn consumers(
                 tracing::warn!(result = ?first.map(|r| r.map(|x| x.map_err(|e| e.to_string()))), "a consumer stopped; reconnecting");
             }
             while running.join_next().await.is_some() {}
-            let _ = conn.close(200, "bye".into()).await;
+            // A connection the broker already dropped may never answer a close.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
+            health.set_consumer(false);
             Ok::<bool, String>(session_shutdown)
         };
         match session.await {
@@ -217,6 +273,7 @@ async fn consumers(
 /// polling as the fallback; reconnects with backoff.
 async fn relay_loop(
     relay: Relay,
+    health: Arc<crate::http::Health>,
     services: Services,
     topology: Topology,
     shutdown: CancellationToken,
@@ -241,6 +298,7 @@ async fn relay_loop(
                 .await
                 .map_err(|e| e.to_string())?;
             let mut listener = listen(relay_pool(&relay)).await;
+            health.set_relay(true);
             backoff = reconnect_backoff();
             loop {
                 let mut busy = false;
@@ -262,10 +320,14 @@ async fn relay_loop(
                     () = wait_for_notification(&mut listener, relay.config().poll) => {}
                 }
             }
-            let _ = conn.close(200, "bye".into()).await;
+            // A connection the broker already dropped may never answer a close.
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
             Ok::<(), String>(())
         };
-        if let Err(e) = session.await {
+        let ended = session.await;
+        health.set_relay(false);
+        if let Err(e) = ended {
             tracing::warn!(error = %e, "relay lost a service; retrying");
         }
         let delay = backoff.next().unwrap_or(Duration::from_secs(10));

@@ -19,6 +19,7 @@ use tokio_util::sync::CancellationToken;
 fn options(env: &TestEnv, worker: &str) -> RunOptions {
     RunOptions {
         services: env.services(),
+        object_store: kfs_worker::config::object_store("memory://").unwrap(),
         worker_id: worker.into(),
         kinds: vec![Kind::Probe],
         relay: true,
@@ -30,6 +31,7 @@ fn options(env: &TestEnv, worker: &str) -> RunOptions {
         },
         consumer_cfg: ConsumerConfig::default(),
         maintenance_cfg: MaintenanceConfig::default(),
+        http_addr: None,
     }
 }
 

@@ -18,6 +18,9 @@ pub enum ConnectError {
     Other { endpoint: String, reason: String },
 }
 
+/// Seconds between AMQP heartbeats unless the URL says otherwise.
+pub const DEFAULT_HEARTBEAT_SECS: u16 = 5;
+
 /// Connects once, within `timeout`.
 pub async fn connect(
     url: &SecretUrl,
@@ -26,7 +29,18 @@ pub async fn connect(
 ) -> Result<Connection, ConnectError> {
     let endpoint = url.endpoint(5672);
     let props = ConnectionProperties::default().with_connection_name(name.into());
-    match tokio::time::timeout(timeout, Connection::connect(url.expose(), props)).await {
+    let Ok(mut uri) = url.expose().parse::<lapin::uri::AMQPUri>() else {
+        return Err(ConnectError::Other {
+            endpoint,
+            reason: "the AMQP URL cannot be used".into(),
+        });
+    };
+    // A short heartbeat lets the broker notice a frozen or partitioned consumer and hand its
+    // unacked deliveries to another within seconds. `?heartbeat=` in the URL overrides it.
+    if uri.query.heartbeat.is_none() {
+        uri.query.heartbeat = Some(DEFAULT_HEARTBEAT_SECS);
+    }
+    match tokio::time::timeout(timeout, Connection::connect_uri(uri, props)).await {
         Ok(Ok(conn)) => Ok(conn),
         Ok(Err(e)) => Err(classify(url, &e)),
         Err(_) => Err(ConnectError::Unreachable {

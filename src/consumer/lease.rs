@@ -22,10 +22,12 @@ pub struct Statements {
     end_succeed: String,
     end_fail: String,
     end_cancel: String,
+    end_supersede: String,
     end_wait: String,
     end_continue: String,
     fail_exhausted: String,
     rearm_at_retry: String,
+    rearm_at_lease: String,
 }
 
 const LEASE_CLEAR: &str =
@@ -51,7 +53,9 @@ impl Statements {
                 "stage IN ('completed', 'failed', 'canceled')",
             ),
         };
-        let fence = format!("id = $1 AND lease_token = $2 AND row_version = $3 AND lease_expires_at > {{now}} AND {live}");
+        // The lease is checked against the wall clock at each statement, not the transaction's
+        // start: a worker paused mid-step must not commit after its lease ran out.
+        let fence = format!("id = $1 AND lease_token = $2 AND row_version = $3 AND lease_expires_at > {{clock}} AND {live}");
 
         let (succeed, fail, cancel, wait, cont) = match spec.states {
             States::RunState { failed_keeps_slot } => (
@@ -134,7 +138,9 @@ impl Statements {
             fence: spec.sql(&format!(
                 "UPDATE {{job}} SET row_version = row_version + 1, updated_at = {{now}} WHERE {fence} RETURNING row_version"
             )),
-            advance: spec.sql("UPDATE {job} SET {cp} = $2 WHERE id = $1"),
+            advance: spec.sql(
+                "UPDATE {job} SET {cp} = $2 WHERE id = $1 AND lease_token = $3 AND lease_expires_at > {clock}",
+            ),
             heartbeat: spec.sql(&format!(
                 "WITH j AS ( \
                    UPDATE {{job}} SET lease_expires_at = {{now+$3}}, heartbeat_at = {{now}} \
@@ -149,6 +155,22 @@ impl Statements {
             end_succeed: end(&succeed, "status = 'completed'"),
             end_fail: end(&fail, "status = 'dead', last_error = $5 || ': ' || $6"),
             end_cancel: end(&cancel, "status = 'canceled', last_error = $5 || ': ' || $6"),
+            end_supersede: if spec.kind == crate::jobs::Kind::Compile {
+                end(
+                    "run_state = 'superseded', active_slot = NULL, completed_at = now(), \
+                     last_error_code = 'superseded', last_error_message = $5",
+                    "status = 'canceled', last_error = 'superseded: ' || $5",
+                )
+            } else {
+                let canceled = match spec.states {
+                    States::RunState { .. } => {
+                        "run_state = 'canceled', active_slot = NULL, completed_at = now(), \
+                         last_error_code = 'superseded', last_error_message = $5"
+                    }
+                    States::Stage => "stage = 'canceled', completed_at = {now}, error = 'superseded: ' || $5",
+                };
+                end(canceled, "status = 'canceled', last_error = 'superseded: ' || $5")
+            },
             end_wait: end(&wait, "status = 'pending', available_at = j.retry_at, dispatch_attempts = 0, last_error = NULL"),
             end_continue: end(&cont, "status = 'pending', available_at = {now}, dispatch_attempts = 0, last_error = NULL"),
             fail_exhausted: spec.sql(&format!(
@@ -160,6 +182,13 @@ impl Statements {
                    locked_by = NULL, locked_until = NULL, updated_at = {{now}} \
                  FROM j WHERE o.id = $4 RETURNING o.id"
             )),
+            rearm_at_lease: spec.sql(
+                "UPDATE {outbox} AS o SET status = 'leased', available_at = j.lease_expires_at, \
+                   lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {now} \
+                 FROM {job} j WHERE o.id = $2 AND j.id = $1 AND o.{fk} = j.id AND o.queue_job_id = $3 \
+                   AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.lease_expires_at IS NOT NULL \
+                   AND (o.status <> 'leased' OR o.available_at IS DISTINCT FROM j.lease_expires_at)",
+            ),
             rearm_at_retry: spec.sql(
                 "UPDATE {outbox} AS o SET status = 'pending', available_at = j.retry_at, dispatch_attempts = 0, \
                    lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {now} \
@@ -310,6 +339,15 @@ async fn diagnose(
         return Ok(Claim::Stale("job is paused"));
     }
     if lease_live == Some(true) {
+        // Another live worker runs it. Keep the outbox row due when that lease would run out,
+        // so the job is published again if that worker stops heartbeating, whatever the
+        // visibility window of this delivery was.
+        sqlx::query(&st.rearm_at_lease)
+            .bind(d.job_id)
+            .bind(d.outbox_id)
+            .bind(&d.delivery_id)
+            .execute(&mut **tx)
+            .await?;
         return Ok(Claim::Duplicate);
     }
     if exhausted == Some(true) {
@@ -354,19 +392,21 @@ pub async fn fence(
         .await
 }
 
-/// Moves the checkpoint. Only valid right after [`fence`] in the same transaction.
+/// Moves the checkpoint, right after [`fence`] in the same transaction, checking once more
+/// that the lease has not run out meanwhile. `false`: it has; roll back.
 pub async fn advance(
     tx: &mut PgConnection,
     st: &Statements,
     job: &JobCtx,
     checkpoint: &str,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(&st.advance)
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(&st.advance)
         .bind(job.job_id)
         .bind(checkpoint)
+        .bind(job.lease_token)
         .execute(tx)
         .await?;
-    Ok(())
+    Ok(done.rows_affected() == 1)
 }
 
 /// Extends the lease and the outbox visibility. `false`: the lease is lost.
@@ -401,6 +441,9 @@ pub enum End {
         code: String,
         message: String,
     },
+    Supersede {
+        message: String,
+    },
     /// `retry_wait` until `delay` from now. `refund`: give the attempt back (a planned wait,
     /// not a failure).
     Wait {
@@ -419,6 +462,7 @@ impl End {
             End::Succeed { .. } => "succeeded",
             End::Fail { .. } => "failed",
             End::Cancel { .. } => "canceled",
+            End::Supersede { .. } => "superseded",
             End::Wait { .. } => "wait",
             End::Continue => "continue",
         }
@@ -452,6 +496,12 @@ pub async fn end(
         End::Fail { code, message } => {
             base(&st.end_fail, job)
                 .bind(code)
+                .bind(message)
+                .execute(conn)
+                .await?
+        }
+        End::Supersede { message } => {
+            base(&st.end_supersede, job)
                 .bind(message)
                 .execute(conn)
                 .await?

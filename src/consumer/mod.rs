@@ -152,6 +152,7 @@ impl Engine {
             Ok(d) => self.process_ref(&d, shutdown).await,
             Err(e) => {
                 self.counters.poison.fetch_add(1, Ordering::Relaxed);
+                crate::metrics::delivery(kind.name(), "poison");
                 tracing::warn!(kind = %kind, reason = %e, label = e.label(), "rejecting an undecodable delivery to the dead-letter queue");
                 Handled::Reject(e.to_string())
             }
@@ -178,6 +179,7 @@ impl Engine {
             }
         };
         self.counters.claim(&claim);
+        crate::metrics::delivery(d.kind.name(), claim.outcome());
         let outcome = claim.outcome();
         let Claim::Claimed(job) = claim else {
             if let Claim::Stale(why) = claim {
@@ -275,34 +277,40 @@ impl Engine {
                 policy.retry,
                 rand::random(),
             );
-            let committed: Result<Option<&'static str>, sqlx::Error> = async {
+            // Errors before `commit()` are certain: the transaction rolled back. Only a failing
+            // `commit()` leaves the outcome unknown.
+            let committed: Result<Option<&'static str>, StepError> = async {
                 match &next {
                     Next::Step(cp) => {
-                        lease::advance(&mut tx, st, &job, cp).await?;
-                        tx.commit().await?;
+                        if !lease::advance(&mut tx, st, &job, cp).await.map_err(StepError::Certain)? {
+                            return Ok(Some("lease_lost"));
+                        }
+                        tx.commit().await.map_err(StepError::Uncertain)?;
                         Ok(None)
                     }
                     Next::End { checkpoint, end } => {
                         if let Some(cp) = checkpoint {
-                            lease::advance(&mut tx, st, &job, cp).await?;
+                            if !lease::advance(&mut tx, st, &job, cp).await.map_err(StepError::Certain)? {
+                                return Ok(Some("lease_lost"));
+                            }
                         }
-                        if !lease::end(&mut tx, st, &job, end).await? {
+                        if !lease::end(&mut tx, st, &job, end).await.map_err(StepError::Certain)? {
                             return Ok(Some("lease_lost"));
                         }
-                        tx.commit().await?;
+                        tx.commit().await.map_err(StepError::Uncertain)?;
                         Ok(Some(end.name()))
                     }
                     Next::Abort(end) => {
-                        tx.rollback().await?;
+                        tx.rollback().await.map_err(StepError::Certain)?;
                         job.row_version = rv_before;
-                        let mut conn = self.pool.acquire().await?;
-                        if !lease::end(&mut conn, st, &job, end).await? {
-                            return Ok(Some("lease_lost"));
+                        let written = self.write_end(&handler, &job, end).await?;
+                        if written == Some("lease_lost") {
+                            return Ok(written);
                         }
                         if let End::Fail { code, message } | End::Wait { code, message, .. } = end {
                             tracing::warn!(kind = %job.kind, job_id = %job.job_id, code, message, end = end.name(), "step did not finish");
                         }
-                        Ok(Some(end.name()))
+                        Ok(written)
                     }
                 }
             }
@@ -319,12 +327,49 @@ impl Engine {
                 Ok(Some(end)) => {
                     crash::point("after-step-commit");
                     tracing::debug!(kind = %job.kind, job_id = %job.job_id, end, steps = steps_done, "slice ended");
+                    crate::metrics::slice(job.kind.name(), end, started.elapsed());
+                    if matches!(&next, Next::Abort(End::Wait { refund: false, .. })) {
+                        crate::metrics::retry(job.kind.name());
+                    }
                     return Some(end);
                 }
-                Err(e) => {
-                    // The commit may or may not have happened. Find out from the row itself:
-                    // while our lease token is on a live row, only we can have written it.
-                    tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, "step commit uncertain; resynchronising");
+                Err(StepError::Certain(e)) if !crate::db::is_retryable(&e) => {
+                    // A write of this step broke a rule of the database (a CHECK, a length):
+                    // running it again would fail the same way. Fail the job instead.
+                    job.row_version = rv_before;
+                    let code = e
+                        .as_database_error()
+                        .and_then(|d| d.code())
+                        .map_or("db_error".to_owned(), |c| format!("db_{c}"));
+                    tracing::error!(kind = %job.kind, job_id = %job.job_id, error = %e, "a step's write was refused; failing the job");
+                    let end = End::Fail {
+                        code,
+                        message: e.to_string(),
+                    };
+                    return match self.write_end(&handler, &job, &end).await {
+                        Ok(Some("lease_lost")) => Some(self.lease_lost(&job)),
+                        Ok(Some(name)) => {
+                            crate::metrics::slice(job.kind.name(), name, started.elapsed());
+                            Some(name)
+                        }
+                        Ok(None) => None,
+                        Err(e) => {
+                            // Not even the failure can be written. Stop here and let the lease
+                            // run out: each redelivery uses an attempt, so the claim fails the
+                            // job once they are used up.
+                            tracing::error!(kind = %job.kind, job_id = %job.job_id, error = %e, "cannot record the failure; leaving the job to its lease");
+                            Some("stuck")
+                        }
+                    };
+                }
+                Err(StepError::Certain(e) | StepError::Uncertain(e)) => {
+                    // Connection trouble, or a commit whose outcome is unknown. Find out from
+                    // the row itself: while our lease token is on a live row, only we can have
+                    // written it.
+                    tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, "step not confirmed; resynchronising");
+                    if !self.pause(shutdown).await {
+                        return None;
+                    }
                     match self.resync(&job, shutdown).await {
                         Resync::Ours {
                             row_version,
@@ -342,8 +387,35 @@ impl Engine {
         }
     }
 
+    /// Writes an end of slice in its own transaction, with the kind's failure hook.
+    async fn write_end(
+        &self,
+        handler: &Arc<dyn Handler>,
+        job: &JobCtx,
+        end: &End,
+    ) -> Result<Option<&'static str>, StepError> {
+        let st = &self.statements[&job.kind];
+        let mut tx = self.pool.begin().await.map_err(StepError::Certain)?;
+        if !lease::end(&mut tx, st, job, end)
+            .await
+            .map_err(StepError::Certain)?
+        {
+            return Ok(Some("lease_lost"));
+        }
+        if let End::Fail { code, .. } = end {
+            // The kind's own record of the failure commits with the failure.
+            handler
+                .on_fail(&mut tx, job, code)
+                .await
+                .map_err(StepError::Certain)?;
+        }
+        tx.commit().await.map_err(StepError::Uncertain)?;
+        Ok(Some(end.name()))
+    }
+
     fn lease_lost(&self, job: &JobCtx) -> &'static str {
         self.counters.lease_lost.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::lease_lost(job.kind.name());
         tracing::warn!(kind = %job.kind, job_id = %job.job_id, "lease lost; stopping the slice and writing nothing more");
         "lease_lost"
     }
@@ -388,6 +460,15 @@ impl Engine {
             }
         }
     }
+}
+
+/// A database error inside a step, and whether the step's commit may have happened anyway.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error("{0}")]
+    Certain(sqlx::Error),
+    #[error("commit outcome unknown: {0}")]
+    Uncertain(sqlx::Error),
 }
 
 enum Resync {
@@ -504,12 +585,15 @@ pub async fn consume(
         }
     };
     // Stop taking deliveries, then let the running slices end with their commits and acks.
-    let _ = channel
-        .basic_cancel(
+    // A channel the broker already dropped may never answer.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(3),
+        channel.basic_cancel(
             tag.as_str().into(),
             lapin::options::BasicCancelOptions::default(),
-        )
-        .await;
+        ),
+    )
+    .await;
     let grace = engine.cfg.shutdown_grace;
     let drained = tokio::time::timeout(grace, async {
         while running.join_next().await.is_some() {}

@@ -78,6 +78,10 @@ pub fn after_step(
                 refund: true,
             },
         },
+        Ok(Step::Supersede { message }) => Next::End {
+            checkpoint: None,
+            end: End::Supersede { message },
+        },
         Ok(Step::Cancel { code, message }) => Next::End {
             checkpoint: None,
             end: End::Cancel { code, message },

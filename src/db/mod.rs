@@ -62,7 +62,24 @@ pub async fn connect(
     max_connections: u32,
     timeout: Duration,
 ) -> Result<PgPool, ConnectError> {
-    let options = connect_options(url, application_name)?;
+    connect_with(url, application_name, max_connections, timeout, None).await
+}
+
+/// [`connect`] for workers: sessions idle inside a transaction for longer than
+/// `idle_in_transaction` are ended by Postgres. A worker frozen mid-step (SIGSTOP, a stall)
+/// thus releases its row locks, and the job can be taken over once its lease has run out.
+pub async fn connect_with(
+    url: &SecretUrl,
+    application_name: &str,
+    max_connections: u32,
+    timeout: Duration,
+    idle_in_transaction: Option<Duration>,
+) -> Result<PgPool, ConnectError> {
+    let mut options = connect_options(url, application_name)?;
+    if let Some(idle) = idle_in_transaction {
+        let ms = idle.as_millis().max(1000).to_string();
+        options = options.options([("idle_in_transaction_session_timeout", ms.as_str())]);
+    }
     // One direct connection first: a pool would turn every failure into a timeout.
     let probe = tokio::time::timeout(
         timeout,

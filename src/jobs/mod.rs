@@ -3,7 +3,10 @@
 //! never names a table or a time type itself; it asks the kind's [`KindSpec`], so all kinds
 //! share one protocol and each keeps its table's own rules.
 
+pub mod compile;
+pub mod deletion;
 pub mod probe;
+pub mod research;
 pub mod retry;
 
 use std::fmt;
@@ -232,7 +235,8 @@ pub static PROBE: KindSpec = KindSpec {
 
 impl KindSpec {
     /// Renders a statement template for this kind's tables:
-    /// `{job}`, `{outbox}`, `{fk}`, `{cp}` (checkpoint column), `{now}`, and `{now+X}` for
+    /// `{job}`, `{outbox}`, `{fk}`, `{cp}` (checkpoint column), `{now}` (transaction time),
+    /// `{clock}` (the wall clock at the statement, for lease checks), and `{now+X}` for
     /// "now plus X milliseconds" (X a parameter or column) in the table's own time type. Time always comes from the
     /// database clock, so workers never compare their own clocks.
     pub fn sql(&self, template: &str) -> String {
@@ -256,7 +260,11 @@ impl KindSpec {
             };
             out.replace_range(start..=end, &expr);
         }
-        out.replace("{now}", now)
+        let clock = match self.clock {
+            Clock::Timestamptz => "clock_timestamp()",
+            Clock::EpochMillis => "(extract(epoch from clock_timestamp()) * 1000)::bigint",
+        };
+        out.replace("{now}", now).replace("{clock}", clock)
     }
 
     pub fn checkpoint_column(&self) -> &'static str {
@@ -270,6 +278,24 @@ impl KindSpec {
     pub fn queue_name(&self, prefix: &str) -> String {
         format!("{prefix}.{}", self.event_type)
     }
+}
+
+/// What handlers need from the process: the object store, and anything else shared.
+#[derive(Clone, Debug)]
+pub struct Deps {
+    pub store: crate::store::Store,
+}
+
+/// The handlers of every kind, built from `deps`.
+pub fn handlers(
+    deps: &Deps,
+) -> Result<Vec<std::sync::Arc<dyn Handler>>, crate::config::ConfigError> {
+    Ok(vec![
+        std::sync::Arc::new(compile::CompileHandler::new(deps.clone())?),
+        std::sync::Arc::new(deletion::DeletionHandler::new(deps.clone())?),
+        std::sync::Arc::new(research::ResearchHandler::new(deps.clone())?),
+        std::sync::Arc::new(probe::ProbeHandler),
+    ])
 }
 
 /// What a claimed job looks like to its handler.
@@ -299,6 +325,9 @@ pub enum Step {
     Wait { delay: Duration, reason: String },
     /// The job was canceled (e.g. a budget ran out).
     Cancel { code: String, message: String },
+    /// A newer version of the job's target made it pointless (compile: `superseded`; kinds
+    /// without that state end canceled with code `superseded`).
+    Supersede { message: String },
 }
 
 /// A step that could not finish. Classified at the boundary: retryable or fatal.
@@ -356,6 +385,17 @@ pub trait Handler: Send + Sync + 'static {
     fn kind(&self) -> Kind;
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError>;
+
+    /// Called when the job fails, in the transaction that records the failure (after the
+    /// fenced end was written), so the kind can record it on its own rows too.
+    async fn on_fail(
+        &self,
+        _tx: &mut PgConnection,
+        _job: &JobCtx,
+        _code: &str,
+    ) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]

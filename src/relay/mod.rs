@@ -117,18 +117,26 @@ impl Statements {
                  ), {mark_job} \
                  SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM moved)"
             )),
+            // `refund`: the message never left (the channel was already broken), so this claim
+            // does not count as a dispatch attempt.
             release: spec.sql(
                 "UPDATE {outbox} o SET status = 'pending', available_at = {now+m.delay_ms}, lock_token = NULL, \
-                   locked_by = NULL, locked_until = NULL, last_error = $3, updated_at = {now} \
-                 FROM unnest($1::uuid[], $4::bigint[]) AS m(id, delay_ms) \
+                   locked_by = NULL, locked_until = NULL, last_error = $3, \
+                   dispatch_attempts = o.dispatch_attempts - m.refund, updated_at = {now} \
+                 FROM unnest($1::uuid[], $4::bigint[], $5::int[]) AS m(id, delay_ms, refund) \
                  WHERE o.id = m.id AND o.lock_token = $2 AND o.status = 'dispatching'",
             ),
+            // Job rows locked by someone else (a worker mid-step) are skipped, never waited for:
+            // their outbox rows stay `dispatching` under our token and are released instead.
             dead: spec.sql(&format!(
-                "WITH r AS ( \
+                "WITH lockable AS ( \
+                   SELECT o.id, o.{{fk}} AS job_id FROM {{outbox}} o JOIN {{job}} j ON j.id = o.{{fk}} \
+                   WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $3 AND o.status = 'dispatching' \
+                   FOR UPDATE OF o, j SKIP LOCKED \
+                 ), r AS ( \
                    UPDATE {{outbox}} o SET status = 'dead', lock_token = NULL, locked_by = NULL, locked_until = NULL, \
                      last_error = 'dispatch_exhausted: ' || $2, updated_at = {{now}} \
-                   FROM unnest($1::uuid[]) AS m(id) \
-                   WHERE o.id = m.id AND o.lock_token = $3 AND o.status = 'dispatching' \
+                   FROM lockable WHERE o.id = lockable.id \
                    RETURNING o.{{fk}} AS job_id \
                  ), f AS ( \
                    UPDATE {{job}} j SET {failed_set}, worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
@@ -249,15 +257,27 @@ impl Relay {
 
         let exchange = self.topology.exchange();
         let mut pending = FuturesUnordered::new();
-        let mut failed: Vec<(usize, String)> = Vec::new();
+        let mut failed: Vec<Failed> = Vec::new();
         let mut publish_error = None;
         let mut outstanding = std::collections::HashSet::new();
         for (i, row) in rows.iter().enumerate() {
             if publish_error.is_some() {
-                failed.push((i, "not published: the channel failed".into()));
+                failed.push(Failed::refund(i, "not published: the channel failed"));
                 continue;
             }
             let msg = message(kind, row);
+            if msg.body.len() > crate::consumer::decode::MAX_BODY {
+                // No consumer would accept it: it can never be delivered.
+                failed.push(Failed::dead(
+                    i,
+                    format!(
+                        "undeliverable: a payload of {} bytes is over the limit of {}",
+                        msg.body.len(),
+                        crate::consumer::decode::MAX_BODY
+                    ),
+                ));
+                continue;
+            }
             let sent = channel
                 .basic_publish(
                     exchange.as_str().into(),
@@ -276,12 +296,13 @@ impl Relay {
                     pending.push(confirm.map(move |r| (i, r)));
                 }
                 Err(e) => {
-                    failed.push((i, format!("publish failed: {e}")));
+                    failed.push(Failed::refund(i, format!("publish failed: {e}")));
                     publish_error = Some(e);
                 }
             }
         }
 
+        let published_at = std::time::Instant::now();
         let deadline = tokio::time::Instant::now() + self.cfg.confirm_timeout;
         let mut first = true;
         while !pending.is_empty() {
@@ -301,21 +322,25 @@ impl Relay {
                         if c.take_message().is_none() {
                             confirmed.push(rows[i].id);
                         } else {
-                            failed.push((
+                            failed.push(Failed::counted(
                                 i,
-                                "returned by the broker: no queue is bound for it".into(),
+                                "returned by the broker: no queue is bound for it",
                             ));
                         }
                     }
-                    Ok(_) => failed.push((i, "nacked by the broker".into())),
-                    Err(e) => failed.push((i, format!("no confirm: {e}"))),
+                    Ok(_) => failed.push(Failed::counted(i, "nacked by the broker")),
+                    Err(e) => failed.push(Failed::counted(i, format!("no confirm: {e}"))),
                 }
             }
             if first {
                 crash::point("after-publish-before-mark");
                 first = false;
             }
-            round.dispatched += self.mark(st, token, &confirmed).await?;
+            crate::metrics::confirm_latency(kind.name(), published_at.elapsed());
+            // Counted by the broker's confirms: a row a consumer leased first is not marked.
+            crate::metrics::published(kind.name(), "confirmed", confirmed.len() as u64);
+            let marked = self.mark(st, token, &confirmed).await?;
+            round.dispatched += marked;
             if !pending.is_empty() {
                 crash::point("after-mark-before-confirm-wait");
             }
@@ -325,7 +350,7 @@ impl Relay {
         failed.extend(
             outstanding
                 .into_iter()
-                .map(|i| (i, "no confirm within the timeout".to_owned())),
+                .map(|i| Failed::counted(i, "no confirm within the timeout")),
         );
 
         let (released, dead) = self
@@ -333,6 +358,8 @@ impl Relay {
             .await?;
         round.released = released;
         round.dead = dead;
+        crate::metrics::published(kind.name(), "released", released as u64);
+        crate::metrics::published(kind.name(), "dead", dead as u64);
         if let Some(e) = publish_error {
             return Err(e.into());
         }
@@ -358,52 +385,118 @@ impl Relay {
         st: &Statements,
         token: Uuid,
         rows: &[Claimed],
-        failed: &[(usize, String)],
+        failed: &[Failed],
     ) -> Result<(usize, usize), sqlx::Error> {
         if failed.is_empty() {
             return Ok((0, 0));
         }
-        let mut retry_ids = Vec::new();
-        let mut delays = Vec::new();
-        let mut dead_ids = Vec::new();
-        let reason = failed[0].1.clone();
-        for (i, why) in failed {
-            let row = &rows[*i];
-            tracing::warn!(kind = %kind, outbox_id = %row.id, attempt = row.dispatch_attempts, reason = %why, "publish not confirmed");
-            if row.dispatch_attempts >= self.cfg.max_dispatch_attempts {
-                dead_ids.push(row.id);
+        let mut retry = (Vec::new(), Vec::new(), Vec::new());
+        let mut dead: Vec<(Uuid, &str)> = Vec::new();
+        let reason = failed[0].reason.clone();
+        for f in failed {
+            let row = &rows[f.index];
+            tracing::warn!(kind = %kind, outbox_id = %row.id, attempt = row.dispatch_attempts, reason = %f.reason, "publish not confirmed");
+            if f.dead || (!f.refund && row.dispatch_attempts >= self.cfg.max_dispatch_attempts) {
+                dead.push((row.id, &f.reason));
             } else {
-                retry_ids.push(row.id);
                 let attempt = u32::try_from(row.dispatch_attempts.max(1)).unwrap_or(1);
-                delays.push(crate::consumer::lease::millis(
+                retry.0.push(row.id);
+                retry.1.push(crate::consumer::lease::millis(
                     self.cfg.release.delay_jittered(attempt),
                 ));
+                retry.2.push(i32::from(f.refund));
+            }
+        }
+        let mut dead_count = 0;
+        for (id, why) in &dead {
+            let (d, _f): (i64, i64) = sqlx::query_as(&st.dead)
+                .bind([*id])
+                .bind(*why)
+                .bind(token)
+                .fetch_one(&self.pool)
+                .await?;
+            dead_count += usize::try_from(d).unwrap_or(0);
+            if d == 0 {
+                // Its job row was busy: try again shortly rather than wait for it.
+                retry.0.push(*id);
+                retry.1.push(1000);
+                retry.2.push(0);
+            } else {
+                tracing::error!(kind = %kind, outbox_id = %id, reason = %why, "outbox row dead; its job failed with dispatch_exhausted");
             }
         }
         let mut released = 0;
-        if !retry_ids.is_empty() {
+        if !retry.0.is_empty() {
             released = sqlx::query(&st.release)
-                .bind(&retry_ids)
+                .bind(&retry.0)
                 .bind(token)
                 .bind(&reason)
-                .bind(&delays)
+                .bind(&retry.1)
+                .bind(&retry.2)
                 .execute(&self.pool)
                 .await?
                 .rows_affected() as usize;
         }
-        let mut dead = 0;
-        if !dead_ids.is_empty() {
-            let (d, _f): (i64, i64) = sqlx::query_as(&st.dead)
-                .bind(&dead_ids)
-                .bind(&reason)
-                .bind(token)
-                .fetch_one(&self.pool)
-                .await?;
-            dead = usize::try_from(d).unwrap_or(0);
-            tracing::error!(kind = %kind, rows = dead, reason = %reason, "outbox rows dead after their last dispatch attempt; jobs failed with dispatch_exhausted");
-        }
-        Ok((released, dead))
+        Ok((released, dead_count))
     }
+}
+
+/// A claimed row that was not confirmed, and what becomes of it.
+#[derive(Clone, Debug)]
+struct Failed {
+    index: usize,
+    reason: String,
+    /// The message never left: the attempt does not count.
+    refund: bool,
+    /// It can never be delivered: dead now.
+    dead: bool,
+}
+
+impl Failed {
+    fn counted(index: usize, reason: impl Into<String>) -> Self {
+        Self {
+            index,
+            reason: reason.into(),
+            refund: false,
+            dead: false,
+        }
+    }
+
+    fn refund(index: usize, reason: impl Into<String>) -> Self {
+        Self {
+            index,
+            reason: reason.into(),
+            refund: true,
+            dead: false,
+        }
+    }
+
+    fn dead(index: usize, reason: impl Into<String>) -> Self {
+        Self {
+            index,
+            reason: reason.into(),
+            refund: false,
+            dead: true,
+        }
+    }
+}
+
+/// A W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); anything else is not forwarded.
+pub fn valid_traceparent(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| {
+        p.len() == n
+            && p.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2)
 }
 
 fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
@@ -411,6 +504,7 @@ fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
         .payload
         .get("traceparent")
         .and_then(|v| v.as_str())
+        .filter(|t| valid_traceparent(t))
         .map(str::to_owned);
     OutboundMessage {
         kind,
@@ -421,5 +515,48 @@ fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
         schema_version: row.schema_version,
         traceparent,
         body: serde_json::to_vec(&row.payload).unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::valid_traceparent;
+
+    #[test]
+    fn traceparent_table() {
+        for (tp, ok) in [
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                true,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+                true,
+            ),
+            (
+                "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+                false,
+            ),
+            (
+                "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+                false,
+            ),
+            ("", false),
+        ] {
+            assert_eq!(valid_traceparent(tp), ok, "{tp}");
+        }
+        assert!(!valid_traceparent(&"0".repeat(200_000)));
     }
 }

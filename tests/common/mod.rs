@@ -146,6 +146,7 @@ impl TestEnv {
             ("DATABASE_URL".into(), self.url.clone()),
             ("AMQP_URL".into(), amqp_url()),
             ("KFS_QUEUE_PREFIX".into(), self.prefix.clone()),
+            ("KFS_HTTP_ADDR".into(), "127.0.0.1:0".into()),
             (
                 "RUST_LOG".into(),
                 "info,kfs_worker=debug,sqlx=warn,lapin=warn".into(),

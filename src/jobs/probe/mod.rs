@@ -13,7 +13,18 @@ const SCHEMA: &str = include_str!("schema.sql");
 
 /// Creates the probe tables (idempotent). Needs the project's migrations first.
 pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
-    sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    // Even `CREATE INDEX IF NOT EXISTS` locks its table; where everything exists, touch nothing,
+    // so that a worker starting next to running ones never waits on (or deadlocks with) them.
+    let present: bool = sqlx::query_scalar(
+        "SELECT to_regclass('kfs_probe_jobs') IS NOT NULL AND to_regclass('kfs_probe_outbox') IS NOT NULL \
+           AND to_regclass('kfs_probe_effects') IS NOT NULL AND to_regclass('kfs_probe_effects_job_idx') IS NOT NULL \
+           AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'kfs_probe_outbox_kfs_notify')",
+    )
+    .fetch_one(pool)
+    .await?;
+    if !present {
+        sqlx::raw_sql(SCHEMA).execute(pool).await?;
+    }
     Ok(())
 }
 

@@ -1,0 +1,247 @@
+//! The command line of research tasks:
+//!
+//! ```text
+//! kfs-worker research <spaceId> "<question>" --subject <s> --snapshot <id> [--channel interactive]
+//!            [--budget-usd X] [--top-k N] [--mode auto] [--idempotency-key K]
+//! kfs-worker research pause|resume|cancel <jobId>
+//! kfs-worker research follow <jobId>
+//! kfs-worker research show <jobId>
+//! ```
+//!
+//! Invariant: every input is validated before Postgres is touched, and a bad input or a refused
+//! request ends in one `error:` line with exit code 2 and changes nothing.
+
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::{control, follow, request};
+use crate::cli::{ConnArgs, Failure};
+use crate::config;
+
+#[derive(Debug, clap::Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct ResearchArgs {
+    #[command(subcommand)]
+    pub action: Option<ResearchAction>,
+    /// The knowledge space to ask
+    #[arg(value_name = "SPACE_ID")]
+    pub space_id: Option<String>,
+    /// The question
+    #[arg(value_name = "QUESTION")]
+    pub question: Option<String>,
+    /// Who asks (the permission snapshot's subject)
+    #[arg(long)]
+    pub subject: Option<String>,
+    /// The permission snapshot that grants access
+    #[arg(long)]
+    pub snapshot: Option<String>,
+    /// Access channel: interactive, service_api, mcp or agent
+    #[arg(long, default_value = "interactive")]
+    pub channel: String,
+    /// Most USD the answer may cost (HTTP generator)
+    #[arg(long)]
+    pub budget_usd: Option<String>,
+    /// Evidence passages to keep (1-100, default 8)
+    #[arg(long)]
+    pub top_k: Option<String>,
+    /// auto, fast, research or deep
+    #[arg(long, default_value = "auto")]
+    pub mode: String,
+    /// Repeating a request with the same key returns the first task
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ResearchAction {
+    /// Pause a task (the running worker is fenced out at its next write)
+    Pause { job_id: String },
+    /// Resume a paused task where it stopped
+    Resume { job_id: String },
+    /// Cancel a task for good
+    Cancel {
+        job_id: String,
+        /// Why, recorded with the task
+        #[arg(long)]
+        reason: Option<String>,
+    },
+    /// Print progress events as they commit, until the task ends
+    Follow {
+        job_id: String,
+        /// Polling interval
+        #[arg(long, default_value = "250ms")]
+        poll: String,
+    },
+    /// Print a task's state, answer and citations as JSON
+    Show { job_id: String },
+}
+
+fn uuid(what: &str, raw: &str) -> Result<Uuid, Failure> {
+    Uuid::parse_str(raw.trim())
+        .map_err(|_| Failure::usage(format!("{what} must be a UUID, got '{}'", raw.trim())))
+}
+
+/// The request the arguments describe. Pure: no service is touched.
+pub fn parse_request(args: &ResearchArgs) -> Result<request::ResearchRequest, Failure> {
+    let (Some(space), Some(question)) = (&args.space_id, &args.question) else {
+        return Err(Failure::usage(
+            "research needs <spaceId> \"<question>\" --subject <s> --snapshot <id>, or one of pause, resume, cancel, follow, show",
+        ));
+    };
+    let space_id = uuid("the space id", space)?;
+    let subject = args
+        .subject
+        .clone()
+        .ok_or_else(|| Failure::usage("--subject is required: who asks the question"))?;
+    let snapshot = args
+        .snapshot
+        .as_deref()
+        .ok_or_else(|| Failure::usage("--snapshot is required: the permission snapshot id"))?;
+    let snapshot = uuid("--snapshot", snapshot)?;
+    let budget_usd = args
+        .budget_usd
+        .as_deref()
+        .map(|b| {
+            b.trim()
+                .parse::<f64>()
+                .map_err(|_| Failure::usage(format!("--budget-usd must be a number, got '{b}'")))
+        })
+        .transpose()?;
+    let top_k = args
+        .top_k
+        .as_deref()
+        .map(|k| {
+            k.trim()
+                .parse::<i32>()
+                .map_err(|_| Failure::usage(format!("--top-k must be a whole number, got '{k}'")))
+        })
+        .transpose()?;
+    let req = request::ResearchRequest {
+        access_channel: args.channel.trim().to_owned(),
+        budget_usd,
+        top_k,
+        mode: args.mode.trim().to_owned(),
+        idempotency_key: args.idempotency_key.clone(),
+        ..request::ResearchRequest::new(space_id, question.clone(), subject, snapshot)
+    };
+    req.validate().map_err(Failure::usage)?;
+    Ok(req)
+}
+
+async fn pool(conn: &ConnArgs) -> Result<sqlx::PgPool, Failure> {
+    let url = conn.database_url()?;
+    let timeout = conn.connect_timeout()?;
+    crate::db::connect(&url, "kfs-worker research", 2, timeout)
+        .await
+        .map_err(Failure::usage)
+}
+
+fn control_failure(e: control::ControlError) -> Failure {
+    if e.is_refusal() {
+        Failure::usage(e)
+    } else {
+        Failure::runtime(e)
+    }
+}
+
+pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
+    match &args.action {
+        None => {
+            let req = parse_request(args)?;
+            let pool = pool(conn).await?;
+            let mut c = pool.acquire().await.map_err(Failure::runtime)?;
+            let done = request::request(&mut c, &req).await.map_err(|e| {
+                if e.is_refusal() {
+                    Failure::usage(e)
+                } else {
+                    Failure::runtime(e)
+                }
+            })?;
+            // The job id alone on stdout, for scripts.
+            println!("{}", done.job_id);
+            Ok(())
+        }
+        Some(ResearchAction::Pause { job_id })
+        | Some(ResearchAction::Resume { job_id })
+        | Some(ResearchAction::Cancel { job_id, .. }) => {
+            let id = uuid("the job id", job_id)?;
+            let pool = pool(conn).await?;
+            let mut c = pool.acquire().await.map_err(Failure::runtime)?;
+            let done = match &args.action {
+                Some(ResearchAction::Pause { .. }) => control::pause(&mut c, id).await,
+                Some(ResearchAction::Resume { .. }) => control::resume(&mut c, id).await,
+                Some(ResearchAction::Cancel { reason, .. }) => {
+                    control::cancel(&mut c, id, reason.as_deref()).await
+                }
+                _ => unreachable!("matched above"),
+            }
+            .map_err(control_failure)?;
+            if done.changed {
+                println!(
+                    "research task {id}: {} done, {} → {}",
+                    done.action.name(),
+                    done.from,
+                    done.to
+                );
+            } else {
+                println!(
+                    "research task {id}: already {}, nothing to {}",
+                    done.to,
+                    done.action.name()
+                );
+            }
+            Ok(())
+        }
+        Some(ResearchAction::Follow { job_id, poll }) => {
+            let id = uuid("the job id", job_id)?;
+            let poll = config::duration("--poll", poll)?.max(Duration::from_millis(10));
+            let pool = pool(conn).await?;
+            let pretty = follow::stdout_is_terminal();
+            let ended = follow::follow(&pool, id, poll, |e| {
+                println!("{}", follow::format_event(e, pretty));
+            })
+            .await
+            .map_err(|e| match e {
+                follow::FollowError::Db(_) => Failure::runtime(e),
+                _ => Failure::usage(e),
+            })?;
+            if pretty {
+                match &ended.error {
+                    Some(err) => println!("task ended {}: {err}", ended.stage),
+                    None => println!("task ended {}", ended.stage),
+                }
+            } else if ended.stage == super::Stage::Failed {
+                // A failure writes no event of its own (the engine fails the job after rolling
+                // the step back): say how it ended.
+                println!(
+                    "ended\t{}\t{}",
+                    ended.stage,
+                    serde_json::json!({ "error": ended.error })
+                );
+            }
+            Ok(())
+        }
+        Some(ResearchAction::Show { job_id }) => {
+            let id = uuid("the job id", job_id)?;
+            let pool = pool(conn).await?;
+            let row: Option<serde_json::Value> = sqlx::query_scalar(
+                "SELECT jsonb_build_object('id', id, 'tenantId', tenant_id, 'spaceId', knowledge_space_id, \
+                   'query', query, 'stage', stage, 'pausedFromStage', paused_from_stage, 'error', error, \
+                   'rowVersion', row_version, 'attempts', execution_attempts, 'cost', cost, \
+                   'budgetUsd', budget_usd, 'result', metadata -> 'result', 'plan', metadata -> 'plan') \
+                 FROM research_task_jobs WHERE id = $1",
+            )
+            .bind(id)
+            .fetch_optional(&pool)
+            .await
+            .map_err(Failure::runtime)?;
+            let row = row.ok_or_else(|| Failure::usage(format!("no research task {id}")))?;
+            println!(
+                "{}",
+                serde_json::to_string_pretty(&row).unwrap_or_else(|_| row.to_string())
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,775 @@
+//! Answer generation behind the [`Generator`] trait. Invariant: a generator only sees the ranked
+//! evidence of its own job, every answer cites evidence by its 1-based position, the extractive
+//! generator is deterministic and offline, and the HTTP generator reports the tokens it was
+//! billed for (or an estimate, marked as such) so the budget can be enforced. The API key is
+//! never logged, printed or put into an error.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use super::plan::{self, Evidence};
+use crate::config::{self, ConfigError};
+use crate::jobs::JobError;
+
+/// What a generator answers from.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerationRequest<'a> {
+    pub question: &'a str,
+    pub evidence: &'a [Evidence],
+}
+
+/// A cited piece of evidence. `index` is the `[n]` marker used in the answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Citation {
+    pub index: usize,
+    pub node_id: Uuid,
+    pub document_id: Uuid,
+    pub document_version: i32,
+    pub filename: String,
+    pub heading_path: serde_json::Value,
+}
+
+impl Citation {
+    fn of(index: usize, e: &Evidence) -> Self {
+        Self {
+            index,
+            node_id: e.node_id,
+            document_id: e.document_id,
+            document_version: e.document_version,
+            filename: e.filename.clone(),
+            heading_path: e.heading_path.clone(),
+        }
+    }
+}
+
+/// Token usage of one call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    /// The service reported no usage; these counts are estimated from text length.
+    pub estimated: bool,
+}
+
+/// A generated answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Generation {
+    pub answer: String,
+    pub citations: Vec<Citation>,
+    pub generator: String,
+    pub model: Option<String>,
+    pub usage: Option<Usage>,
+    pub cost_usd: f64,
+}
+
+/// Something that turns evidence into an answer with citations.
+#[async_trait::async_trait]
+pub trait Generator: Send + Sync + 'static {
+    fn name(&self) -> &'static str;
+
+    /// A lower bound of what a call will cost, checked against the budget before calling.
+    fn estimate_usd(&self, _req: &GenerationRequest<'_>) -> f64 {
+        0.0
+    }
+
+    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError>;
+}
+
+pub const NO_EVIDENCE_ANSWER: &str = "No published knowledge in this space answers this question.";
+
+// ---------------------------------------------------------------------------------------------
+// Extractive
+
+/// Picks the evidence sentences that share the most words with the question, in a fixed order,
+/// and cites where each came from. Offline and free.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ExtractiveGenerator {
+    pub max_sentences: usize,
+}
+
+impl ExtractiveGenerator {
+    pub fn new() -> Self {
+        Self { max_sentences: 3 }
+    }
+}
+
+/// The sentences of a text: split after `.`, `!` or `?` followed by whitespace, and at line
+/// breaks; whitespace collapsed; empty ones dropped.
+pub fn sentences(text: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let chars: Vec<char> = text.chars().collect();
+    for (i, &c) in chars.iter().enumerate() {
+        if c == '\n' || c == '\r' {
+            out.push(std::mem::take(&mut cur));
+            continue;
+        }
+        cur.push(c);
+        if matches!(c, '.' | '!' | '?') && chars.get(i + 1).is_none_or(|n| n.is_whitespace()) {
+            out.push(std::mem::take(&mut cur));
+        }
+    }
+    out.push(cur);
+    out.into_iter()
+        .map(|s| s.split_whitespace().collect::<Vec<_>>().join(" "))
+        .filter(|s| s.chars().any(char::is_alphanumeric))
+        .collect()
+}
+
+/// The extractive answer as a pure function.
+pub fn extract(
+    question: &str,
+    evidence: &[Evidence],
+    max_sentences: usize,
+) -> (String, Vec<Citation>) {
+    if evidence.is_empty() {
+        return (NO_EVIDENCE_ANSWER.to_owned(), Vec::new());
+    }
+    let wanted = plan::terms(question);
+    // (overlap, evidence position, sentence position, text)
+    let mut scored: Vec<(usize, usize, usize, String)> = Vec::new();
+    for (ei, e) in evidence.iter().enumerate() {
+        for (si, s) in sentences(&e.content).into_iter().enumerate() {
+            let have = plan::terms(&s);
+            let overlap = wanted.iter().filter(|w| have.contains(w)).count();
+            scored.push((overlap, ei, si, s));
+        }
+    }
+    scored.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+    let mut picked: Vec<&(usize, usize, usize, String)> = scored
+        .iter()
+        .filter(|s| s.0 > 0)
+        .take(max_sentences.max(1))
+        .collect();
+    if picked.is_empty() {
+        // Nothing shares a word with the question: quote the best evidence's first sentence.
+        picked = scored
+            .iter()
+            .filter(|s| s.1 == 0)
+            .min_by_key(|s| s.2)
+            .into_iter()
+            .collect();
+    }
+    if picked.is_empty() {
+        return (NO_EVIDENCE_ANSWER.to_owned(), Vec::new());
+    }
+    let answer = picked
+        .iter()
+        .map(|(_, ei, _, s)| format!("{s} [{}]", ei + 1))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut used: Vec<usize> = picked.iter().map(|s| s.1).collect();
+    used.sort_unstable();
+    used.dedup();
+    let citations = used
+        .into_iter()
+        .map(|ei| Citation::of(ei + 1, &evidence[ei]))
+        .collect();
+    (answer, citations)
+}
+
+#[async_trait::async_trait]
+impl Generator for ExtractiveGenerator {
+    fn name(&self) -> &'static str {
+        "extractive"
+    }
+
+    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
+        let (answer, citations) = extract(req.question, req.evidence, self.max_sentences);
+        Ok(Generation {
+            answer,
+            citations,
+            generator: self.name().into(),
+            model: None,
+            usage: None,
+            cost_usd: 0.0,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI-compatible HTTP
+
+/// An API key. Only its length can be printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub fn new(key: impl Into<String>) -> Self {
+        Self(key.into())
+    }
+
+    fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ApiKey(*** {} chars)", self.0.len())
+    }
+}
+
+/// Settings of the OpenAI-compatible generator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpenAiConfig {
+    /// e.g. `https://api.openai.com/v1`; requests go to `{base}/chat/completions`.
+    pub base_url: url::Url,
+    pub api_key: Option<ApiKey>,
+    pub model: String,
+    /// USD per 1000 prompt tokens.
+    pub price_per_1k_input: f64,
+    /// USD per 1000 completion tokens.
+    pub price_per_1k_output: f64,
+    pub timeout: Duration,
+}
+
+impl OpenAiConfig {
+    pub fn endpoint(&self) -> String {
+        format!(
+            "{}/chat/completions",
+            self.base_url.as_str().trim_end_matches('/')
+        )
+    }
+
+    /// USD for a usage at this configuration's prices.
+    pub fn cost(&self, usage: &Usage) -> f64 {
+        (usage.prompt_tokens as f64) / 1000.0 * self.price_per_1k_input
+            + (usage.completion_tokens as f64) / 1000.0 * self.price_per_1k_output
+    }
+}
+
+/// Which generator the handler uses.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GeneratorConfig {
+    Extractive,
+    OpenAi(OpenAiConfig),
+}
+
+pub const DEFAULT_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
+
+fn price(var: &'static str, raw: Option<String>) -> Result<f64, ConfigError> {
+    let Some(raw) = raw.filter(|r| !r.trim().is_empty()) else {
+        return Ok(0.0);
+    };
+    match raw.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(ConfigError::new(
+            var,
+            "must be a non-negative number of USD per 1000 tokens, e.g. 0.0005",
+        )),
+    }
+}
+
+/// Reads the generator settings through `lookup` (the environment, or a table in tests):
+/// `KFS_GENERATOR` (`extractive`, the default, or `openai`), and for `openai`
+/// `KFS_OPENAI_BASE_URL`, `KFS_OPENAI_API_KEY`, `KFS_OPENAI_MODEL` (required),
+/// `KFS_OPENAI_PRICE_PER_1K_INPUT`, `KFS_OPENAI_PRICE_PER_1K_OUTPUT` and `KFS_OPENAI_TIMEOUT`.
+pub fn generator_config(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<GeneratorConfig, ConfigError> {
+    let which = lookup("KFS_GENERATOR").unwrap_or_default();
+    match which.trim() {
+        "" | "extractive" => Ok(GeneratorConfig::Extractive),
+        "openai" => {
+            let raw_base = lookup("KFS_OPENAI_BASE_URL")
+                .filter(|b| !b.trim().is_empty())
+                .unwrap_or_else(|| DEFAULT_OPENAI_BASE_URL.into());
+            // Never echo the text: a malformed URL may still carry a password.
+            let base_url = url::Url::parse(raw_base.trim()).map_err(|e| {
+                ConfigError::new(
+                    "KFS_OPENAI_BASE_URL",
+                    format!("is not a valid URL ({e}); expected e.g. {DEFAULT_OPENAI_BASE_URL}"),
+                )
+            })?;
+            if !matches!(base_url.scheme(), "http" | "https") || base_url.host_str().is_none() {
+                return Err(ConfigError::new(
+                    "KFS_OPENAI_BASE_URL",
+                    format!(
+                        "must be an http or https URL with a host, e.g. {DEFAULT_OPENAI_BASE_URL}"
+                    ),
+                ));
+            }
+            let api_key = match lookup("KFS_OPENAI_API_KEY") {
+                None => None,
+                Some(k) if k.trim().is_empty() => {
+                    return Err(ConfigError::new(
+                        "KFS_OPENAI_API_KEY",
+                        "is set but empty; unset it for a service without keys",
+                    ))
+                }
+                Some(k)
+                    if k.trim()
+                        .chars()
+                        .any(|c| c.is_control() || c.is_whitespace()) =>
+                {
+                    return Err(ConfigError::new(
+                        "KFS_OPENAI_API_KEY",
+                        "contains whitespace or control characters",
+                    ))
+                }
+                Some(k) => Some(ApiKey::new(k.trim())),
+            };
+            let model = lookup("KFS_OPENAI_MODEL")
+                .map(|m| m.trim().to_owned())
+                .filter(|m| !m.is_empty())
+                .ok_or_else(|| {
+                    ConfigError::new(
+                        "KFS_OPENAI_MODEL",
+                        "is required with KFS_GENERATOR=openai, e.g. gpt-4o-mini",
+                    )
+                })?;
+            let timeout = match lookup("KFS_OPENAI_TIMEOUT") {
+                Some(t) if !t.trim().is_empty() => config::duration("KFS_OPENAI_TIMEOUT", &t)?,
+                _ => Duration::from_secs(20),
+            };
+            if timeout.is_zero() {
+                return Err(ConfigError::new(
+                    "KFS_OPENAI_TIMEOUT",
+                    "must be more than 0",
+                ));
+            }
+            Ok(GeneratorConfig::OpenAi(OpenAiConfig {
+                base_url,
+                api_key,
+                model,
+                price_per_1k_input: price(
+                    "KFS_OPENAI_PRICE_PER_1K_INPUT",
+                    lookup("KFS_OPENAI_PRICE_PER_1K_INPUT"),
+                )?,
+                price_per_1k_output: price(
+                    "KFS_OPENAI_PRICE_PER_1K_OUTPUT",
+                    lookup("KFS_OPENAI_PRICE_PER_1K_OUTPUT"),
+                )?,
+                timeout,
+            }))
+        }
+        _ => Err(ConfigError::new(
+            "KFS_GENERATOR",
+            "must be extractive or openai",
+        )),
+    }
+}
+
+/// The generator a configuration names.
+pub fn build(cfg: &GeneratorConfig) -> Result<Arc<dyn Generator>, ConfigError> {
+    Ok(match cfg {
+        GeneratorConfig::Extractive => Arc::new(ExtractiveGenerator::new()),
+        GeneratorConfig::OpenAi(c) => Arc::new(OpenAiGenerator::new(c.clone())?),
+    })
+}
+
+/// Calls `POST {base}/chat/completions` of an OpenAI-compatible service.
+pub struct OpenAiGenerator {
+    cfg: OpenAiConfig,
+    client: reqwest::Client,
+}
+
+impl fmt::Debug for OpenAiGenerator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OpenAiGenerator")
+            .field("cfg", &self.cfg)
+            .finish()
+    }
+}
+
+/// Most characters of one evidence passage sent to the service.
+const PASSAGE_CHARS: usize = 2000;
+
+const SYSTEM_PROMPT: &str =
+    "You answer questions using only the numbered evidence passages you are given. \
+Cite every claim with the passage number in square brackets, e.g. [1]. If the evidence does not \
+answer the question, say so plainly.";
+
+/// The prompt's user message: the question and the numbered evidence.
+pub fn user_prompt(req: &GenerationRequest<'_>) -> String {
+    let mut s = format!("Question: {}\n\nEvidence:\n", req.question.trim());
+    for (i, e) in req.evidence.iter().enumerate() {
+        let passage: String = e.content.chars().take(PASSAGE_CHARS).collect();
+        s.push_str(&format!(
+            "[{}] ({}) {}\n",
+            i + 1,
+            e.filename,
+            passage.trim()
+        ));
+    }
+    if req.evidence.is_empty() {
+        s.push_str("(none)\n");
+    }
+    s
+}
+
+/// The `[n]` markers of an answer that name a passage, each once, in order.
+pub fn cited_indices(answer: &str, passages: usize) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut rest = answer;
+    while let Some(open) = rest.find('[') {
+        rest = &rest[open + 1..];
+        let Some(close) = rest.find(']') else { break };
+        for part in rest[..close].split(',') {
+            if let Ok(n) = part.trim().parse::<usize>() {
+                if (1..=passages).contains(&n) && !out.contains(&n) {
+                    out.push(n);
+                }
+            }
+        }
+        rest = &rest[close + 1..];
+    }
+    out.sort_unstable();
+    out
+}
+
+fn estimate_tokens(chars: usize) -> u64 {
+    u64::try_from(chars.div_ceil(4)).unwrap_or(u64::MAX)
+}
+
+#[derive(Deserialize)]
+struct ChatResponse {
+    choices: Vec<ChatChoice>,
+    usage: Option<ChatUsage>,
+    model: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ChatChoice {
+    message: ChatMessage,
+}
+
+#[derive(Deserialize)]
+struct ChatMessage {
+    content: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct ChatUsage {
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+}
+
+impl OpenAiGenerator {
+    pub fn new(cfg: OpenAiConfig) -> Result<Self, ConfigError> {
+        let client = reqwest::Client::builder()
+            .timeout(cfg.timeout)
+            .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
+            .build()
+            .map_err(|e| {
+                ConfigError::new(
+                    "KFS_GENERATOR",
+                    format!("cannot build the HTTP client: {}", e.without_url()),
+                )
+            })?;
+        Ok(Self { cfg, client })
+    }
+
+    pub fn config(&self) -> &OpenAiConfig {
+        &self.cfg
+    }
+
+    fn where_(&self) -> String {
+        config::redact(&self.cfg.base_url)
+    }
+}
+
+#[async_trait::async_trait]
+impl Generator for OpenAiGenerator {
+    fn name(&self) -> &'static str {
+        "openai"
+    }
+
+    fn estimate_usd(&self, req: &GenerationRequest<'_>) -> f64 {
+        let chars = SYSTEM_PROMPT.len() + user_prompt(req).len();
+        self.cfg.cost(&Usage {
+            prompt_tokens: estimate_tokens(chars),
+            completion_tokens: 0,
+            estimated: true,
+        })
+    }
+
+    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
+        let prompt = user_prompt(req);
+        let body = serde_json::json!({
+            "model": self.cfg.model,
+            "temperature": 0,
+            "messages": [
+                { "role": "system", "content": SYSTEM_PROMPT },
+                { "role": "user", "content": prompt },
+            ],
+        });
+        let mut call = self
+            .client
+            .post(self.cfg.endpoint())
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(body.to_string());
+        if let Some(key) = &self.cfg.api_key {
+            call = call.bearer_auth(key.expose());
+        }
+        let resp = call.send().await.map_err(|e| {
+            JobError::retryable(
+                "generator_unavailable",
+                format!(
+                    "the generator at {} did not answer: {}",
+                    self.where_(),
+                    e.without_url()
+                ),
+            )
+        })?;
+        let status = resp.status();
+        let bytes = resp.bytes().await.map_err(|e| {
+            JobError::retryable(
+                "generator_unavailable",
+                format!("reading the generator's answer failed: {}", e.without_url()),
+            )
+        })?;
+        if status.as_u16() == 429 || status.is_server_error() {
+            return Err(JobError::retryable(
+                "generator_unavailable",
+                format!("the generator at {} answered HTTP {status}", self.where_()),
+            ));
+        }
+        if !status.is_success() {
+            return Err(JobError::fatal(
+                "generator_rejected",
+                format!(
+                    "the generator at {} refused the request with HTTP {status}",
+                    self.where_()
+                ),
+            ));
+        }
+        let parsed: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
+            JobError::fatal(
+                "generator_bad_response",
+                format!("the generator's answer is not a chat completion: {e}"),
+            )
+        })?;
+        let answer = parsed
+            .choices
+            .into_iter()
+            .next()
+            .and_then(|c| c.message.content)
+            .map(|a| a.trim().to_owned())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| {
+                JobError::fatal(
+                    "generator_bad_response",
+                    "the generator's answer has no message content",
+                )
+            })?;
+        let usage = match parsed.usage {
+            Some(ChatUsage {
+                prompt_tokens: Some(p),
+                completion_tokens: Some(c),
+            }) => Usage {
+                prompt_tokens: p,
+                completion_tokens: c,
+                estimated: false,
+            },
+            _ => Usage {
+                prompt_tokens: estimate_tokens(SYSTEM_PROMPT.len() + prompt.len()),
+                completion_tokens: estimate_tokens(answer.len()),
+                estimated: true,
+            },
+        };
+        let mut cited = cited_indices(&answer, req.evidence.len());
+        if cited.is_empty() {
+            // No marker: the answer rests on everything it was given.
+            cited = (1..=req.evidence.len()).collect();
+        }
+        let citations = cited
+            .into_iter()
+            .map(|n| Citation::of(n, &req.evidence[n - 1]))
+            .collect();
+        Ok(Generation {
+            answer,
+            citations,
+            generator: self.name().into(),
+            model: Some(parsed.model.unwrap_or_else(|| self.cfg.model.clone())),
+            cost_usd: self.cfg.cost(&usage),
+            usage: Some(usage),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn ev(n: u128, content: &str) -> Evidence {
+        Evidence {
+            node_id: Uuid::from_u128(n),
+            document_id: Uuid::from_u128(1000 + n),
+            document_version: 1,
+            filename: format!("d{n}.md"),
+            heading_path: serde_json::json!(["H"]),
+            content: content.into(),
+            score: 1.0,
+            sub_queries: vec![0],
+        }
+    }
+
+    #[test]
+    fn sentences_split() {
+        assert_eq!(
+            sentences("One fact. Two facts!\nThree v1.2 facts? "),
+            vec!["One fact.", "Two facts!", "Three v1.2 facts?"]
+        );
+        assert!(sentences("  \n ... ").is_empty());
+    }
+
+    #[test]
+    fn extractive_answers_cite_their_sources() {
+        let evidence = [
+            ev(1, "Leases last thirty seconds. Unrelated words here."),
+            ev(
+                2,
+                "Fencing compares the lease token. Fencing also checks row versions.",
+            ),
+        ];
+        let (answer, cites) = extract("How does fencing use the lease token?", &evidence, 3);
+        assert_eq!(
+            answer,
+            "Fencing compares the lease token. [2] Fencing also checks row versions. [2]"
+        );
+        assert_eq!(cites.iter().map(|c| c.index).collect::<Vec<_>>(), vec![2]);
+        assert_eq!(cites[0].document_id, Uuid::from_u128(1002));
+        // Deterministic.
+        assert_eq!(
+            extract("How does fencing use the lease token?", &evidence, 3).0,
+            answer
+        );
+        // No overlap: the best evidence's first sentence.
+        let (a, c) = extract("zebra", &evidence, 3);
+        assert_eq!(a, "Leases last thirty seconds. [1]");
+        assert_eq!(c.len(), 1);
+        // No evidence.
+        let (a, c) = extract("anything", &[], 3);
+        assert_eq!(a, NO_EVIDENCE_ANSWER);
+        assert!(c.is_empty());
+    }
+
+    #[test]
+    fn cited_indices_table() {
+        let table: Vec<(&str, usize, Vec<usize>)> = vec![
+            ("A [1] and B [2].", 3, vec![1, 2]),
+            ("A [2][2] [1, 3]", 3, vec![1, 2, 3]),
+            ("A [4] [0] [x]", 3, vec![]),
+            ("no markers", 3, vec![]),
+            ("[1", 3, vec![]),
+        ];
+        for (answer, n, want) in table {
+            assert_eq!(cited_indices(answer, n), want, "{answer:?}");
+        }
+    }
+
+    fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        move |k| map.get(k).cloned()
+    }
+
+    #[test]
+    fn configuration_table() {
+        assert_eq!(
+            generator_config(lookup(&[])).unwrap(),
+            GeneratorConfig::Extractive
+        );
+        assert_eq!(
+            generator_config(lookup(&[
+                ("KFS_GENERATOR", "extractive"),
+                ("KFS_OPENAI_MODEL", "")
+            ]))
+            .unwrap(),
+            GeneratorConfig::Extractive
+        );
+        let ok = generator_config(lookup(&[
+            ("KFS_GENERATOR", "openai"),
+            ("KFS_OPENAI_BASE_URL", "http://127.0.0.1:9/v1/"),
+            ("KFS_OPENAI_API_KEY", "sk-secret-123"),
+            ("KFS_OPENAI_MODEL", "m1"),
+            ("KFS_OPENAI_PRICE_PER_1K_INPUT", "0.5"),
+            ("KFS_OPENAI_PRICE_PER_1K_OUTPUT", "1.5"),
+        ]))
+        .unwrap();
+        let GeneratorConfig::OpenAi(c) = ok else {
+            panic!("openai expected")
+        };
+        assert_eq!(c.endpoint(), "http://127.0.0.1:9/v1/chat/completions");
+        assert_eq!(c.model, "m1");
+        assert!(
+            !format!("{c:?}").contains("sk-secret-123"),
+            "key leaked: {c:?}"
+        );
+        let usage = Usage {
+            prompt_tokens: 2000,
+            completion_tokens: 1000,
+            estimated: false,
+        };
+        assert!((c.cost(&usage) - 2.5).abs() < 1e-9);
+
+        let bad: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![("KFS_GENERATOR", "gpt")], "KFS_GENERATOR"),
+            (vec![("KFS_GENERATOR", "openai")], "KFS_OPENAI_MODEL"),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_BASE_URL", "not a url"),
+                ],
+                "KFS_OPENAI_BASE_URL",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_BASE_URL", "ftp://x/"),
+                ],
+                "KFS_OPENAI_BASE_URL",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_PRICE_PER_1K_INPUT", "-1"),
+                ],
+                "KFS_OPENAI_PRICE_PER_1K_INPUT",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_PRICE_PER_1K_OUTPUT", "cheap"),
+                ],
+                "KFS_OPENAI_PRICE_PER_1K_OUTPUT",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_API_KEY", " "),
+                ],
+                "KFS_OPENAI_API_KEY",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_TIMEOUT", "soon"),
+                ],
+                "KFS_OPENAI_TIMEOUT",
+            ),
+        ];
+        for (vars, var) in bad {
+            let e = generator_config(lookup(&vars)).unwrap_err();
+            assert_eq!(e.var, var, "{vars:?}: {e}");
+        }
+    }
+}

@@ -1,0 +1,485 @@
+//! Requesting a research task, as the platform's API does. Invariant: the job row (`queued`,
+//! row version 1), its first outbox row (revision 1, pending) and the `research_task.started`
+//! event (sequence 1) are written together in the caller's transaction, or nothing is; and
+//! nothing is written for an invalid request, a space being deleted, or a permission snapshot
+//! that does not grant this subject, channel and space.
+
+use serde_json::json;
+use sha2::{Digest, Sha256};
+use sqlx::{Connection, PgConnection};
+use uuid::Uuid;
+
+use super::access::{self, Expected};
+use super::plan;
+use super::progress::{self, EventType, JobScope, NOW_MS};
+use super::walk::Stage;
+use crate::jobs::RESEARCH;
+
+pub const CHANNELS: [&str; 4] = ["interactive", "service_api", "mcp", "agent"];
+pub const MODES: [&str; 4] = ["auto", "fast", "research", "deep"];
+pub const DEFAULT_TOP_K: i32 = 8;
+pub const MAX_TOP_K: i32 = 100;
+pub const MAX_QUESTION_CHARS: usize = 4000;
+
+/// A research request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ResearchRequest {
+    pub space_id: Uuid,
+    pub question: String,
+    pub subject_id: String,
+    pub permission_snapshot_id: Uuid,
+    /// `interactive`, `service_api`, `mcp` or `agent`.
+    pub access_channel: String,
+    pub budget_usd: Option<f64>,
+    pub top_k: Option<i32>,
+    /// `auto`, `fast`, `research` or `deep`.
+    pub mode: String,
+    /// Repeating a request with the same key returns the first job (same request) or is refused
+    /// (different request).
+    pub idempotency_key: Option<String>,
+}
+
+impl ResearchRequest {
+    /// An interactive request in `auto` mode with no budget.
+    pub fn new(
+        space_id: Uuid,
+        question: impl Into<String>,
+        subject_id: impl Into<String>,
+        permission_snapshot_id: Uuid,
+    ) -> Self {
+        Self {
+            space_id,
+            question: question.into(),
+            subject_id: subject_id.into(),
+            permission_snapshot_id,
+            access_channel: "interactive".into(),
+            budget_usd: None,
+            top_k: None,
+            mode: "auto".into(),
+            idempotency_key: None,
+        }
+    }
+
+    /// Checks the request's own fields. Pure.
+    pub fn validate(&self) -> Result<(), RequestError> {
+        let q = self.question.trim();
+        if q.is_empty() {
+            return Err(RequestError::Invalid("the question is empty".into()));
+        }
+        if q.chars().count() > MAX_QUESTION_CHARS {
+            return Err(RequestError::Invalid(format!(
+                "the question is longer than {MAX_QUESTION_CHARS} characters"
+            )));
+        }
+        if plan::terms(q).is_empty() {
+            return Err(RequestError::Invalid(
+                "the question has no word to search for".into(),
+            ));
+        }
+        let subject = self.subject_id.trim();
+        if subject.is_empty() || subject.len() > 255 {
+            return Err(RequestError::Invalid(
+                "the subject must be 1 to 255 characters".into(),
+            ));
+        }
+        if !CHANNELS.contains(&self.access_channel.as_str()) {
+            return Err(RequestError::Invalid(format!(
+                "unknown channel '{}'; expected one of {}",
+                self.access_channel,
+                CHANNELS.join(", ")
+            )));
+        }
+        if !MODES.contains(&self.mode.as_str()) {
+            return Err(RequestError::Invalid(format!(
+                "unknown mode '{}'; expected one of {}",
+                self.mode,
+                MODES.join(", ")
+            )));
+        }
+        if let Some(b) = self.budget_usd {
+            if !b.is_finite() || b < 0.0 {
+                return Err(RequestError::Invalid(
+                    "the budget must be a non-negative number of USD".into(),
+                ));
+            }
+        }
+        if let Some(k) = self.top_k {
+            if !(1..=MAX_TOP_K).contains(&k) {
+                return Err(RequestError::Invalid(format!(
+                    "top-k must be between 1 and {MAX_TOP_K}"
+                )));
+            }
+        }
+        if let Some(key) = &self.idempotency_key {
+            if key.trim().is_empty() || key.len() > 255 {
+                return Err(RequestError::Invalid(
+                    "the idempotency key must be 1 to 255 characters".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The request fingerprint: hex SHA-256 over every field that shapes the task.
+    pub fn fingerprint(&self) -> String {
+        let canonical = json!({
+            "space": self.space_id,
+            "question": self.question.trim(),
+            "subject": self.subject_id.trim(),
+            "snapshot": self.permission_snapshot_id,
+            "channel": self.access_channel,
+            "budgetUsd": self.budget_usd,
+            "topK": self.top_k,
+            "mode": self.mode,
+        });
+        hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
+    }
+
+    /// The effective limits, stored in `limits`.
+    pub fn limits(&self) -> serde_json::Value {
+        json!({
+            "topK": self.top_k.unwrap_or(DEFAULT_TOP_K),
+            "maxSubQueries": plan::max_sub_queries(&self.mode),
+            "budgetUsd": self.budget_usd,
+        })
+    }
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("invalid research request: {0}")]
+    Invalid(String),
+    #[error("no knowledge space {0}")]
+    SpaceNotFound(Uuid),
+    #[error("knowledge space {space} cannot be researched: {reason}")]
+    SpaceUnavailable { space: Uuid, reason: String },
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
+    #[error("idempotency key already used for a different request (job {0})")]
+    Conflict(Uuid),
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+}
+
+impl RequestError {
+    /// A problem with the request itself (exit code 2), as opposed to a failing database.
+    pub fn is_refusal(&self) -> bool {
+        !matches!(self, RequestError::Db(_))
+    }
+}
+
+/// A requested (or, for a repeated idempotent request, the existing) task.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requested {
+    pub job_id: Uuid,
+    pub tenant_id: String,
+    pub space_id: Uuid,
+    /// The first outbox row.
+    pub outbox_id: Uuid,
+    /// `false`: an earlier request with the same idempotency key made this job.
+    pub created: bool,
+}
+
+/// The outbox key of a delivery revision: `research.task:<tenant>:<space>:<jobId>:<revision>`.
+pub fn outbox_key(scope: &JobScope, revision: i32) -> String {
+    format!(
+        "research.task:{}:{}:{}:{revision}",
+        scope.tenant_id, scope.space_id, scope.job_id
+    )
+}
+
+/// Writes an outbox row of `revision`, pending now. The caller holds the job row.
+pub(crate) async fn insert_outbox(
+    conn: &mut PgConnection,
+    scope: &JobScope,
+    revision: i32,
+) -> Result<Uuid, sqlx::Error> {
+    let id = Uuid::now_v7();
+    sqlx::query(&format!(
+        "INSERT INTO research_task_outbox (id, research_task_job_id, delivery_revision, event_type, schema_version, \
+           idempotency_key, payload, status, available_at, dispatch_attempts, locked_by, locked_until, lock_token, \
+           queue_job_id, last_error, delivered_at, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, 1, $5, $6, 'pending', {NOW_MS}, 0, NULL, NULL, NULL, NULL, NULL, NULL, {NOW_MS}, {NOW_MS})"
+    ))
+    .bind(id)
+    .bind(scope.job_id)
+    .bind(revision)
+    .bind(RESEARCH.event_type)
+    .bind(outbox_key(scope, revision))
+    .bind(json!({ "researchTaskJobId": scope.job_id }))
+    .execute(conn)
+    .await?;
+    Ok(id)
+}
+
+/// Requests a research task in the caller's transaction (or, on a plain connection, in one of
+/// its own). Nothing is written unless every check passes.
+pub async fn request(
+    conn: &mut PgConnection,
+    req: &ResearchRequest,
+) -> Result<Requested, RequestError> {
+    req.validate()?;
+    let mut tx = conn.begin().await?;
+
+    // The space, shared-locked so that a deletion cannot mark it between our check and commit.
+    let space: Option<String> =
+        sqlx::query_scalar("SELECT tenant_id FROM knowledge_spaces WHERE id = $1 FOR SHARE")
+            .bind(req.space_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+    let tenant = space.ok_or(RequestError::SpaceNotFound(req.space_id))?;
+    if let Some(reason) = access::space_denial(&mut tx, &tenant, req.space_id).await? {
+        return Err(RequestError::SpaceUnavailable {
+            space: req.space_id,
+            reason,
+        });
+    }
+    let snapshot = access::read_snapshot(&mut tx, &tenant, req.permission_snapshot_id).await?;
+    let want = Expected {
+        tenant_id: &tenant,
+        space_id: req.space_id,
+        subject_id: req.subject_id.trim(),
+        access_channel: &req.access_channel,
+        revision: None,
+    };
+    if let Some(why) = access::snapshot_denial(snapshot.as_ref(), &want) {
+        return Err(RequestError::PermissionDenied(why));
+    }
+    let snapshot_revision = snapshot.map_or(1, |s| s.revision);
+
+    let fingerprint = req.fingerprint();
+    if let Some(key) = &req.idempotency_key {
+        // One request per key at a time; then the key decides.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1))")
+            .bind(format!("research-request:{tenant}:{}:{key}", req.space_id))
+            .execute(&mut *tx)
+            .await?;
+        let existing: Option<(Uuid, Option<String>)> = sqlx::query_as(
+            "SELECT id, metadata ->> 'requestFingerprint' FROM research_task_jobs \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 AND metadata ->> 'idempotencyKey' = $3",
+        )
+        .bind(&tenant)
+        .bind(req.space_id)
+        .bind(key)
+        .fetch_optional(&mut *tx)
+        .await?;
+        if let Some((job_id, fp)) = existing {
+            if fp.as_deref() != Some(fingerprint.as_str()) {
+                return Err(RequestError::Conflict(job_id));
+            }
+            let outbox_id: Uuid = sqlx::query_scalar(
+                "SELECT id FROM research_task_outbox WHERE research_task_job_id = $1 AND delivery_revision = 1",
+            )
+            .bind(job_id)
+            .fetch_one(&mut *tx)
+            .await?;
+            tx.commit().await?;
+            return Ok(Requested {
+                job_id,
+                tenant_id: tenant,
+                space_id: req.space_id,
+                outbox_id,
+                created: false,
+            });
+        }
+    }
+
+    let scope = JobScope {
+        job_id: Uuid::now_v7(),
+        tenant_id: tenant.clone(),
+        space_id: req.space_id,
+    };
+    let mut metadata = json!({ "requestFingerprint": fingerprint });
+    if let Some(key) = &req.idempotency_key {
+        metadata["idempotencyKey"] = json!(key);
+    }
+    sqlx::query(&format!(
+        "INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, \
+           permission_snapshot_revision, access_channel, query, mode, top_k, budget_usd, limits, metadata, cost, \
+           stage, paused_from_stage, queue_job_id, error, resume_after, paused_at, completed_at, row_version, \
+           execution_attempts, max_execution_attempts, worker_id, lease_token, lease_expires_at, heartbeat_at, \
+           retry_at, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'queued', NULL, NULL, NULL, NULL, NULL, \
+           NULL, 1, 0, $15, NULL, NULL, NULL, NULL, NULL, {NOW_MS}, {NOW_MS})"
+    ))
+    .bind(scope.job_id)
+    .bind(&scope.tenant_id)
+    .bind(scope.space_id)
+    .bind(req.subject_id.trim())
+    .bind(req.permission_snapshot_id)
+    .bind(snapshot_revision)
+    .bind(&req.access_channel)
+    .bind(req.question.trim())
+    .bind(&req.mode)
+    .bind(req.top_k)
+    .bind(req.budget_usd)
+    .bind(req.limits())
+    .bind(metadata)
+    .bind(json!({ "usd": 0.0, "promptTokens": 0, "completionTokens": 0, "calls": 0 }))
+    .bind(RESEARCH.policy.max_attempts)
+    .execute(&mut *tx)
+    .await?;
+    let outbox_id = insert_outbox(&mut tx, &scope, 1).await?;
+    progress::append_event(
+        &mut tx,
+        &scope,
+        1,
+        EventType::Started,
+        Stage::Queued,
+        json!({
+            "query": req.question.trim(),
+            "mode": req.mode,
+            "topK": req.top_k.unwrap_or(DEFAULT_TOP_K),
+            "budgetUsd": req.budget_usd,
+            "subjectId": req.subject_id.trim(),
+            "accessChannel": req.access_channel,
+        }),
+    )
+    .await?;
+    tx.commit().await?;
+    Ok(Requested {
+        job_id: scope.job_id,
+        tenant_id: scope.tenant_id,
+        space_id: scope.space_id,
+        outbox_id,
+        created: true,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok() -> ResearchRequest {
+        ResearchRequest::new(
+            Uuid::from_u128(1),
+            "How do leases work?",
+            "alice",
+            Uuid::from_u128(2),
+        )
+    }
+
+    #[test]
+    fn validation_table() {
+        assert!(ok().validate().is_ok());
+        let bad: Vec<(ResearchRequest, &str)> = vec![
+            (
+                ResearchRequest {
+                    question: "  ".into(),
+                    ..ok()
+                },
+                "empty",
+            ),
+            (
+                ResearchRequest {
+                    question: "what is it?".into(),
+                    ..ok()
+                },
+                "no word",
+            ),
+            (
+                ResearchRequest {
+                    question: "x".repeat(4001) + " lease",
+                    ..ok()
+                },
+                "longer",
+            ),
+            (
+                ResearchRequest {
+                    subject_id: " ".into(),
+                    ..ok()
+                },
+                "subject",
+            ),
+            (
+                ResearchRequest {
+                    access_channel: "email".into(),
+                    ..ok()
+                },
+                "channel",
+            ),
+            (
+                ResearchRequest {
+                    mode: "slow".into(),
+                    ..ok()
+                },
+                "mode",
+            ),
+            (
+                ResearchRequest {
+                    budget_usd: Some(-1.0),
+                    ..ok()
+                },
+                "budget",
+            ),
+            (
+                ResearchRequest {
+                    budget_usd: Some(f64::NAN),
+                    ..ok()
+                },
+                "budget",
+            ),
+            (
+                ResearchRequest {
+                    top_k: Some(0),
+                    ..ok()
+                },
+                "top-k",
+            ),
+            (
+                ResearchRequest {
+                    top_k: Some(101),
+                    ..ok()
+                },
+                "top-k",
+            ),
+            (
+                ResearchRequest {
+                    idempotency_key: Some(String::new()),
+                    ..ok()
+                },
+                "idempotency",
+            ),
+        ];
+        for (r, needle) in bad {
+            let e = r.validate().unwrap_err().to_string();
+            assert!(e.contains(needle), "{e:?} should mention {needle:?}");
+        }
+    }
+
+    #[test]
+    fn fingerprints_follow_the_fields() {
+        assert_eq!(ok().fingerprint(), ok().fingerprint());
+        assert_ne!(
+            ok().fingerprint(),
+            ResearchRequest {
+                top_k: Some(3),
+                ..ok()
+            }
+            .fingerprint()
+        );
+        // The key itself is not part of the request.
+        assert_eq!(
+            ok().fingerprint(),
+            ResearchRequest {
+                idempotency_key: Some("k".into()),
+                ..ok()
+            }
+            .fingerprint()
+        );
+    }
+
+    #[test]
+    fn outbox_keys() {
+        let s = JobScope {
+            job_id: Uuid::from_u128(3),
+            tenant_id: "t1".into(),
+            space_id: Uuid::from_u128(4),
+        };
+        assert_eq!(
+            outbox_key(&s, 2),
+            format!("research.task:t1:{}:{}:2", s.space_id, s.job_id)
+        );
+    }
+}

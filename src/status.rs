@@ -1,0 +1,178 @@
+//! `kfs-worker status`: what the job tables and queues hold right now. Invariant: read-only —
+//! it only ever runs SELECTs and passive queue declarations.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use serde::Serialize;
+use sqlx::PgPool;
+
+use crate::broker::Topology;
+use crate::jobs::{Kind, States};
+
+/// One kind's numbers.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct KindStatus {
+    pub kind: String,
+    /// Jobs by state (`run_state`, or `stage` for research).
+    pub jobs: BTreeMap<String, i64>,
+    /// Outbox rows by status.
+    pub outbox: BTreeMap<String, i64>,
+    /// Age in seconds of the oldest outbox row that is due and not yet out for delivery.
+    pub oldest_due_seconds: Option<f64>,
+    /// Messages waiting in the kind's queue (None when the broker was not asked or not reachable).
+    pub queued_messages: Option<u32>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct Status {
+    pub kinds: Vec<KindStatus>,
+    pub dead_letters: Option<u32>,
+}
+
+/// Reads the numbers of `kinds` from Postgres.
+pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> {
+    let mut out = Status::default();
+    for &kind in kinds {
+        let spec = kind.spec();
+        let state = match spec.states {
+            States::RunState { .. } => "run_state",
+            States::Stage => "stage",
+        };
+        let jobs: Vec<(String, i64)> = sqlx::query_as(&spec.sql(&format!(
+            "SELECT {state}::text, count(*) FROM {{job}} GROUP BY 1"
+        )))
+        .fetch_all(pool)
+        .await?;
+        let outbox: Vec<(String, i64)> =
+            sqlx::query_as(&spec.sql("SELECT status::text, count(*) FROM {outbox} GROUP BY 1"))
+                .fetch_all(pool)
+                .await?;
+        let age_expr = match spec.clock {
+            crate::jobs::Clock::Timestamptz => {
+                "extract(epoch from now() - min(available_at))::float8"
+            }
+            crate::jobs::Clock::EpochMillis => {
+                "((extract(epoch from now()) * 1000)::bigint - min(available_at))::float8 / 1000.0"
+            }
+        };
+        let oldest: Option<f64> = sqlx::query_scalar(&spec.sql(&format!(
+            "SELECT {age_expr} FROM {{outbox}} WHERE status = 'pending' AND available_at <= {{now}}"
+        )))
+        .fetch_one(pool)
+        .await?;
+        out.kinds.push(KindStatus {
+            kind: kind.name().to_owned(),
+            jobs: jobs.into_iter().collect(),
+            outbox: outbox.into_iter().collect(),
+            oldest_due_seconds: oldest,
+            queued_messages: None,
+        });
+    }
+    Ok(out)
+}
+
+/// Adds queue depths from the broker, by passive declaration (never creates anything).
+pub async fn add_queue_depths(
+    status: &mut Status,
+    conn: &lapin::Connection,
+    topology: &Topology,
+    kinds: &[Kind],
+) {
+    let depth = |queue: String| async move {
+        let ch = conn.create_channel().await.ok()?;
+        let q = ch
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await
+            .ok()?;
+        let _ = ch.close(200, "status".into()).await;
+        Some(q.message_count())
+    };
+    for (ks, &kind) in status.kinds.iter_mut().zip(kinds) {
+        ks.queued_messages = depth(topology.queue(kind)).await;
+    }
+    status.dead_letters = depth(topology.dead_letter_queue()).await;
+}
+
+/// The human table.
+pub fn render(status: &Status) -> String {
+    let mut s = String::new();
+    for k in &status.kinds {
+        let _ = writeln!(s, "{}", k.kind);
+        let jobs: Vec<String> = k.jobs.iter().map(|(st, n)| format!("{st}={n}")).collect();
+        let outbox: Vec<String> = k.outbox.iter().map(|(st, n)| format!("{st}={n}")).collect();
+        let _ = writeln!(
+            s,
+            "  jobs     {}",
+            if jobs.is_empty() {
+                "none".into()
+            } else {
+                jobs.join("  ")
+            }
+        );
+        let _ = writeln!(
+            s,
+            "  outbox   {}",
+            if outbox.is_empty() {
+                "none".into()
+            } else {
+                outbox.join("  ")
+            }
+        );
+        let due = k.oldest_due_seconds.map_or("none due".to_owned(), |a| {
+            format!("oldest due row waiting {a:.1}s")
+        });
+        let queued = k
+            .queued_messages
+            .map_or("queue not reachable".to_owned(), |n| {
+                format!("{n} messages queued")
+            });
+        let _ = writeln!(s, "  relay    {due}, {queued}");
+    }
+    let _ = writeln!(
+        s,
+        "dead letters: {}",
+        status
+            .dead_letters
+            .map_or("not reachable".to_owned(), |n| n.to_string())
+    );
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_each_kind_and_the_dead_letters() {
+        let st = Status {
+            kinds: vec![KindStatus {
+                kind: "compile".into(),
+                jobs: [("succeeded".to_owned(), 3), ("running".to_owned(), 1)]
+                    .into_iter()
+                    .collect(),
+                outbox: [("completed".to_owned(), 3)].into_iter().collect(),
+                oldest_due_seconds: Some(1.25),
+                queued_messages: Some(0),
+            }],
+            dead_letters: Some(2),
+        };
+        let out = render(&st);
+        assert!(
+            out.contains("compile\n  jobs     running=1  succeeded=3\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("oldest due row waiting 1.2s, 0 messages queued"),
+            "{out}"
+        );
+        assert!(out.ends_with("dead letters: 2\n"), "{out}");
+    }
+}

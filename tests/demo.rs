@@ -1,0 +1,86 @@
+//! `kfs-worker demo`, run non-interactively as a newcomer would, twice in a row.
+
+mod common;
+
+use std::process::Command;
+
+use common::TestEnv;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again() {
+    let env = TestEnv::new().await;
+    let store = std::env::temp_dir().join(format!("{}-objects", env.db_name));
+    let logs = std::env::temp_dir().join(format!("{}-demo-logs", env.db_name));
+    for run in 1..=2 {
+        let out = Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
+            .args(["demo", "--no-wait", "--log-dir", logs.to_str().unwrap()])
+            .env("DATABASE_URL", &env.url)
+            .env("AMQP_URL", common::amqp_url())
+            .env("KFS_QUEUE_PREFIX", &env.prefix)
+            .env("KFS_OBJECT_STORE", format!("file://{}", store.display()))
+            .output()
+            .expect("run the demo");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "run {run} failed\nstdout:\n{stdout}\nstderr:\n{stderr}"
+        );
+        for needle in [
+            "== Summary",
+            "all jobs succeeded",
+            "deletion  succeeded=1",
+            "research  completed=2",
+            "(5 compiled",
+            "deletion of source \"notes\" (succeeded):",
+            "documents left in the space: 3 of 5",
+            "takeover: demo-a was killed holding",
+            "stopped demo-b (exit 0)",
+        ] {
+            assert!(
+                stdout.contains(needle),
+                "run {run}: missing {needle:?} in\n{stdout}"
+            );
+        }
+        // Both answers cite the documents they came from.
+        let cites: Vec<&str> = stdout
+            .lines()
+            .filter(|l| l.trim_start().starts_with("cites:"))
+            .collect();
+        assert_eq!(cites.len(), 2, "{stdout}");
+        assert!(cites.iter().all(|l| !l.contains("nothing")), "{stdout}");
+        // Keys of deleted items are redacted.
+        assert!(
+            stdout.contains("object            2 removed, 2 keys redacted"),
+            "{stdout}"
+        );
+    }
+    // The second run reset the first: one space, three documents, and their bytes only.
+    let spaces: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM knowledge_spaces WHERE tenant_id = 'kfs-demo'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(spaces, 1);
+    let files = walk(&store);
+    assert_eq!(files, 3, "object files left: {files}");
+    let _ = std::fs::remove_dir_all(&store);
+    let _ = std::fs::remove_dir_all(&logs);
+    env.cleanup().await;
+}
+
+fn walk(dir: &std::path::Path) -> usize {
+    std::fs::read_dir(dir)
+        .map(|rd| {
+            rd.filter_map(Result::ok)
+                .map(|e| {
+                    if e.path().is_dir() {
+                        walk(&e.path())
+                    } else {
+                        1
+                    }
+                })
+                .sum()
+        })
+        .unwrap_or(0)
+}

@@ -1,0 +1,267 @@
+//! Outages in the middle of a run: RabbitMQ restarted, Postgres restarted. Workers keep running,
+//! back off, reconnect, and finish every job with each effect applied once. These tests restart
+//! the machine's own services, so they run one at a time and bring the services back even when
+//! they fail; where a service cannot be restarted from here they skip with a printed reason.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::TestEnv;
+use kfs_worker::jobs::probe::{self, ProbeSpec};
+
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn run(cmd: &str, args: &[&str]) -> bool {
+    Command::new(cmd)
+        .args(args)
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false)
+}
+
+fn postgres_cluster() -> Option<String> {
+    let versions = std::fs::read_dir("/etc/postgresql").ok()?;
+    versions
+        .filter_map(Result::ok)
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .max()
+}
+
+fn can_restart_rabbitmq() -> bool {
+    run("rabbitmqctl", &["-q", "status"])
+}
+
+fn can_restart_postgres() -> bool {
+    postgres_cluster().is_some_and(|v| run("pg_ctlcluster", &[&v, "main", "status"]))
+}
+
+/// Brings RabbitMQ's app back on drop, whatever happened.
+struct RabbitBack;
+impl Drop for RabbitBack {
+    fn drop(&mut self) {
+        run("rabbitmqctl", &["-q", "start_app"]);
+    }
+}
+
+/// Brings Postgres back on drop, whatever happened.
+struct PostgresBack(String);
+impl Drop for PostgresBack {
+    fn drop(&mut self) {
+        run(
+            "pg_ctlcluster",
+            &["--skip-systemctl-redirect", &self.0, "main", "start"],
+        );
+    }
+}
+
+async fn done_count(env: &TestEnv) -> i64 {
+    loop {
+        match sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM kfs_probe_jobs WHERE run_state IN ('succeeded', 'failed')",
+        )
+        .fetch_one(&env.pool)
+        .await
+        {
+            Ok(n) => return n,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+async fn wait_all_done(env: &TestEnv, n: i64, timeout: Duration) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < timeout {
+        if done_count(env).await == n {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    false
+}
+
+async fn wait_progress(env: &TestEnv, at_least: i64) {
+    let start = Instant::now();
+    while done_count(env).await < at_least && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+const JOBS: i64 = 300;
+
+fn worker_args(id: &str) -> Vec<String> {
+    ["run", "--kinds", "probe", "--worker-id", id]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rabbitmq_restart_mid_run_loses_nothing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    if !can_restart_rabbitmq() {
+        eprintln!("SKIPPED: rabbitmqctl cannot control the local broker here, so the broker cannot be restarted");
+        return;
+    }
+    let env = TestEnv::new().await;
+    probe::enqueue_many(
+        &env.pool,
+        JOBS,
+        &ProbeSpec {
+            steps: 2,
+            step_sleep: Duration::from_millis(20),
+            ..ProbeSpec::default()
+        },
+    )
+    .await
+    .unwrap();
+    let extra = [("KFS_RELAY_POLL", "200ms"), ("KFS_LEASES", "probe=20s")];
+    let a: Vec<String> = worker_args("outage-a");
+    let b: Vec<String> = worker_args("outage-b");
+    let mut wa = env.spawn_worker(
+        "a",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        &extra,
+    );
+    let mut wb = env.spawn_worker(
+        "b",
+        &b.iter().map(String::as_str).collect::<Vec<_>>(),
+        &extra,
+    );
+    wait_progress(&env, JOBS / 5).await;
+
+    {
+        let _back = RabbitBack;
+        let down = Instant::now();
+        assert!(run("rabbitmqctl", &["-q", "stop_app"]), "stop RabbitMQ");
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(run("rabbitmqctl", &["-q", "start_app"]), "start RabbitMQ");
+        eprintln!("RabbitMQ was down for {:.1}s", down.elapsed().as_secs_f64());
+    }
+    // The connection with the test harness died with the broker; the workers reconnect alone.
+    let finished = wait_all_done(&env, JOBS, Duration::from_secs(120)).await;
+    assert!(
+        finished,
+        "jobs: {:?}\nworker a:\n{}",
+        common::probe_states(&env.pool).await,
+        wa.log_text()
+    );
+    common::assert_probe_invariants(&env.pool).await;
+    assert!(
+        wa.wait_exit(Duration::ZERO).is_none() && wb.wait_exit(Duration::ZERO).is_none(),
+        "workers kept running"
+    );
+    wa.signal("TERM");
+    wb.signal("TERM");
+    assert_eq!(
+        wa.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        wa.log_text()
+    );
+    assert_eq!(
+        wb.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        wb.log_text()
+    );
+    let log = wa.log_text() + &wb.log_text();
+    assert!(
+        log.contains("reconnecting") || log.contains("retrying"),
+        "workers noticed the outage"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_restart_mid_run_loses_nothing() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let Some(cluster) = postgres_cluster().filter(|_| can_restart_postgres()) else {
+        eprintln!(
+            "SKIPPED: no pg_ctlcluster-managed Postgres here, so Postgres cannot be restarted"
+        );
+        return;
+    };
+    let env = TestEnv::new().await;
+    probe::enqueue_many(
+        &env.pool,
+        JOBS,
+        &ProbeSpec {
+            steps: 2,
+            step_sleep: Duration::from_millis(20),
+            ..ProbeSpec::default()
+        },
+    )
+    .await
+    .unwrap();
+    let extra = [("KFS_RELAY_POLL", "200ms"), ("KFS_LEASES", "probe=20s")];
+    let a: Vec<String> = worker_args("pg-outage-a");
+    let b: Vec<String> = worker_args("pg-outage-b");
+    let mut wa = env.spawn_worker(
+        "a",
+        &a.iter().map(String::as_str).collect::<Vec<_>>(),
+        &extra,
+    );
+    let mut wb = env.spawn_worker(
+        "b",
+        &b.iter().map(String::as_str).collect::<Vec<_>>(),
+        &extra,
+    );
+    wait_progress(&env, JOBS / 5).await;
+
+    {
+        let _back = PostgresBack(cluster.clone());
+        let down = Instant::now();
+        assert!(
+            run(
+                "pg_ctlcluster",
+                &[
+                    "--skip-systemctl-redirect",
+                    &cluster,
+                    "main",
+                    "stop",
+                    "-m",
+                    "fast"
+                ]
+            ),
+            "stop Postgres"
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(
+            run(
+                "pg_ctlcluster",
+                &["--skip-systemctl-redirect", &cluster, "main", "start"]
+            ),
+            "start Postgres"
+        );
+        eprintln!("Postgres was down for {:.1}s", down.elapsed().as_secs_f64());
+    }
+    let finished = wait_all_done(&env, JOBS, Duration::from_secs(150)).await;
+    assert!(
+        finished,
+        "jobs: {:?}\nworker a:\n{}",
+        common::probe_states(&env.pool).await,
+        wa.log_text()
+    );
+    common::assert_probe_invariants(&env.pool).await;
+    assert!(
+        wa.wait_exit(Duration::ZERO).is_none() && wb.wait_exit(Duration::ZERO).is_none(),
+        "workers kept running"
+    );
+    wa.signal("TERM");
+    wb.signal("TERM");
+    assert_eq!(
+        wa.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        wa.log_text()
+    );
+    assert_eq!(
+        wb.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        wb.log_text()
+    );
+    env.cleanup().await;
+}
