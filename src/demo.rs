@@ -60,7 +60,8 @@ const QUESTIONS: [&str; 2] = [
 
 #[derive(Debug, clap::Args)]
 pub struct DemoArgs {
-    /// Print the summary and stop the workers instead of running until Ctrl-C
+    /// Print the summary and stop the workers instead of running until Ctrl-C (the default when
+    /// stdin is not a terminal)
     #[arg(long)]
     pub no_wait: bool,
     /// Where the worker processes write their logs
@@ -314,7 +315,8 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         .map_err(|e| fail("status")(e.to_string()))?;
     print_summary(&st, compiled, &research_results, &removed, &kill, &seed, &b);
 
-    if args.no_wait {
+    // Without a terminal to press Ctrl-C in (a script, CI), the demo ends after its summary.
+    if args.no_wait || !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
         let code = b.stop();
         p.say(format!(
             "stopped demo-b (exit {})",
