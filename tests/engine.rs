@@ -130,3 +130,101 @@ async fn jobs_flow_from_outbox_to_success_and_poison_goes_to_the_dead_letter_que
     assert_eq!(env.queue_depth(&queue).await, 0, "queue drained");
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_deletes_old_finished_outbox_rows_in_batches_and_keeps_dead_and_recent_ones() {
+    let env = TestEnv::new().await;
+    probe::enqueue_many(&env.pool, 8, &ProbeSpec::default())
+        .await
+        .unwrap();
+    // Six finished long ago (four completed, two canceled), one dead long ago, one completed now.
+    sqlx::query(
+        "WITH o AS (SELECT id, row_number() OVER (ORDER BY id) AS n FROM kfs_probe_outbox) \
+         UPDATE kfs_probe_outbox p SET \
+           status = CASE WHEN o.n <= 4 THEN 'completed' WHEN o.n <= 6 THEN 'canceled' WHEN o.n = 7 THEN 'dead' ELSE 'completed' END, \
+           updated_at = CASE WHEN o.n <= 7 THEN now() - interval '8 days' ELSE now() END \
+         FROM o WHERE p.id = o.id",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let week = Duration::from_secs(7 * 24 * 3600);
+    let first = kfs_worker::maintenance::retention_once(&env.pool, Kind::Probe, week, 4)
+        .await
+        .unwrap();
+    assert_eq!(first, 4, "one batch at a time");
+    let second = kfs_worker::maintenance::retention_once(&env.pool, Kind::Probe, week, 4)
+        .await
+        .unwrap();
+    assert_eq!(second, 2);
+    let third = kfs_worker::maintenance::retention_once(&env.pool, Kind::Probe, week, 4)
+        .await
+        .unwrap();
+    assert_eq!(third, 0);
+    let left: Vec<(String,)> =
+        sqlx::query_as("SELECT status FROM kfs_probe_outbox ORDER BY status")
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        left,
+        vec![("completed".to_owned(),), ("dead".to_owned(),)],
+        "the recent row and the dead row stay"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_makes_a_dead_workers_jobs_due_and_leaves_a_live_workers_alone() {
+    let env = TestEnv::new().await;
+    probe::enqueue_many(&env.pool, 2, &ProbeSpec::default())
+        .await
+        .unwrap();
+    // Both jobs leased for ten minutes: one by a live worker (it holds its liveness lock), one
+    // by a worker whose process is gone.
+    sqlx::query(
+        "WITH j AS (SELECT id, row_number() OVER (ORDER BY id) AS n FROM kfs_probe_jobs) \
+         UPDATE kfs_probe_jobs p SET run_state = 'running', worker_id = CASE WHEN j.n = 1 THEN 'alive' ELSE 'gone' END, \
+           lease_token = gen_random_uuid(), lease_expires_at = now() + interval '10 minutes', heartbeat_at = now() \
+         FROM j WHERE p.id = j.id",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET status = 'leased', queue_job_id = 'd-' || id, \
+           available_at = now() + interval '10 minutes'",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let _alive = kfs_worker::liveness::acquire(&env.services().database_url, "alive")
+        .await
+        .unwrap();
+
+    assert_eq!(
+        kfs_worker::maintenance::sweep_once(&env.pool, Kind::Probe)
+            .await
+            .unwrap(),
+        1
+    );
+    let due: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT j.worker_id, o.available_at <= now() FROM kfs_probe_jobs j \
+         JOIN kfs_probe_outbox o ON o.probe_job_id = j.id ORDER BY j.worker_id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        due,
+        vec![("alive".to_owned(), false), ("gone".to_owned(), true)]
+    );
+    // Nothing else changed: the sweep never decides who runs a job, the claim does.
+    let running: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'running'")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(running, 2);
+    env.cleanup().await;
+}
