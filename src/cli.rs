@@ -51,6 +51,15 @@ impl ConnArgs {
         config::duration("KFS_CONNECT_TIMEOUT", &self.connect_timeout)
     }
 
+    /// A small pool for a one-shot command, or the one-line error of why there is none.
+    pub async fn pool(&self, command: &str) -> Result<sqlx::PgPool, Failure> {
+        let url = self.database_url()?;
+        let timeout = self.connect_timeout()?;
+        db::connect(&url, &format!("kfs-worker {command}"), 2, timeout)
+            .await
+            .map_err(Failure::usage)
+    }
+
     pub fn services(&self) -> Result<Services, ConfigError> {
         Ok(Services {
             database_url: self.database_url()?,

@@ -102,11 +102,7 @@ fn plan(args: &CompileArgs) -> Result<Plan, Failure> {
 
 pub async fn run(conn: &ConnArgs, args: &CompileArgs) -> Result<(), Failure> {
     let plan = plan(args)?;
-    let url = conn.database_url()?;
-    let timeout = conn.connect_timeout()?;
-    let pool = crate::db::connect(&url, "kfs-worker compile", 2, timeout)
-        .await
-        .map_err(Failure::usage)?;
+    let pool = conn.pool("compile").await?;
     let result = execute(&pool, plan).await;
     pool.close().await;
     result

@@ -206,11 +206,7 @@ fn plan(args: &DeleteArgs) -> Result<Plan, Failure> {
 
 pub async fn run(conn: &ConnArgs, args: &DeleteArgs) -> Result<(), Failure> {
     let plan = plan(args)?;
-    let url = conn.database_url()?;
-    let timeout = conn.connect_timeout()?;
-    let pool = crate::db::connect(&url, "kfs-worker delete", 2, timeout)
-        .await
-        .map_err(Failure::usage)?;
+    let pool = conn.pool("delete").await?;
     let result = execute(&pool, plan).await;
     pool.close().await;
     result

@@ -130,11 +130,7 @@ pub fn parse_request(args: &ResearchArgs) -> Result<request::ResearchRequest, Fa
 }
 
 async fn pool(conn: &ConnArgs) -> Result<sqlx::PgPool, Failure> {
-    let url = conn.database_url()?;
-    let timeout = conn.connect_timeout()?;
-    crate::db::connect(&url, "kfs-worker research", 2, timeout)
-        .await
-        .map_err(Failure::usage)
+    conn.pool("research").await
 }
 
 fn control_failure(e: control::ControlError) -> Failure {
