@@ -54,7 +54,7 @@ const DOCUMENTS: [(&str, &str, &str, &[u8]); 5] = [
 ];
 
 const QUESTIONS: [&str; 2] = [
-    "What does the relay do when the broker does not confirm a message?",
+    "What happens when the broker says no: a negative confirm, a returned message or a timeout?",
     "How is a worker fenced out after its lease expires?",
 ];
 
