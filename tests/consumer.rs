@@ -14,11 +14,11 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestEnv;
+use common::{enqueue_one, job_text, TestEnv};
 use kfs_worker::consumer::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
-use kfs_worker::jobs::probe::{self, ProbeHandler, ProbeSpec};
+use kfs_worker::jobs::probe::{ProbeHandler, ProbeSpec};
 use kfs_worker::jobs::{Handler, JobCtx, JobError, Kind, Policy, RetryPolicy, Step};
 use kfs_worker::relay::{Relay, RelayConfig};
 use lapin::message::Delivery;
@@ -62,19 +62,6 @@ async fn process(engine: &Engine, d: &DeliveryRef) -> Handled {
     tokio::time::timeout(HANG, engine.process_ref(d, &CancellationToken::new()))
         .await
         .expect("process_ref hung")
-}
-
-/// Enqueues one probe job as the platform would; returns (job id, outbox id).
-async fn enqueue_one(pool: &PgPool, spec: &ProbeSpec) -> (Uuid, Uuid) {
-    let mut conn = pool.acquire().await.unwrap();
-    let job = probe::enqueue(&mut conn, spec).await.unwrap();
-    let outbox: Uuid =
-        sqlx::query_scalar("SELECT id FROM kfs_probe_outbox WHERE probe_job_id = $1")
-            .bind(job)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    (job, outbox)
 }
 
 /// Puts an outbox row out for delivery the way the relay's mark leaves it: `dispatched` under a
@@ -148,14 +135,6 @@ async fn probe_snapshot(pool: &PgPool) -> String {
     .fetch_one(pool)
     .await
     .unwrap()
-}
-
-async fn job_text(pool: &PgPool, job: Uuid) -> String {
-    sqlx::query_scalar("SELECT j::text FROM kfs_probe_jobs j WHERE id = $1")
-        .bind(job)
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 #[derive(Debug, sqlx::FromRow)]

@@ -15,7 +15,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestEnv;
+use common::{enqueue_one, job_text, outbox_text, TestEnv};
 use kfs_worker::broker::Topology;
 use kfs_worker::consumer::decode::{int_header, str_header};
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
@@ -62,36 +62,6 @@ async fn round(relay: &Relay, channel: &lapin::Channel, kind: Kind) -> Round {
         .await
         .expect("relay_once hung")
         .expect("relay_once failed")
-}
-
-/// Enqueues one probe job as the platform would; returns (job id, outbox id).
-async fn enqueue_one(pool: &PgPool, spec: &ProbeSpec) -> (Uuid, Uuid) {
-    let mut conn = pool.acquire().await.unwrap();
-    let job = probe::enqueue(&mut conn, spec).await.unwrap();
-    let outbox: Uuid =
-        sqlx::query_scalar("SELECT id FROM kfs_probe_outbox WHERE probe_job_id = $1")
-            .bind(job)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-    (job, outbox)
-}
-
-/// The whole outbox row as text: "changes nothing" compares these.
-async fn outbox_text(pool: &PgPool, outbox: Uuid) -> String {
-    sqlx::query_scalar("SELECT o::text FROM kfs_probe_outbox o WHERE id = $1")
-        .bind(outbox)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-async fn job_text(pool: &PgPool, job: Uuid) -> String {
-    sqlx::query_scalar("SELECT j::text FROM kfs_probe_jobs j WHERE id = $1")
-        .bind(job)
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 #[derive(Debug, sqlx::FromRow)]

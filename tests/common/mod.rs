@@ -316,3 +316,39 @@ pub async fn assert_probe_invariants(pool: &PgPool) {
             .unwrap();
     assert_eq!(outbox, 0, "outbox rows not completed");
 }
+
+/// Enqueues one probe job as the platform would; returns (job id, outbox id).
+pub async fn enqueue_one(
+    pool: &PgPool,
+    spec: &kfs_worker::jobs::probe::ProbeSpec,
+) -> (uuid::Uuid, uuid::Uuid) {
+    let mut conn = pool.acquire().await.unwrap();
+    let job = kfs_worker::jobs::probe::enqueue(&mut conn, spec)
+        .await
+        .unwrap();
+    let outbox: uuid::Uuid =
+        sqlx::query_scalar("SELECT id FROM kfs_probe_outbox WHERE probe_job_id = $1")
+            .bind(job)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    (job, outbox)
+}
+
+/// The whole probe job row as text: "changes nothing" compares these.
+pub async fn job_text(pool: &PgPool, job: uuid::Uuid) -> String {
+    sqlx::query_scalar("SELECT j::text FROM kfs_probe_jobs j WHERE id = $1")
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The whole probe outbox row as text.
+pub async fn outbox_text(pool: &PgPool, outbox: uuid::Uuid) -> String {
+    sqlx::query_scalar("SELECT o::text FROM kfs_probe_outbox o WHERE id = $1")
+        .bind(outbox)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
