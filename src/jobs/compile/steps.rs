@@ -227,16 +227,7 @@ pub(crate) async fn outline_step(
 ) -> Result<(), JobError> {
     let p = parsed(store, d).await?;
     let outline = parse::outline(&p);
-    sqlx::query(
-        "DELETE FROM document_outlines WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3 \
-           AND publication_generation_id = $4",
-    )
-    .bind(&a.tenant)
-    .bind(a.space)
-    .bind(a.document)
-    .bind(a.generation)
-    .execute(&mut *conn)
-    .await?;
+    clear_generation(conn, Generated::Outlines, a).await?;
     sqlx::query(
         "INSERT INTO document_outlines (id, tenant_id, knowledge_space_id, document_asset_id, document_version, \
            publication_generation_id, outline, created_at) \
@@ -264,16 +255,7 @@ pub(crate) async fn nodes_step(
     let p = parsed(store, d).await?;
     let chunks: Vec<Chunk> = parse::chunks(&p, MAX_CHUNK_CHARS);
     // Projections of these nodes go with them (ON DELETE CASCADE).
-    sqlx::query(
-        "DELETE FROM knowledge_nodes WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3 \
-           AND publication_generation_id = $4",
-    )
-    .bind(&a.tenant)
-    .bind(a.space)
-    .bind(a.document)
-    .bind(a.generation)
-    .execute(&mut *conn)
-    .await?;
+    clear_generation(conn, Generated::Nodes, a).await?;
     if chunks.is_empty() {
         return Ok(0);
     }
@@ -326,16 +308,7 @@ pub(crate) async fn nodes_step(
 /// nodes_generated → projection_built: this generation's search vectors, replaced as a whole,
 /// and the candidate publication, bound once and reused ever after.
 pub(crate) async fn projection_step(conn: &mut PgConnection, a: &Attempt) -> Result<(), JobError> {
-    sqlx::query(
-        "DELETE FROM index_projections WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3 \
-           AND publication_generation_id = $4",
-    )
-    .bind(&a.tenant)
-    .bind(a.space)
-    .bind(a.document)
-    .bind(a.generation)
-    .execute(&mut *conn)
-    .await?;
+    clear_generation(conn, Generated::Projections, a).await?;
     sqlx::query(
         "INSERT INTO index_projections (id, tenant_id, knowledge_space_id, document_asset_id, publication_generation_id, \
            node_id, search_vector, created_at) \
@@ -578,4 +551,43 @@ async fn later_attempt_made(
     .fetch_optional(&mut *conn)
     .await?;
     Ok(later.unwrap_or(false))
+}
+
+/// The per-generation rows a compile step writes, each replaced as a whole when the step runs.
+#[derive(Clone, Copy)]
+enum Generated {
+    Outlines,
+    Nodes,
+    Projections,
+}
+
+/// Deletes this attempt's generation of one kind of derived row, so that a repeated step writes
+/// its rows exactly once. Scoped to the attempt's tenant, space and document.
+async fn clear_generation(
+    conn: &mut PgConnection,
+    what: Generated,
+    a: &Attempt,
+) -> Result<(), sqlx::Error> {
+    let sql = match what {
+        Generated::Outlines => {
+            "DELETE FROM document_outlines WHERE tenant_id = $1 AND knowledge_space_id = $2 \
+               AND document_asset_id = $3 AND publication_generation_id = $4"
+        }
+        Generated::Nodes => {
+            "DELETE FROM knowledge_nodes WHERE tenant_id = $1 AND knowledge_space_id = $2 \
+               AND document_asset_id = $3 AND publication_generation_id = $4"
+        }
+        Generated::Projections => {
+            "DELETE FROM index_projections WHERE tenant_id = $1 AND knowledge_space_id = $2 \
+               AND document_asset_id = $3 AND publication_generation_id = $4"
+        }
+    };
+    sqlx::query(sql)
+        .bind(&a.tenant)
+        .bind(a.space)
+        .bind(a.document)
+        .bind(a.generation)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
