@@ -72,12 +72,16 @@ pub struct DemoArgs {
 struct Progress(Instant);
 
 impl Progress {
-    fn say(&self, msg: impl AsRef<str>) {
-        println!(
+    fn line(&self, msg: impl AsRef<str>) -> String {
+        format!(
             "[{:>6.1}s] {}",
             self.0.elapsed().as_secs_f64(),
             msg.as_ref()
-        );
+        )
+    }
+
+    fn say(&self, msg: impl AsRef<str>) {
+        println!("{}", self.line(msg));
     }
 }
 
@@ -232,14 +236,16 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         .map_err(fail("kill"))?;
 
     let mut compiled = 0;
+    let bar = crate::progress::Bar::new(attempts.len() as u64, "compiling");
     for (name, id) in &attempts {
+        bar.set(compiled, format!("waiting for {name}"));
         let s = compile::request::wait(&pool, *id, Duration::from_secs(120))
             .await
             .map_err(|e| fail("compile")(e.to_string()))?;
-        p.say(format!(
+        bar.println(p.line(format!(
             "compiled {name}: {} at {}",
             s.run_state, s.checkpoint
-        ));
+        )));
         if s.run_state != "succeeded" {
             return Err(Failure::runtime(format!(
                 "demo: compiling {name} ended {} ({})",
@@ -248,7 +254,9 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
             )));
         }
         compiled += 1;
+        bar.set(compiled, "");
     }
+    bar.finish();
 
     p.say("asking two research questions");
     let mut answers = Vec::new();
@@ -313,7 +321,15 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
     let st = status::read(&pool, &[Kind::Compile, Kind::Deletion, Kind::Research])
         .await
         .map_err(|e| fail("status")(e.to_string()))?;
-    print_summary(&st, compiled, &research_results, &removed, &kill, &seed, &b);
+    print_summary(
+        &st,
+        compiled as usize,
+        &research_results,
+        &removed,
+        &kill,
+        &seed,
+        &b,
+    );
 
     // Without a terminal to press Ctrl-C in (a script, CI), the demo ends after its summary.
     if args.no_wait || !std::io::IsTerminal::is_terminal(&std::io::stdin()) {
@@ -322,6 +338,11 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
             "stopped demo-b (exit {})",
             code.map_or("signal".into(), |c| c.to_string())
         ));
+        println!(
+            "\nThe dashboard and metrics above are served while a worker runs: start one with \
+             `kfs-worker run` (same DATABASE_URL and AMQP_URL) and open http://127.0.0.1:9464/, \
+             or run the demo in a terminal to keep demo-b up."
+        );
         return Ok(());
     }
     println!("\nThe worker demo-b keeps running. Press Ctrl-C to stop it.");
@@ -639,6 +660,7 @@ fn print_summary(
         ),
     }
     if b.http != "off" {
+        println!("dashboard: http://{}/", b.http);
         println!("metrics:   http://{}/metrics", b.http);
         println!("health:    http://{}/healthz and /readyz", b.http);
     }

@@ -38,6 +38,7 @@ pub mod liveness;
 pub mod maintenance;
 pub mod metrics;
 pub mod platform;
+pub mod progress;
 pub mod publication;
 pub mod relay;
 pub mod runtime;

@@ -15,6 +15,6 @@ async fn main() -> ExitCode {
         kfs_worker::cli::Command::Demo(_) => "warn,sqlx=error,lapin=off,amq_protocol=off",
         _ => "warn,sqlx=error,lapin=off,amq_protocol=off",
     };
-    kfs_worker::telemetry::init(filter);
+    let _telemetry = kfs_worker::telemetry::init(filter);
     kfs_worker::cli::run(cli).await
 }

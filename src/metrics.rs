@@ -4,7 +4,7 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
@@ -18,6 +18,11 @@ pub fn install() -> PrometheusHandle {
                     30.0, 60.0,
                 ])
                 .expect("buckets")
+                .set_buckets_for_metric(
+                    Matcher::Full("kfs_attempt_number".into()),
+                    &[1.0, 2.0, 3.0, 5.0, 10.0, 20.0],
+                )
+                .expect("attempt buckets")
                 .build_recorder();
             let handle = recorder.handle();
             // In a process that already has a recorder (a test binary), keep that one.
@@ -44,6 +49,15 @@ pub fn retry(kind: &'static str) {
     metrics::counter!("kfs_retries_total", "kind" => kind).increment(1);
 }
 
+/// A claim's execution attempt: the counter moves once per claim, the histogram shows how
+/// many attempts jobs need.
+pub fn attempt(kind: &'static str, number: i32) {
+    metrics::counter!("kfs_attempts_total", "kind" => kind).increment(1);
+    metrics::histogram!("kfs_attempt_number", "kind" => kind).record(f64::from(number));
+}
+
+/// A claim that took a job from a holder who never ended its slice. `silent_for`: from that
+/// holder's last heartbeat to the claim.
 pub fn takeover(kind: &'static str, silent_for: Option<Duration>) {
     metrics::counter!("kfs_takeovers_total", "kind" => kind).increment(1);
     if let Some(d) = silent_for {
@@ -56,6 +70,11 @@ pub fn published(kind: &'static str, result: &'static str, n: u64) {
         metrics::counter!("kfs_relay_messages_total", "kind" => kind, "result" => result)
             .increment(n);
     }
+}
+
+/// From claiming a batch of outbox rows to the last of them handed to the broker.
+pub fn publish_latency(kind: &'static str, took: Duration) {
+    metrics::histogram!("kfs_relay_publish_seconds", "kind" => kind).record(took.as_secs_f64());
 }
 
 pub fn confirm_latency(kind: &'static str, took: Duration) {

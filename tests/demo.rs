@@ -36,6 +36,8 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "documents left in the space: 3 of 5",
             "takeover: demo-a was killed holding",
             "stopped demo-b (exit 0)",
+            "dashboard: http://127.0.0.1:",
+            "metrics:   http://127.0.0.1:",
         ] {
             assert!(
                 stdout.contains(needle),

@@ -6,6 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::TestEnv;
+use kfs_worker::broker::OutboundMessage;
 use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
@@ -178,6 +179,245 @@ async fn health_readiness_and_metrics_follow_the_work() {
         "{after}"
     );
     assert!(!after.contains("guest"), "no credentials in metrics");
+
+    shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(20), worker)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    env.cleanup().await;
+}
+
+/// A message for `job` as the relay would publish it, under delivery id `delivery`.
+fn probe_message(job: uuid::Uuid, outbox: uuid::Uuid, delivery: &str) -> OutboundMessage {
+    OutboundMessage {
+        kind: Kind::Probe,
+        outbox_id: outbox,
+        job_id: job,
+        delivery_id: delivery.to_owned(),
+        revision: 1,
+        schema_version: 1,
+        traceparent: None,
+        body: serde_json::to_vec(&serde_json::json!({ "probeJobId": job })).unwrap(),
+    }
+}
+
+async fn publish(env: &TestEnv, props: lapin::BasicProperties, body: &[u8]) {
+    env.confirm_channel()
+        .await
+        .basic_publish(
+            env.topology.exchange().as_str().into(),
+            Kind::Probe.event_type().into(),
+            lapin::options::BasicPublishOptions::default(),
+            body,
+            props,
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric() {
+    let env = TestEnv::new().await;
+    // A job its holder never finished: leased for ten minutes by a worker that is gone, whose
+    // last heartbeat was three seconds ago.
+    let (gone_job, _) = common::enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    sqlx::query(
+        "UPDATE kfs_probe_jobs SET run_state = 'running', worker_id = 'gone', lease_token = gen_random_uuid(), \
+           lease_expires_at = now() + interval '10 minutes', heartbeat_at = now() - interval '3 seconds', \
+           execution_attempts = 1 WHERE id = $1",
+    )
+    .bind(gone_job)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET status = 'leased', queue_job_id = 'gone-' || id, \
+           available_at = now() + interval '10 minutes' WHERE probe_job_id = $1",
+    )
+    .bind(gone_job)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+
+    let addr = free_port();
+    let shutdown = CancellationToken::new();
+    let opts = RunOptions {
+        services: env.services(),
+        object_store: kfs_worker::config::object_store("memory://").unwrap(),
+        worker_id: "metrics-test".into(),
+        kinds: vec![Kind::Probe],
+        relay: true,
+        consumer: true,
+        maintenance: true,
+        relay_cfg: RelayConfig {
+            poll: Duration::from_millis(200),
+            ..RelayConfig::default()
+        },
+        consumer_cfg: ConsumerConfig::default(),
+        maintenance_cfg: MaintenanceConfig::default(),
+        http_addr: Some(addr),
+    };
+    let worker = tokio::spawn(runtime::run(opts, shutdown.clone()));
+    assert!(
+        env.wait_until(Duration::from_secs(20), || async {
+            get(addr, "/readyz").await.0 == 200
+        })
+        .await
+    );
+    let metric = |body: &str, name: &str, labels: &[&str]| sample(body, name, labels);
+    let (_, before) = get(addr, "/metrics").await;
+    let count = |body: &str, name: &str, extra: &[&str]| {
+        let mut l = vec!["kind=\"probe\""];
+        l.extend_from_slice(extra);
+        metric(body, name, &l).unwrap_or(0.0)
+    };
+
+    // Takeover: the sweep makes the dead holder's job due, the relay publishes it again and
+    // the claim takes it over.
+    let pool = env.pool.clone();
+    let state_of = |job: uuid::Uuid| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, String>(
+                "SELECT run_state::text FROM kfs_probe_jobs WHERE id = $1",
+            )
+            .bind(job)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    assert!(
+        env.wait_until(Duration::from_secs(30), || async {
+            state_of(gone_job).await == "succeeded"
+        })
+        .await
+    );
+
+    // A retry: the first attempt fails with a retryable error.
+    let (retried, _) = common::enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            fail_mode: "retry_once",
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    // A long job, to receive a duplicate of its delivery while it runs, and a stale one.
+    let (slow, slow_outbox) = common::enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            steps: 1,
+            step_sleep: Duration::from_secs(3),
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let delivery = {
+        let pool = env.pool.clone();
+        let mut d = None;
+        for _ in 0..100 {
+            d = sqlx::query_scalar::<_, Option<String>>(
+                "SELECT queue_job_id FROM kfs_probe_outbox WHERE id = $1 AND status = 'leased'",
+            )
+            .bind(slow_outbox)
+            .fetch_optional(&pool)
+            .await
+            .unwrap()
+            .flatten();
+            if d.is_some() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        d.expect("the slow job is claimed")
+    };
+    let dup = probe_message(slow, slow_outbox, &delivery);
+    publish(&env, dup.properties(), &dup.body).await;
+    let stale = probe_message(slow, slow_outbox, "an-older-delivery");
+    publish(&env, stale.properties(), &stale.body).await;
+    // Poison: nothing a consumer can decode.
+    publish(&env, lapin::BasicProperties::default(), b"not json").await;
+
+    for job in [retried, slow] {
+        assert!(
+            env.wait_until(Duration::from_secs(30), || async {
+                state_of(job).await == "succeeded"
+            })
+            .await
+        );
+    }
+    let dlq = env.topology.dead_letter_queue();
+    assert!(
+        env.wait_until(Duration::from_secs(10), || async {
+            env.queue_depth(&dlq).await == 1
+        })
+        .await
+    );
+
+    let (_, after) = get(addr, "/metrics").await;
+    let moved =
+        |name: &str, extra: &[&str]| count(&after, name, extra) - count(&before, name, extra);
+    assert!(moved("kfs_takeovers_total", &[]) >= 1.0, "{after}");
+    assert!(moved("kfs_takeover_seconds_count", &[]) >= 1.0, "{after}");
+    assert!(
+        count(&after, "kfs_takeover_seconds_sum", &[]) >= 3.0,
+        "time to take over counts from the holder's last heartbeat: {after}"
+    );
+    assert!(moved("kfs_retries_total", &[]) >= 1.0, "{after}");
+    assert!(moved("kfs_attempts_total", &[]) >= 4.0, "{after}");
+    assert!(moved("kfs_attempt_number_count", &[]) >= 4.0, "{after}");
+    for outcome in ["claimed", "duplicate", "stale", "poison"] {
+        let o = format!("outcome=\"{outcome}\"");
+        assert!(
+            moved("kfs_deliveries_total", &[&o]) >= 1.0,
+            "{outcome}: {after}"
+        );
+    }
+    assert!(
+        moved("kfs_relay_publish_seconds_count", &[]) >= 1.0,
+        "{after}"
+    );
+    assert!(
+        moved("kfs_relay_confirm_seconds_count", &[]) >= 1.0,
+        "{after}"
+    );
+    assert_eq!(
+        metric(&after, "kfs_dead_letters", &[]),
+        Some(1.0),
+        "{after}"
+    );
+
+    // The Grafana dashboard shipped in ops/ charts only metrics the worker really exports.
+    let dashboard = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops/deploy/grafana/kfs-worker.json"),
+    )
+    .unwrap();
+    let _: serde_json::Value = serde_json::from_str(&dashboard).expect("dashboard JSON");
+    let mut charted: Vec<&str> = dashboard
+        .match_indices("kfs_")
+        .map(|(i, _)| {
+            let rest = &dashboard[i..];
+            let end = rest
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(rest.len());
+            &rest[..end]
+        })
+        .filter(|m| *m != "kfs_")
+        .collect();
+    charted.sort_unstable();
+    charted.dedup();
+    assert!(charted.len() >= 10, "{charted:?}");
+    for m in charted {
+        assert!(
+            after.lines().any(|l| l.starts_with(m)),
+            "the dashboard charts {m}, which /metrics does not export:\n{after}"
+        );
+    }
 
     shutdown.cancel();
     tokio::time::timeout(Duration::from_secs(20), worker)

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::jobs::{JobCtx, Kind, KindSpec, States};
+use crate::jobs::{Clock, JobCtx, Kind, KindSpec, States};
 
 /// The prepared statement texts of one kind, rendered once.
 #[derive(Debug)]
@@ -110,15 +110,25 @@ impl Statements {
             States::Stage => "stage = 'failed', retry_at = NULL, completed_at = {now}, error = 'attempts_exhausted: ' || $3",
         };
 
+        // Seconds from the previous holder's last heartbeat to now, in the table's clock.
+        let silent_for = match spec.clock {
+            Clock::Timestamptz => "extract(epoch FROM {now} - prev.heartbeat_at)::float8",
+            Clock::EpochMillis => "(({now} - prev.heartbeat_at) / 1000.0)::float8",
+        };
         Statements {
+            // `prev` reads the row as the statement found it: a lease still on it means its
+            // holder never ended the slice, so this claim is a takeover.
             claim: spec.sql(&format!(
-                "UPDATE {{job}} AS j SET {running_set} \
+                "WITH prev AS (SELECT id, lease_token IS NOT NULL AS held, heartbeat_at FROM {{job}} WHERE id = $1) \
+                 UPDATE {{job}} AS j SET {running_set} \
                    worker_id = $3, lease_token = $4, lease_expires_at = {{now+$5}}, heartbeat_at = {{now}}, \
                    execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = {{now}} \
-                 WHERE j.id = $1 AND {claimable} AND j.execution_attempts < j.max_execution_attempts \
+                 FROM prev \
+                 WHERE j.id = $1 AND prev.id = j.id AND {claimable} AND j.execution_attempts < j.max_execution_attempts \
                    AND EXISTS (SELECT 1 FROM {{outbox}} o WHERE o.id = $2 AND o.{{fk}} = $1 AND o.queue_job_id = $6 \
                                AND o.status IN ('dispatching', 'dispatched', 'leased')) \
-                 RETURNING j.{{cp}}::text, j.row_version, j.execution_attempts, j.max_execution_attempts"
+                 RETURNING j.{{cp}}::text, j.row_version, j.execution_attempts, j.max_execution_attempts, \
+                   prev.held, {silent_for}"
             )),
             claim_outbox: spec.sql(
                 "UPDATE {outbox} SET status = 'leased', available_at = (SELECT lease_expires_at FROM {job} WHERE id = $3), \
@@ -245,7 +255,8 @@ pub async fn claim(
 ) -> Result<Claim, sqlx::Error> {
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let token = Uuid::new_v4();
-    let row: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.claim)
+    type Row = (String, i32, i32, i32, bool, Option<f64>);
+    let row: Option<Row> = sqlx::query_as(&st.claim)
         .bind(d.job_id)
         .bind(d.outbox_id)
         .bind(worker_id)
@@ -254,7 +265,7 @@ pub async fn claim(
         .bind(&d.delivery_id)
         .fetch_optional(&mut *tx)
         .await?;
-    if let Some((checkpoint, row_version, attempts, max_attempts)) = row {
+    if let Some((checkpoint, row_version, attempts, max_attempts, taken_over, silent_for)) = row {
         let outbox = sqlx::query(&st.claim_outbox)
             .bind(d.outbox_id)
             .bind(&d.delivery_id)
@@ -263,6 +274,13 @@ pub async fn claim(
             .await?;
         if outbox.rows_affected() == 1 {
             tx.commit().await?;
+            crate::metrics::attempt(d.kind.name(), attempts);
+            if taken_over {
+                crate::metrics::takeover(
+                    d.kind.name(),
+                    silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
+                );
+            }
             return Ok(Claim::Claimed(JobCtx {
                 kind: d.kind,
                 job_id: d.job_id,

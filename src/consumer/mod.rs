@@ -18,6 +18,7 @@ use lapin::types::FieldTable;
 use sqlx::PgPool;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::crash;
 use crate::jobs::{Handler, JobCtx, Kind, Policy};
@@ -149,7 +150,32 @@ impl Engine {
     ) -> Handled {
         let env = decode::envelope(props, body);
         match decode::decode(kind, &env) {
-            Ok(d) => self.process_ref(&d, shutdown).await,
+            Ok(d) => {
+                let span = tracing::info_span!(
+                    "consume",
+                    otel.name = %format_args!("{} process", kind.event_type()),
+                    otel.kind = "consumer",
+                    messaging.system = "rabbitmq",
+                    kind = %kind,
+                    job_id = %d.job_id,
+                    delivery_id = %d.delivery_id,
+                    outcome = tracing::field::Empty,
+                );
+                let traceparent = props
+                    .headers()
+                    .as_ref()
+                    .and_then(|h| decode::str_header(h, decode::H_TRACEPARENT))
+                    .filter(|t| crate::relay::valid_traceparent(t));
+                crate::telemetry::set_remote_parent(&span, traceparent);
+                let handled = self
+                    .process_ref(&d, shutdown)
+                    .instrument(span.clone())
+                    .await;
+                if let Handled::Ack { claim, end } = &handled {
+                    span.record("outcome", end.unwrap_or(claim));
+                }
+                handled
+            }
             Err(e) => {
                 self.counters.poison.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::delivery(kind.name(), "poison");
@@ -168,7 +194,10 @@ impl Engine {
                 let mut conn = self.pool.acquire().await?;
                 lease::claim(&mut conn, st, d, &self.worker_id, policy.lease).await
             };
-            match attempt.await {
+            match attempt
+                .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id))
+                .await
+            {
                 Ok(c) => break c,
                 Err(e) => {
                     tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, "claim failed; not acking, will retry");
@@ -262,7 +291,16 @@ impl Engine {
                 }
             };
             job.row_version = fenced;
-            let result = handler.step(&mut tx, &job).await;
+            let result = handler
+                .step(&mut tx, &job)
+                .instrument(tracing::info_span!(
+                    "step",
+                    kind = %job.kind,
+                    job_id = %job.job_id,
+                    checkpoint = %job.checkpoint,
+                    attempt = job.execution_attempts,
+                ))
+                .await;
             steps_done += 1;
             let progress = Progress {
                 steps_done,
@@ -279,6 +317,14 @@ impl Engine {
             );
             // Errors before `commit()` are certain: the transaction rolled back. Only a failing
             // `commit()` leaves the outcome unknown.
+            let commit_span = match &next {
+                Next::Step(_) => {
+                    tracing::info_span!("commit_step", kind = %job.kind, job_id = %job.job_id)
+                }
+                Next::End { end, .. } | Next::Abort(end) => {
+                    tracing::info_span!("end_slice", kind = %job.kind, job_id = %job.job_id, end = end.name())
+                }
+            };
             let committed: Result<Option<&'static str>, StepError> = async {
                 match &next {
                     Next::Step(cp) => {
@@ -314,6 +360,7 @@ impl Engine {
                     }
                 }
             }
+            .instrument(commit_span)
             .await;
             match committed {
                 Ok(None) => {

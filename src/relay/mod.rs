@@ -13,6 +13,7 @@ use futures_util::FutureExt;
 use lapin::options::BasicPublishOptions;
 use lapin::Channel;
 use sqlx::PgPool;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::broker::{OutboundMessage, Topology};
@@ -223,6 +224,7 @@ impl Relay {
     /// Claims one batch of `kind`, publishes it on `channel` (in confirm mode) and settles it.
     pub async fn relay_once(&self, channel: &Channel, kind: Kind) -> Result<Round, RelayError> {
         let st = &self.statements[&kind];
+        let started = std::time::Instant::now();
         let token = Uuid::new_v4();
         let rows: Vec<Claimed> = sqlx::query_as::<
             _,
@@ -265,7 +267,7 @@ impl Relay {
                 failed.push(Failed::refund(i, "not published: the channel failed"));
                 continue;
             }
-            let msg = message(kind, row);
+            let mut msg = message(kind, row);
             if msg.body.len() > crate::consumer::decode::MAX_BODY {
                 // No consumer would accept it: it can never be delivered.
                 failed.push(Failed::dead(
@@ -278,6 +280,21 @@ impl Relay {
                 ));
                 continue;
             }
+            let span = tracing::info_span!(
+                "publish",
+                otel.name = %format_args!("{} publish", kind.event_type()),
+                otel.kind = "producer",
+                messaging.system = "rabbitmq",
+                kind = %kind,
+                job_id = %row.job_id,
+                delivery_id = %msg.delivery_id,
+            );
+            crate::telemetry::set_remote_parent(&span, msg.traceparent.as_deref());
+            if let Some(tp) = crate::telemetry::traceparent_of(&span) {
+                // The consumer's span becomes a child of this publish, itself a child of the
+                // request that wrote the row.
+                msg.traceparent = Some(tp);
+            }
             let sent = channel
                 .basic_publish(
                     exchange.as_str().into(),
@@ -289,6 +306,7 @@ impl Relay {
                     &msg.body,
                     msg.properties(),
                 )
+                .instrument(span)
                 .await;
             match sent {
                 Ok(confirm) => {
@@ -303,6 +321,7 @@ impl Relay {
         }
 
         let published_at = std::time::Instant::now();
+        crate::metrics::publish_latency(kind.name(), published_at - started);
         let deadline = tokio::time::Instant::now() + self.cfg.confirm_timeout;
         let mut first = true;
         while !pending.is_empty() {

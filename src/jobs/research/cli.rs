@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::{control, follow, request};
+use super::{control, follow, request, Stage};
 use crate::cli::{ConnArgs, Failure};
 use crate::config;
 
@@ -194,8 +194,23 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
             let poll = config::duration("--poll", poll)?.max(Duration::from_millis(10));
             let pool = pool(conn).await?;
             let pretty = follow::stdout_is_terminal();
+            // The bar walks the stages a task passes through on its way to completion.
+            let walk = [
+                Stage::Queued,
+                Stage::Planning,
+                Stage::Retrieving,
+                Stage::Analyzing,
+                Stage::Generating,
+                Stage::Completed,
+            ];
+            let bar = crate::progress::Bar::new(walk.len() as u64 - 1, "research");
             let ended = follow::follow(&pool, id, poll, |e| {
-                println!("{}", follow::format_event(e, pretty));
+                bar.println(follow::format_event(e, pretty));
+                if let Some(i) =
+                    Stage::parse(&e.stage).and_then(|s| walk.iter().position(|w| *w == s))
+                {
+                    bar.set(i as u64, e.stage.clone());
+                }
             })
             .await
             .map_err(|e| match e {
