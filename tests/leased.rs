@@ -873,6 +873,20 @@ async fn backfill_refuses_a_moved_manifest_a_bad_digest_and_an_existing_head() {
     fx.cleanup().await;
 }
 
+/// The body of a plain HTTP GET to the worker's own server.
+fn http_get(port: u16, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 /// The SQLSTATE of a failed statement.
 async fn sqlstate(pool: &PgPool, sql: &str, id: Uuid) -> Option<String> {
     match sqlx::query(sql).bind(id).execute(pool).await {
@@ -1108,7 +1122,13 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     add_manifest(fx.pool(), fx.space, 1).await;
     let boot = fx.enqueue_bootstrap().await;
     let fill = enqueue_backfill(fx.pool(), fx.space, "embedding", 1, embedding_snapshot()).await;
-    let env: Vec<(String, String)> = fx.worker_env("leased-proc");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut env: Vec<(String, String)> = fx.worker_env("leased-proc");
+    env.push(("KFS_HTTP_ADDR".into(), format!("127.0.0.1:{port}")));
     let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let mut w = fx.env.spawn_worker("leased-proc", &["run"], &e);
     let done = fx
@@ -1146,6 +1166,15 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     assert_eq!(json["leased"][0]["kind"], "bootstrap");
     assert_eq!(json["leased"][0]["jobs"]["succeeded"], 1);
     assert_eq!(json["leased"][1]["jobs"]["succeeded"], 1);
+    let metrics = http_get(port, "/metrics");
+    for want in [
+        r#"kfs_jobs{kind="bootstrap",state="succeeded"} 1"#,
+        r#"kfs_jobs{kind="backfill",state="succeeded"} 1"#,
+        r#"kfs_leased_checkpoints{kind="bootstrap",checkpoint="published"} 1"#,
+        r#"kfs_slices_total{kind="backfill",end="succeeded"} 1"#,
+    ] {
+        assert!(metrics.contains(want), "{want} missing from\n{metrics}");
+    }
     w.signal("TERM");
     assert!(w.wait_exit(Duration::from_secs(30)).is_some());
     fx.cleanup().await;
