@@ -76,7 +76,7 @@ pub enum Command {
     Migrate,
     /// Check that Postgres and RabbitMQ are reachable and accept the credentials
     Check,
-    /// Run the relay, the consumers and maintenance until SIGTERM/SIGINT
+    /// Run the relay, the consumers, maintenance and the leased jobs until SIGTERM/SIGINT
     Run(Box<RunArgs>),
     /// Jobs by state, outbox by status, relay lag and dead letters, per kind
     Status(StatusArgs),
@@ -115,6 +115,12 @@ pub struct RunArgs {
     /// Run maintenance: early takeover of dead workers' jobs and outbox retention
     #[arg(long)]
     pub maintenance: bool,
+    /// Run the jobs leased straight from Postgres: legacy space bootstraps and profile backfills
+    #[arg(long)]
+    pub leased: bool,
+    /// How often the leased runner looks for claimable bootstraps and backfills
+    #[arg(long, env = "KFS_LEASED_POLL", default_value = "1s")]
+    pub leased_poll: String,
     /// Job kinds to relay and consume: compile, deletion, research (and probe, the engine's test kind)
     #[arg(long, env = "KFS_KINDS", default_value = "compile,deletion,research")]
     pub kinds: String,
@@ -244,7 +250,16 @@ impl RunArgs {
             poll: config::duration("KFS_RELAY_POLL", &self.relay_poll)?,
             ..RelayConfig::default()
         };
-        let all = !(self.relay || self.consumer || self.maintenance);
+        let all = !(self.relay || self.consumer || self.maintenance || self.leased);
+        let leased_poll = config::duration("KFS_LEASED_POLL", &self.leased_poll)?;
+        if leased_poll < std::time::Duration::from_millis(10) {
+            return Err(ConfigError::new("KFS_LEASED_POLL", "must be at least 10ms"));
+        }
+        let leased_cfg = crate::jobs::leased::LeasedConfig {
+            poll: leased_poll,
+            budget: consumer_cfg.budget,
+            ..Default::default()
+        };
         Ok(crate::runtime::RunOptions {
             services,
             object_store: config::object_store(&conn.object_store)?,
@@ -253,6 +268,7 @@ impl RunArgs {
             relay: all || self.relay,
             consumer: all || self.consumer,
             maintenance: all || self.maintenance,
+            leased: (all || self.leased).then_some(leased_cfg),
             relay_cfg,
             consumer_cfg,
             maintenance_cfg: crate::maintenance::MaintenanceConfig::default(),

@@ -11,6 +11,14 @@ pub const POINTS: [&str; 5] = [
     "after-mark-before-confirm-wait",
 ];
 
+/// The points the leased jobs (bootstraps, profile backfills) pass through.
+pub const LEASED_POINTS: [&str; 4] = [
+    "leased-after-claim-commit",
+    "leased-after-step-commit",
+    "leased-before-end-commit",
+    "backfill-before-commit",
+];
+
 #[cfg(feature = "crash-points")]
 pub fn point(name: &'static str) {
     use std::sync::atomic::{AtomicU64, Ordering};

@@ -98,6 +98,16 @@ pub fn record_status(status: &crate::status::Status) {
             metrics::gauge!("kfs_queue_messages", "kind" => k.kind.clone()).set(f64::from(q));
         }
     }
+    for k in &status.leased {
+        for (state, n) in &k.jobs {
+            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state.clone())
+                .set(*n as f64);
+        }
+        for (cp, n) in &k.checkpoints {
+            metrics::gauge!("kfs_leased_checkpoints", "kind" => k.kind.clone(), "checkpoint" => cp.clone())
+                .set(*n as f64);
+        }
+    }
     if let Some(d) = status.dead_letters {
         metrics::gauge!("kfs_dead_letters").set(f64::from(d));
     }

@@ -30,6 +30,8 @@ pub struct RunOptions {
     pub relay: bool,
     pub consumer: bool,
     pub maintenance: bool,
+    /// The jobs leased straight from Postgres (bootstraps, profile backfills); `None`: off.
+    pub leased: Option<crate::jobs::leased::LeasedConfig>,
     pub relay_cfg: RelayConfig,
     pub consumer_cfg: ConsumerConfig,
     pub maintenance_cfg: MaintenanceConfig,
@@ -100,20 +102,31 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
     }
 
-    if opts.consumer {
+    if opts.consumer || opts.leased.is_some() {
         let lock = liveness::acquire(&s.database_url, &opts.worker_id).await?;
-        for &kind in &opts.kinds {
-            let n = maintenance::release_own_leases(&pool, kind, &opts.worker_id).await?;
-            if n > 0 {
-                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
-            }
-        }
         tasks.spawn(liveness::hold(
             s.database_url.clone(),
             opts.worker_id.clone(),
             lock,
             shutdown.clone(),
         ));
+    }
+    if let Some(cfg) = opts.leased.clone() {
+        tasks.spawn(jobs::leased::run(
+            pool.clone(),
+            jobs::leased::kinds(),
+            opts.worker_id.clone(),
+            cfg,
+            shutdown.clone(),
+        ));
+    }
+    if opts.consumer {
+        for &kind in &opts.kinds {
+            let n = maintenance::release_own_leases(&pool, kind, &opts.worker_id).await?;
+            if n > 0 {
+                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
+            }
+        }
         let deps = jobs::Deps {
             store: crate::store::Store::open(&opts.object_store)?,
         };
@@ -165,7 +178,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     tracing::info!(
         worker_id = %opts.worker_id,
         kinds = ?opts.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
-        relay = opts.relay, consumer = opts.consumer,
+        relay = opts.relay, consumer = opts.consumer, leased = opts.leased.is_some(),
         "kfs-worker running"
     );
     // After shutdown is requested, running slices get the grace period to commit and ack; then

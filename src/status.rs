@@ -28,6 +28,48 @@ pub struct KindStatus {
 pub struct Status {
     pub kinds: Vec<KindStatus>,
     pub dead_letters: Option<u32>,
+    /// The jobs leased straight from Postgres (no outbox, no queue).
+    pub leased: Vec<LeasedStatus>,
+}
+
+/// One leased kind's numbers (bootstraps, profile backfills).
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct LeasedStatus {
+    pub kind: String,
+    /// Jobs by `run_state`.
+    pub jobs: BTreeMap<String, i64>,
+    /// Jobs by checkpoint (kinds that have one).
+    pub checkpoints: BTreeMap<String, i64>,
+}
+
+/// Reads the leased kinds' numbers.
+pub async fn read_leased(pool: &PgPool) -> Result<Vec<LeasedStatus>, sqlx::Error> {
+    let mut out = Vec::new();
+    for (kind, table, checkpoint) in [
+        ("bootstrap", crate::jobs::bootstrap::TABLE, true),
+        ("backfill", crate::jobs::backfill::TABLE, false),
+    ] {
+        let jobs: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT run_state::text, count(*) FROM {table} GROUP BY 1"
+        ))
+        .fetch_all(pool)
+        .await?;
+        let checkpoints: Vec<(String, i64)> = if checkpoint {
+            sqlx::query_as(&format!(
+                "SELECT checkpoint::text, count(*) FROM {table} GROUP BY 1"
+            ))
+            .fetch_all(pool)
+            .await?
+        } else {
+            Vec::new()
+        };
+        out.push(LeasedStatus {
+            kind: kind.to_owned(),
+            jobs: jobs.into_iter().collect(),
+            checkpoints: checkpoints.into_iter().collect(),
+        });
+    }
+    Ok(out)
 }
 
 /// Reads the numbers of `kinds` from Postgres.
@@ -69,6 +111,7 @@ pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> 
             queued_messages: None,
         });
     }
+    out.leased = read_leased(pool).await?;
     Ok(out)
 }
 
@@ -136,6 +179,27 @@ pub fn render(status: &Status) -> String {
             });
         let _ = writeln!(s, "  relay    {due}, {queued}");
     }
+    for k in &status.leased {
+        let jobs: Vec<String> = k.jobs.iter().map(|(st, n)| format!("{st}={n}")).collect();
+        let _ = writeln!(
+            s,
+            "{} (leased)\n  jobs     {}",
+            k.kind,
+            if jobs.is_empty() {
+                "none".into()
+            } else {
+                jobs.join("  ")
+            }
+        );
+        if !k.checkpoints.is_empty() {
+            let cps: Vec<String> = k
+                .checkpoints
+                .iter()
+                .map(|(c, n)| format!("{c}={n}"))
+                .collect();
+            let _ = writeln!(s, "  at       {}", cps.join("  "));
+        }
+    }
     let _ = writeln!(
         s,
         "dead letters: {}",
@@ -163,6 +227,11 @@ mod tests {
                 queued_messages: Some(0),
             }],
             dead_letters: Some(2),
+            leased: vec![LeasedStatus {
+                kind: "bootstrap".into(),
+                jobs: [("succeeded".to_owned(), 1)].into_iter().collect(),
+                checkpoints: [("published".to_owned(), 1)].into_iter().collect(),
+            }],
         };
         let out = render(&st);
         assert!(
@@ -171,6 +240,10 @@ mod tests {
         );
         assert!(
             out.contains("oldest due row waiting 1.2s, 0 messages queued"),
+            "{out}"
+        );
+        assert!(
+            out.contains("bootstrap (leased)\n  jobs     succeeded=1\n  at       published=1\n"),
             "{out}"
         );
         assert!(out.ends_with("dead letters: 2\n"), "{out}");

@@ -25,6 +25,7 @@ fn options(env: &TestEnv, worker: &str) -> RunOptions {
         relay: true,
         consumer: true,
         maintenance: true,
+        leased: None,
         relay_cfg: RelayConfig {
             poll: Duration::from_millis(200),
             ..RelayConfig::default()

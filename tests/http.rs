@@ -65,6 +65,7 @@ async fn health_readiness_and_metrics_follow_the_work() {
         relay: true,
         consumer: true,
         maintenance: true,
+        leased: None,
         relay_cfg: RelayConfig {
             poll: Duration::from_millis(200),
             ..RelayConfig::default()

@@ -3,8 +3,11 @@
 //! never names a table or a time type itself; it asks the kind's [`KindSpec`], so all kinds
 //! share one protocol and each keeps its table's own rules.
 
+pub mod backfill;
+pub mod bootstrap;
 pub mod compile;
 pub mod deletion;
+pub mod leased;
 pub mod probe;
 pub mod research;
 pub mod retry;
