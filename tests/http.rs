@@ -52,15 +52,12 @@ fn sample(body: &str, metric: &str, labels: &[&str]) -> Option<f64> {
         .find_map(|l| l.rsplit(' ').next()?.parse().ok())
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn health_readiness_and_metrics_follow_the_work() {
-    let env = TestEnv::new().await;
-    let addr = free_port();
-    let shutdown = CancellationToken::new();
-    let opts = RunOptions {
+/// A whole worker (relay, consumer, maintenance) of the probe kind, serving HTTP on `addr`.
+fn options(env: &TestEnv, worker: &str, addr: std::net::SocketAddr) -> RunOptions {
+    RunOptions {
         services: env.services(),
         object_store: kfs_worker::config::object_store("memory://").unwrap(),
-        worker_id: "http-test".into(),
+        worker_id: worker.into(),
         kinds: vec![Kind::Probe],
         relay: true,
         consumer: true,
@@ -73,7 +70,15 @@ async fn health_readiness_and_metrics_follow_the_work() {
         consumer_cfg: ConsumerConfig::default(),
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: Some(addr),
-    };
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn health_readiness_and_metrics_follow_the_work() {
+    let env = TestEnv::new().await;
+    let addr = free_port();
+    let shutdown = CancellationToken::new();
+    let opts = options(&env, "http-test", addr);
     let worker = tokio::spawn(runtime::run(opts, shutdown.clone()));
 
     let ready = env
@@ -246,22 +251,7 @@ async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric()
 
     let addr = free_port();
     let shutdown = CancellationToken::new();
-    let opts = RunOptions {
-        services: env.services(),
-        object_store: kfs_worker::config::object_store("memory://").unwrap(),
-        worker_id: "metrics-test".into(),
-        kinds: vec![Kind::Probe],
-        relay: true,
-        consumer: true,
-        maintenance: true,
-        relay_cfg: RelayConfig {
-            poll: Duration::from_millis(200),
-            ..RelayConfig::default()
-        },
-        consumer_cfg: ConsumerConfig::default(),
-        maintenance_cfg: MaintenanceConfig::default(),
-        http_addr: Some(addr),
-    };
+    let opts = options(&env, "metrics-test", addr);
     let worker = tokio::spawn(runtime::run(opts, shutdown.clone()));
     assert!(
         env.wait_until(Duration::from_secs(20), || async {
