@@ -499,23 +499,34 @@ pub async fn latency(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let (offered_secs, finished) = with_runtime(opts, async {
         env.wait_consumers(&queue, 1, Duration::from_secs(60))
             .await?;
-        let mut conn = env.pool.acquire().await.map_err(|e| e.to_string())?;
         let progress = Progress::new("latency", total, p.interactive);
         let mut tick =
             tokio::time::interval(Duration::from_secs_f64(1.0 / f64::from(p.latency_rate)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+        // Each job is its own commit, started on its tick whether or not the previous commit
+        // has returned: the offered rate does not depend on how fast one connection commits.
+        let mut creating = tokio::task::JoinSet::new();
         let started = Instant::now();
         for i in 0..total {
             tick.tick().await;
-            probe::enqueue(&mut conn, &ProbeSpec::default())
-                .await
-                .map_err(|e| format!("enqueue: {e}"))?;
+            let pool = env.pool.clone();
+            creating.spawn(async move {
+                let mut conn = pool.acquire().await?;
+                probe::enqueue(&mut conn, &ProbeSpec::default()).await
+            });
+            while let Some(done) = creating.try_join_next() {
+                done.map_err(|e| e.to_string())?
+                    .map_err(|e| format!("enqueue: {e}"))?;
+            }
             if i % 50 == 0 {
                 progress.set(i);
             }
         }
+        while let Some(done) = creating.join_next().await {
+            done.map_err(|e| e.to_string())?
+                .map_err(|e| format!("enqueue: {e}"))?;
+        }
         let offered = started.elapsed().as_secs_f64();
-        drop(conn);
         let finished = wait_for(total, &progress, Duration::from_millis(100), || {
             probe_finished(&env.pool)
         })
