@@ -89,6 +89,8 @@ pub enum Command {
     Delete(crate::jobs::deletion::cli::DeleteArgs),
     /// Request, control (pause, resume, cancel) and follow research tasks
     Research(crate::jobs::research::cli::ResearchArgs),
+    /// Measure throughput and latency next to the bare publish-consume-commit loop (see BENCHMARKS.md)
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Debug, Args)]
@@ -324,6 +326,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Compile(args) => crate::jobs::compile::cli::run(&cli.conn, &args).await,
         Command::Delete(args) => crate::jobs::deletion::cli::run(&cli.conn, &args).await,
         Command::Research(args) => crate::jobs::research::cli::run(&cli.conn, &args).await,
+        Command::Bench(args) => crate::bench::run(&cli.conn, &args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -20,11 +20,13 @@
 //! - [`metrics`] — metric names and the Prometheus recorder.
 //! - [`status`] — what the job tables and queues hold right now.
 //! - [`demo`] — the main job end to end, for newcomers.
+//! - [`bench`] — throughput and latency next to the bare loop the machine allows.
 //! - [`cli`] — the command line.
 //! - [`telemetry`] — logging.
 //! - [`crash`] — kill points for crash tests.
 //!
 
+pub mod bench;
 pub mod broker;
 pub mod cli;
 pub mod config;

@@ -1,0 +1,275 @@
+//! `kfs-worker bench`: how fast the engine is, next to the fastest loop the same machine allows,
+//! measured in the same run. Invariant: every scenario runs against its own fresh database and
+//! queue prefix and removes them afterwards; the bench reports numbers and never judges them —
+//! it fails only when its input is bad, a service cannot be used, or work was left undone.
+
+mod env;
+mod machine;
+mod report;
+mod scenarios;
+pub mod stats;
+
+use std::io::IsTerminal;
+
+use crate::cli::{ConnArgs, Failure};
+use crate::config::ConfigError;
+use report::Report;
+use scenarios::Params;
+
+#[derive(Debug, clap::Args)]
+pub struct BenchArgs {
+    /// Jobs (and messages) per throughput scenario
+    #[arg(long, default_value_t = 20_000)]
+    pub jobs: u64,
+    /// Most worker processes in the scale-out scenario (it runs 1, 2, 4, … up to this)
+    #[arg(long, default_value_t = 4)]
+    pub workers: u32,
+    /// Deliveries in flight per consumer (the prefetch); the bare loop gets the same
+    #[arg(long, default_value_t = 16)]
+    pub inflight: u16,
+    /// One JSON object per line (the machine, then each scenario) instead of the table
+    #[arg(long)]
+    pub json: bool,
+    /// Scenarios to run: limit, relay, engine, latency, kinds, scaleout
+    #[arg(long, default_value = "limit,relay,engine,latency,kinds,scaleout")]
+    pub scenarios: String,
+    /// How long the latency scenario creates jobs, in seconds
+    #[arg(long, default_value_t = 30)]
+    pub latency_secs: u64,
+    /// Jobs created per second in the latency scenario
+    #[arg(long, default_value_t = 200)]
+    pub latency_rate: u32,
+    /// Documents in the kinds scenario's space: each is compiled, researched once and deleted
+    #[arg(long, default_value_t = 100)]
+    pub kind_jobs: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Scenario {
+    Limit,
+    Relay,
+    Engine,
+    Latency,
+    Kinds,
+    Scaleout,
+}
+
+impl Scenario {
+    pub const ALL: [Scenario; 6] = [
+        Scenario::Limit,
+        Scenario::Relay,
+        Scenario::Engine,
+        Scenario::Latency,
+        Scenario::Kinds,
+        Scenario::Scaleout,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Scenario::Limit => "limit",
+            Scenario::Relay => "relay",
+            Scenario::Engine => "engine",
+            Scenario::Latency => "latency",
+            Scenario::Kinds => "kinds",
+            Scenario::Scaleout => "scaleout",
+        }
+    }
+
+    /// Parses `a,b,…` into scenarios in their canonical order (the limit runs before the
+    /// engine that is compared with it), without repeats.
+    pub fn parse_list(raw: &str) -> Result<Vec<Scenario>, String> {
+        let mut out = Vec::new();
+        for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let s = Scenario::ALL
+                .into_iter()
+                .find(|s| s.name() == part)
+                .ok_or_else(|| {
+                    format!("unknown scenario '{part}'; expected limit, relay, engine, latency, kinds or scaleout")
+                })?;
+            if !out.contains(&s) {
+                out.push(s);
+            }
+        }
+        if out.is_empty() {
+            return Err("names no scenario".into());
+        }
+        out.sort();
+        Ok(out)
+    }
+}
+
+impl BenchArgs {
+    fn params(&self) -> Result<(Vec<Scenario>, Params), ConfigError> {
+        let scenarios = Scenario::parse_list(&self.scenarios)
+            .map_err(|e| ConfigError::new("--scenarios", e))?;
+        if !(1..=10_000_000).contains(&self.jobs) {
+            return Err(ConfigError::new("--jobs", "must be between 1 and 10000000"));
+        }
+        if !(1..=16).contains(&self.workers) {
+            return Err(ConfigError::new("--workers", "must be between 1 and 16"));
+        }
+        if self.inflight == 0 {
+            return Err(ConfigError::new("--inflight", "must be at least 1"));
+        }
+        if !(1..=3600).contains(&self.latency_secs) {
+            return Err(ConfigError::new(
+                "--latency-secs",
+                "must be between 1 and 3600",
+            ));
+        }
+        if !(1..=5000).contains(&self.latency_rate) {
+            return Err(ConfigError::new(
+                "--latency-rate",
+                "must be between 1 and 5000",
+            ));
+        }
+        if !(1..=10_000).contains(&self.kind_jobs) {
+            return Err(ConfigError::new(
+                "--kind-jobs",
+                "must be between 1 and 10000",
+            ));
+        }
+        Ok((
+            scenarios,
+            Params {
+                jobs: self.jobs,
+                workers: self.workers,
+                inflight: self.inflight,
+                latency_secs: self.latency_secs,
+                latency_rate: self.latency_rate,
+                kind_jobs: self.kind_jobs,
+                interactive: !self.json,
+            },
+        ))
+    }
+}
+
+pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
+    let (scenarios, params) = args.params()?;
+    let services = conn.services()?;
+    let pool = crate::db::connect(
+        &services.database_url,
+        "kfs-worker bench",
+        1,
+        services.connect_timeout,
+    )
+    .await
+    .map_err(Failure::usage)?;
+    crate::broker::connect(
+        &services.amqp_url,
+        "kfs-worker bench",
+        services.connect_timeout,
+    )
+    .await
+    .map_err(Failure::usage)?
+    .close(200, "checked".into())
+    .await
+    .ok();
+    let machine = machine::read(&services, &pool).await;
+    pool.close().await;
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({ "machine": machine, "jobs": params.jobs, "inflight": params.inflight })
+        );
+    } else {
+        println!(
+            "kfs-worker bench: {} cores ({}), {} GiB, load {}; PostgreSQL {}, RabbitMQ {}; {} build",
+            machine.cores,
+            machine.cpu,
+            machine.memory_gib,
+            machine.load_1m,
+            machine.postgres,
+            machine.rabbitmq,
+            machine.build
+        );
+        println!(
+            "jobs {}, in flight {}, scenarios {}\n",
+            params.jobs,
+            params.inflight,
+            scenarios
+                .iter()
+                .map(|s| s.name())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
+    }
+
+    let mut limit_rate = None;
+    let mut rows = Vec::new();
+    let mut undone = Vec::new();
+    for s in scenarios {
+        let report = one(&services, s, &params, limit_rate)
+            .await
+            .map_err(|e| Failure::runtime(format!("bench {}: {e}", s.name())))?;
+        if s == Scenario::Limit {
+            limit_rate = Some(report.rate);
+        }
+        if report.done < report.n {
+            undone.push(format!("{}: {} of {}", s.name(), report.done, report.n));
+        }
+        if args.json {
+            println!("{}", serde_json::to_string(&report).unwrap_or_default());
+        } else {
+            rows.extend(report.rows());
+            if std::io::stdout().is_terminal() {
+                // Show each result as it comes, then the whole table at the end.
+                println!("{}", report::table(&report.rows()));
+            }
+        }
+    }
+    if !args.json {
+        print!("{}", report::table(&rows));
+    }
+    if undone.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::runtime(format!(
+            "bench: work left undone ({})",
+            undone.join("; ")
+        )))
+    }
+}
+
+async fn one(
+    services: &crate::config::Services,
+    s: Scenario,
+    p: &Params,
+    limit: Option<f64>,
+) -> Result<Report, String> {
+    if s == Scenario::Scaleout {
+        return scenarios::scaleout(services, p).await;
+    }
+    let env = env::BenchEnv::new(services, s.name()).await?;
+    let r = match s {
+        Scenario::Limit => scenarios::limit(&env, p).await,
+        Scenario::Relay => scenarios::relay(&env, p).await,
+        Scenario::Engine => scenarios::engine(&env, p, limit).await,
+        Scenario::Latency => scenarios::latency(&env, p).await,
+        Scenario::Kinds => scenarios::kinds(&env, p).await,
+        Scenario::Scaleout => unreachable!("handled above"),
+    };
+    env.cleanup().await;
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Scenario;
+
+    #[test]
+    fn scenario_lists_parse_in_canonical_order() {
+        assert_eq!(
+            Scenario::parse_list("engine, limit,engine").unwrap(),
+            vec![Scenario::Limit, Scenario::Engine]
+        );
+        assert_eq!(
+            Scenario::parse_list("limit,relay,engine,latency,kinds,scaleout").unwrap(),
+            Scenario::ALL.to_vec()
+        );
+        assert!(Scenario::parse_list("fast")
+            .unwrap_err()
+            .contains("unknown scenario 'fast'"));
+        assert!(Scenario::parse_list(" , ").is_err());
+    }
+}

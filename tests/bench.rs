@@ -1,0 +1,156 @@
+//! `kfs-worker bench` end to end with tiny numbers: every scenario runs against the real
+//! services, reports a well-formed result and finishes all of its work, and removes what it
+//! created. No assertion here is about speed.
+
+mod common;
+
+use std::process::{Command, Output};
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
+        .arg("bench")
+        .args(args)
+        .env("DATABASE_URL", common::admin_url())
+        .env("AMQP_URL", common::amqp_url())
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run kfs-worker bench")
+}
+
+fn num(v: &serde_json::Value, key: &str) -> f64 {
+    v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is not a number in {v}"))
+}
+
+/// Every run finished all it asked for, in a positive time, at a finite rate.
+fn assert_run_complete(v: &serde_json::Value, what: &str) {
+    let (n, done, secs, rate) = (num(v, "n"), num(v, "done"), num(v, "secs"), num(v, "rate"));
+    assert!(n > 0.0, "{what}: nothing asked: {v}");
+    assert_eq!(done, n, "{what}: work left undone: {v}");
+    assert!(
+        secs > 0.0 && secs.is_finite(),
+        "{what}: no time measured: {v}"
+    );
+    assert!(rate > 0.0 && rate.is_finite(), "{what}: no rate: {v}");
+}
+
+fn assert_latency(v: &serde_json::Value, key: &str) {
+    let s = &v[key];
+    let (p50, p99, max) = (num(s, "p50"), num(s, "p99"), num(s, "max"));
+    assert!(
+        0.0 <= p50 && p50 <= p99 && p99 <= max,
+        "{key}: percentiles out of order: {s}"
+    );
+}
+
+async fn bench_databases() -> i64 {
+    let pool = sqlx::PgPool::connect(&common::admin_url()).await.unwrap();
+    let n = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname LIKE 'kfs_bench_%'")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    n
+}
+
+#[tokio::test]
+async fn every_scenario_reports_all_its_work_done() {
+    let before = bench_databases().await;
+    let o = bench(&[
+        "--jobs",
+        "200",
+        "--latency-secs",
+        "2",
+        "--latency-rate",
+        "50",
+        "--kind-jobs",
+        "4",
+        "--workers",
+        "2",
+        "--json",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+
+    let lines: Vec<serde_json::Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let machine = &lines[0]["machine"];
+    assert!(num(machine, "cores") >= 1.0, "{machine}");
+    assert!(
+        machine["postgres"].as_str().is_some_and(|v| v != "unknown"),
+        "{machine}"
+    );
+    assert!(
+        machine["rabbitmq"].as_str().is_some_and(|v| v != "unknown"),
+        "{machine}"
+    );
+
+    let scenario = |name: &str| -> &serde_json::Value {
+        let found: Vec<&serde_json::Value> =
+            lines.iter().filter(|l| l["scenario"] == name).collect();
+        assert_eq!(found.len(), 1, "one result for {name} in: {out}");
+        found[0]
+    };
+    for name in ["limit", "relay", "engine", "latency", "kinds", "scaleout"] {
+        assert_run_complete(scenario(name), name);
+    }
+    assert_eq!(num(scenario("limit"), "n"), 200.0);
+    assert_eq!(num(scenario("engine"), "n"), 200.0);
+
+    let relay = scenario("relay");
+    assert_run_complete(&relay["runs"][0], "raw publishes");
+    assert!(num(relay, "ratio") > 0.0, "{relay}");
+
+    let engine = scenario("engine");
+    assert_eq!(engine["ratio_to"], "limit", "{engine}");
+    assert!(num(engine, "ratio") > 0.0, "{engine}");
+
+    let latency = scenario("latency");
+    assert_eq!(num(latency, "n"), 100.0, "2 s at 50 jobs/s");
+    assert_latency(latency, "to_claim_ms");
+    assert_latency(latency, "to_done_ms");
+    assert!(
+        num(&latency["to_claim_ms"], "p99") <= num(&latency["to_done_ms"], "max"),
+        "{latency}"
+    );
+
+    let kinds = scenario("kinds");
+    let runs = kinds["runs"].as_array().expect("runs");
+    let labels: Vec<&str> = runs.iter().filter_map(|r| r["label"].as_str()).collect();
+    assert_eq!(labels, ["compile", "research", "deletion"], "{kinds}");
+    for r in runs {
+        assert_eq!(num(r, "n"), 4.0, "{r}");
+        assert_run_complete(r, "kinds");
+    }
+
+    let scale = scenario("scaleout");
+    let runs = scale["runs"].as_array().expect("runs");
+    assert_eq!(runs.len(), 2, "1 and 2 workers: {scale}");
+    for r in runs {
+        assert_eq!(num(r, "n"), 200.0, "{r}");
+        assert_run_complete(r, "scale-out");
+    }
+
+    assert_eq!(
+        bench_databases().await,
+        before,
+        "the bench left databases behind"
+    );
+}
+
+#[test]
+fn an_unknown_scenario_is_one_clear_error() {
+    let o = bench(&["--scenarios", "limit,fastest"]);
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert_eq!(o.status.code(), Some(2), "stderr: {err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.contains("--scenarios") && err.contains("unknown scenario 'fastest'"),
+        "{err}"
+    );
+    assert!(o.stdout.is_empty(), "nothing measured");
+}
