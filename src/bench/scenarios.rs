@@ -109,6 +109,7 @@ fn run_options(
         relay: true,
         consumer: true,
         maintenance: false,
+        leased: None,
         relay_cfg: RelayConfig::default(),
         consumer_cfg: ConsumerConfig {
             prefetch: inflight,
