@@ -71,6 +71,7 @@ async fn health_readiness_and_metrics_follow_the_work() {
         consumer_cfg: ConsumerConfig::default(),
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: Some(addr),
+        admin_token: None,
     };
     let worker = tokio::spawn(runtime::run(opts, shutdown.clone()));
 
