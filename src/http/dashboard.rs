@@ -641,7 +641,7 @@ fn refuse_without_token(
     }
 }
 
-fn field<'a>(v: &'a Option<String>) -> Option<&'a str> {
+fn field(v: &Option<String>) -> Option<&str> {
     v.as_deref().map(str::trim).filter(|s| !s.is_empty())
 }
 
