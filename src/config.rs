@@ -5,6 +5,7 @@
 use std::fmt;
 use std::time::Duration;
 
+use sha2::Digest as _;
 use url::Url;
 
 /// A configuration problem, reported as one line naming the variable. Exit code 2.
@@ -238,6 +239,44 @@ pub fn duration(var: &'static str, raw: &str) -> Result<Duration, ConfigError> {
     }
 }
 
+/// The shared secret that authorises the dashboard's actions (`KFS_ADMIN_TOKEN`). Only a
+/// comparison can be made with it: it has no `Display`, and `Debug` shows `***`.
+#[derive(Clone)]
+pub struct AdminToken(sha2::digest::Output<sha2::Sha256>);
+
+/// Shortest token accepted: guessing one must be hopeless.
+pub const ADMIN_TOKEN_MIN_LEN: usize = 16;
+
+impl AdminToken {
+    /// `None` when unset or empty (actions are then refused); an error when too short.
+    pub fn parse(raw: Option<&str>) -> Result<Option<AdminToken>, ConfigError> {
+        let Some(raw) = raw.map(str::trim).filter(|r| !r.is_empty()) else {
+            return Ok(None);
+        };
+        if raw.chars().count() < ADMIN_TOKEN_MIN_LEN {
+            return Err(ConfigError::new(
+                "KFS_ADMIN_TOKEN",
+                format!("is too short; use at least {ADMIN_TOKEN_MIN_LEN} characters (e.g. `openssl rand -hex 24`)"),
+            ));
+        }
+        Ok(Some(AdminToken(sha2::Sha256::digest(raw.as_bytes()))))
+    }
+
+    /// Whether `given` is the token, in time that depends on neither its content nor its
+    /// length (both sides are compared as digests, with `subtle`).
+    pub fn matches(&self, given: &str) -> bool {
+        use subtle::ConstantTimeEq;
+        let given = sha2::Sha256::digest(given.trim().as_bytes());
+        self.0.as_slice().ct_eq(given.as_slice()).into()
+    }
+}
+
+impl fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AdminToken(***)")
+    }
+}
+
 /// Connection settings shared by every command that talks to the services.
 #[derive(Clone, Debug)]
 pub struct Services {
@@ -334,5 +373,22 @@ mod tests {
         assert_eq!(duration("X", "7").unwrap(), Duration::from_secs(7));
         assert!(duration("X", "soon").is_err());
         assert!(duration("X", "5h").is_err());
+    }
+
+    #[test]
+    fn the_admin_token_is_optional_long_enough_and_never_shown() {
+        assert!(AdminToken::parse(None).unwrap().is_none());
+        assert!(AdminToken::parse(Some("  ")).unwrap().is_none());
+        let e = AdminToken::parse(Some("short-secret")).unwrap_err();
+        assert_eq!(e.var, "KFS_ADMIN_TOKEN");
+        assert!(!e.to_string().contains("short-secret"), "{e}");
+        let t = AdminToken::parse(Some("correct-horse-battery"))
+            .unwrap()
+            .unwrap();
+        assert!(t.matches("correct-horse-battery"));
+        assert!(!t.matches("correct-horse-batterx"));
+        assert!(!t.matches(""));
+        assert!(!t.matches("correct-horse-battery-and-more"));
+        assert_eq!(format!("{t:?}"), "AdminToken(***)");
     }
 }

@@ -16,9 +16,10 @@
 //! - [`liveness`] — worker liveness for fast takeover.
 //! - [`maintenance`] — early takeover sweeps and outbox retention.
 //! - [`runtime`] — the `run` process: relay, consumers and maintenance under one shutdown.
-//! - [`http`] — health, readiness and metrics over HTTP.
+//! - [`http`] — health, readiness, metrics and the operator dashboard over HTTP.
 //! - [`metrics`] — metric names and the Prometheus recorder.
 //! - [`status`] — what the job tables and queues hold right now.
+//! - [`dlq`] — peek at the dead-letter queue and requeue one message.
 //! - [`demo`] — the main job end to end, for newcomers.
 //! - [`bench`] — throughput and latency next to the bare loop the machine allows.
 //! - [`cli`] — the command line.
@@ -34,6 +35,7 @@ pub mod consumer;
 pub mod crash;
 pub mod db;
 pub mod demo;
+pub mod dlq;
 pub mod http;
 pub mod jobs;
 pub mod liveness;

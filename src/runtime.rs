@@ -37,6 +37,8 @@ pub struct RunOptions {
     pub maintenance_cfg: MaintenanceConfig,
     /// Where `/healthz`, `/readyz` and `/metrics` listen; `None` turns the HTTP server off.
     pub http_addr: Option<std::net::SocketAddr>,
+    /// Authorises the dashboard's actions; `None` refuses them all.
+    pub admin_token: Option<crate::config::AdminToken>,
 }
 
 /// Reconnect delays: 100 ms doubling to 10 s, with jitter, forever.
@@ -92,6 +94,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             services: s.clone(),
             topology: topology.clone(),
             metrics: crate::metrics::install(),
+            admin_token: opts.admin_token.clone(),
         };
         let shutdown = shutdown.clone();
         tasks.spawn(async move {
@@ -99,7 +102,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
                 tracing::error!(error = %e, "HTTP server failed");
             }
         });
-        tracing::info!(addr = %bound, "serving /healthz, /readyz and /metrics");
+        tracing::info!(addr = %bound, "serving the dashboard, /healthz, /readyz and /metrics");
     }
 
     if opts.consumer || opts.leased.is_some() {

@@ -33,6 +33,7 @@ fn options(env: &TestEnv, worker: &str) -> RunOptions {
         consumer_cfg: ConsumerConfig::default(),
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: None,
+        admin_token: None,
     }
 }
 

@@ -70,6 +70,7 @@ fn options(env: &TestEnv, worker: &str, addr: std::net::SocketAddr) -> RunOption
         consumer_cfg: ConsumerConfig::default(),
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: Some(addr),
+        admin_token: None,
     }
 }
 

@@ -1,6 +1,10 @@
 //! The HTTP surface: `/healthz` (the process answers), `/readyz` (Postgres and RabbitMQ
-//! reachable, topology declared), `/metrics` (Prometheus). Invariant: read-only; nothing here
-//! changes a job, and no response carries a secret.
+//! reachable, topology declared), `/metrics` (Prometheus) and the operator dashboard at `/`
+//! ([`dashboard`]). Invariant: read-only except the dashboard's actions, which change a job
+//! only with the admin token and only through the same library functions as the CLI; no
+//! response carries a secret.
+
+pub mod dashboard;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -63,6 +67,8 @@ pub struct AppState {
     pub services: Services,
     pub topology: Topology,
     pub metrics: metrics_exporter_prometheus::PrometheusHandle,
+    /// Authorises the dashboard's actions; `None` refuses them all.
+    pub admin_token: Option<crate::config::AdminToken>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -70,6 +76,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .merge(dashboard::routes())
         .with_state(state)
 }
 
