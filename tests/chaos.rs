@@ -247,6 +247,8 @@ struct Record {
     outage_cpu_ok: bool,
     samples: Vec<Sample>,
     jobs: Vec<(Uuid, &'static str)>,
+    /// Unexpected events worth reading in the report.
+    notes: Vec<String>,
 }
 
 impl Record {
@@ -732,7 +734,16 @@ async fn reap(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool, i: usize) 
             *rec.crash_points.entry(point.to_owned()).or_default() += 1;
             rec.fault("kill point (abort)");
         }
-        _ => rec.fault("process exited by itself"),
+        _ => {
+            rec.fault("process exited by itself");
+            let status = s.worker.child.try_wait().ok().flatten();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(3)..].join(" | ");
+            rec.notes.push(format!(
+                "{} exited by itself ({status:?}): {tail}",
+                s.worker_id
+            ));
+        }
     }
     if let Some((at, jobs)) = held_by(pool, &s.worker_id).await {
         if !jobs.is_empty() {
@@ -1321,6 +1332,9 @@ async fn report(
         let _ = writeln!(r, "  {n:>6}  {m}");
     }
     let _ = writeln!(r, "exit codes on SIGTERM at the end: {exit_codes:?}");
+    for n in &rec.notes {
+        let _ = writeln!(r, "note: {n}");
+    }
     let _ = writeln!(r, "\ninvariants:");
     for c in checks {
         let _ = writeln!(
