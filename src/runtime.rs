@@ -315,7 +315,6 @@ async fn relay_loop(
                 .map_err(|e| e.to_string())?;
             let mut listener = listen(relay_pool(&relay)).await;
             health.set_relay(true);
-            backoff = reconnect_backoff();
             loop {
                 let mut busy = false;
                 for &kind in &kinds {
@@ -325,6 +324,9 @@ async fn relay_loop(
                         .map_err(|e| e.to_string())?;
                     busy |= round.claimed as i64 >= relay.config().batch;
                 }
+                // Only a whole round proves both services back: resetting the backoff on the
+                // broker connection alone made a Postgres outage a reconnect loop.
+                backoff = reconnect_backoff();
                 if busy {
                     if shutdown.is_cancelled() {
                         break;

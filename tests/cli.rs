@@ -161,6 +161,42 @@ fn bad_run_settings_are_refused_before_connecting() {
             "KFS_LEASES: expected KIND=DURATION",
         ),
         ("KFS_WORKER_ID", " ", "KFS_WORKER_ID: must be"),
+        ("KFS_PREFETCH", "0", "KFS_PREFETCH: must be at least 1"),
+        (
+            "KFS_SLICE_STEPS",
+            "0",
+            "KFS_SLICE_STEPS: must be at least 1",
+        ),
+        (
+            "KFS_RELAY_BATCH",
+            "0",
+            "KFS_RELAY_BATCH: must be between 1 and 10000",
+        ),
+        (
+            "KFS_MAX_DISPATCH_ATTEMPTS",
+            "-1",
+            "KFS_MAX_DISPATCH_ATTEMPTS: must be at least 1",
+        ),
+        (
+            "KFS_CONNECT_TIMEOUT",
+            "5parsecs",
+            "KFS_CONNECT_TIMEOUT: must be a duration",
+        ),
+        (
+            "KFS_SHUTDOWN_GRACE",
+            "-1s",
+            "KFS_SHUTDOWN_GRACE: must be a duration",
+        ),
+        (
+            "KFS_HTTP_ADDR",
+            "nowhere",
+            "KFS_HTTP_ADDR: must be host:port",
+        ),
+        (
+            "KFS_OBJECT_STORE",
+            "ftp://x",
+            "KFS_OBJECT_STORE: has scheme 'ftp'",
+        ),
     ] {
         let o = kfs(&["run"], &[("DATABASE_URL", &db), (var, value)]);
         assert_usage_error(&o, 1, needle);

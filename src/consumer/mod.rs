@@ -619,7 +619,15 @@ pub async fn consume(
                 running.spawn(async move {
                     let handled = engine.process(kind, &delivery.properties, &delivery.data, &shutdown).await;
                     let sent = match &handled {
-                        Handled::Ack { .. } => delivery.ack(BasicAckOptions::default()).await,
+                        Handled::Ack { claim, end } => {
+                            let sent = delivery.ack(BasicAckOptions::default()).await;
+                            if sent.is_ok() {
+                                // The ack log: every line follows the commit that decided the
+                                // delivery, so each can be checked against the database.
+                                tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id = delivery.properties.message_id().as_ref().map_or("", |s| s.as_str()), claim, end = end.unwrap_or("none"), "acked");
+                            }
+                            sent
+                        }
                         Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
                         Handled::Abandon => Ok(true),
                     };

@@ -1,0 +1,1371 @@
+//! Chaos run: a stream of probe jobs through several `kfs-worker` consumer and relay processes
+//! while a seeded driver injects faults: SIGKILL, kill points, SIGSTOP/SIGCONT past the lease,
+//! RabbitMQ and Postgres restarts, `pg_terminate_backend` of worker sessions, and network
+//! faults (latency, cut connections, half-open connections) through a TCP proxy. Invariant
+//! under test: whatever fails when, every job ends in the state its behaviour calls for, none is
+//! lost, each step's effect exists exactly once and in order, checkpoints never go backwards,
+//! no write lands from a fenced-out lease, every ack follows its commit, and the queues drain.
+//!
+//! It runs against its OWN Postgres cluster and RabbitMQ node (started in a temporary
+//! directory, on their own ports), never the shared services. Only built with `crash-points`.
+//!
+//! ```text
+//! cargo test --all-features --test chaos -- --nocapture        # short form (about 90 s)
+//! ops/chaos --minutes 10 --seed 7 [--outages]                  # full form, with a soak report
+//! ```
+//!
+//! Settings (environment): `KFS_CHAOS_SECONDS` (length of the faulty phase, default 60),
+//! `KFS_CHAOS_SEED` (default: from the clock, printed), `KFS_CHAOS_OUTAGES=1` (add a 60 s
+//! RabbitMQ and a 30 s Postgres outage and check the workers' CPU time while they last),
+//! `KFS_CHAOS_REPORT` (also write the report to this file).
+#![cfg(feature = "crash-points")]
+
+mod common;
+#[path = "chaos/proxy.rs"]
+mod proxy;
+#[path = "chaos/services.rs"]
+mod services;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use common::Worker;
+use kfs_worker::broker::Topology;
+use kfs_worker::jobs::probe::{self, ProbeSpec};
+use kfs_worker::jobs::Kind;
+use proxy::Proxy;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use services::{PrivatePostgres, PrivateRabbit};
+use sqlx::{Connection, PgPool};
+use uuid::Uuid;
+
+const DB: &str = "kfs_chaos";
+const LEASE: &str = "probe=4s";
+const CONSUMER_POINTS: [&str; 3] = ["after-claim-commit", "after-step-commit", "before-ack"];
+const RELAY_POINTS: [&str; 2] = [
+    "after-publish-before-mark",
+    "after-mark-before-confirm-wait",
+];
+
+/// Observers installed in the run's database. They record, they never change what the engine
+/// does: every new lease (claim) with the database clock, every checkpoint change, and every
+/// outbox status or delivery-id change. Trigger rows commit with the transaction that caused
+/// them, so a row exists exactly when that transaction committed.
+const OBSERVERS: &str = r#"
+CREATE TABLE chaos_claims (
+  id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, worker_id TEXT NOT NULL, lease_token UUID NOT NULL,
+  at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION chaos_claim() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_claims (job_id, worker_id, lease_token) VALUES (NEW.id, NEW.worker_id, NEW.lease_token);
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON kfs_probe_jobs FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
+  EXECUTE FUNCTION chaos_claim();
+CREATE TABLE chaos_checkpoints (
+  id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, old_cp TEXT NOT NULL, new_cp TEXT NOT NULL,
+  at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION chaos_checkpoint() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_checkpoints (job_id, old_cp, new_cp) VALUES (NEW.id, OLD.checkpoint, NEW.checkpoint);
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_checkpoint AFTER UPDATE OF checkpoint ON kfs_probe_jobs FOR EACH ROW
+  WHEN (NEW.checkpoint IS DISTINCT FROM OLD.checkpoint) EXECUTE FUNCTION chaos_checkpoint();
+CREATE TABLE chaos_outbox (
+  id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, old_status TEXT NOT NULL, status TEXT NOT NULL,
+  queue_job_id TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+CREATE INDEX chaos_outbox_delivery ON chaos_outbox (queue_job_id);
+CREATE FUNCTION chaos_outbox() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_outbox (job_id, old_status, status, queue_job_id)
+  VALUES (NEW.probe_job_id, OLD.status, NEW.status, NEW.queue_job_id);
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_outbox AFTER UPDATE ON kfs_probe_outbox FOR EACH ROW
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  EXECUTE FUNCTION chaos_outbox();
+"#;
+
+// ---------------------------------------------------------------------------------------------
+// Settings
+
+struct Settings {
+    seconds: u64,
+    seed: u64,
+    outages: bool,
+    report: Option<String>,
+}
+
+impl Settings {
+    fn from_env() -> Settings {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        Settings {
+            seconds: var("KFS_CHAOS_SECONDS").map_or(60, |v| {
+                v.parse()
+                    .expect("KFS_CHAOS_SECONDS must be a whole number of seconds")
+            }),
+            seed: var("KFS_CHAOS_SEED").map_or_else(
+                || {
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .unwrap()
+                        .as_secs()
+                },
+                |v| v.parse().expect("KFS_CHAOS_SEED must be a number"),
+            ),
+            outages: var("KFS_CHAOS_OUTAGES").is_some_and(|v| v == "1" || v == "true"),
+            report: var("KFS_CHAOS_REPORT"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Processes
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Role {
+    Consumer,
+    Relay,
+}
+
+/// One supervised process position: when its process dies, a new generation replaces it.
+struct Slot {
+    name: &'static str,
+    role: Role,
+    /// Never killed or stopped: its memory and connections are the soak's measure.
+    witness: bool,
+    generation: u32,
+    worker: Worker,
+    worker_id: String,
+    armed: Option<String>,
+    stopped: bool,
+    /// SIGKILLed by the driver (its fault and takeover are already recorded).
+    killed: bool,
+}
+
+struct Cluster {
+    env: Vec<(String, String)>,
+    logs: std::path::PathBuf,
+    slots: Vec<Slot>,
+    /// Every log file ever written, for the final analysis.
+    all_logs: Vec<std::path::PathBuf>,
+}
+
+impl Cluster {
+    fn spawn(
+        &mut self,
+        name: &'static str,
+        role: Role,
+        generation: u32,
+        armed: Option<String>,
+    ) -> (Worker, String) {
+        let id = format!("{name}-g{generation}");
+        let log = self.logs.join(format!("{id}.log"));
+        let file = std::fs::File::create(&log).expect("log file");
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
+        let role_args: &[&str] = match role {
+            Role::Consumer => &["--consumer"],
+            Role::Relay => &["--relay", "--maintenance"],
+        };
+        cmd.args(["run", "--kinds", "probe", "--worker-id", &id])
+            .args(role_args)
+            .stdout(std::process::Stdio::null())
+            .stderr(file);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        if let Some(point) = &armed {
+            cmd.env("KFS_CRASH_AT", point);
+        }
+        let child = cmd.spawn().expect("spawn kfs-worker");
+        self.all_logs.push(log.clone());
+        (
+            Worker {
+                child,
+                log,
+                name: id.clone(),
+            },
+            id,
+        )
+    }
+
+    fn add(&mut self, name: &'static str, role: Role, witness: bool) {
+        let (worker, worker_id) = self.spawn(name, role, 0, None);
+        self.slots.push(Slot {
+            name,
+            role,
+            witness,
+            generation: 0,
+            worker,
+            worker_id,
+            armed: None,
+            stopped: false,
+            killed: false,
+        });
+    }
+
+    /// Replaces the process of slot `i` with a new generation, armed at a kill point or not.
+    fn respawn(&mut self, i: usize, armed: Option<String>) {
+        let (name, role, generation) = {
+            let s = &self.slots[i];
+            (s.name, s.role, s.generation + 1)
+        };
+        let (worker, worker_id) = self.spawn(name, role, generation, armed.clone());
+        let s = &mut self.slots[i];
+        s.generation = generation;
+        s.worker = worker;
+        s.worker_id = worker_id;
+        s.armed = armed;
+        s.stopped = false;
+        s.killed = false;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Measures
+
+/// A process death or pause whose jobs others must take over.
+struct Takeover {
+    at: DateTime<Utc>,
+    jobs: Vec<Uuid>,
+}
+
+#[derive(Default)]
+struct Record {
+    faults: BTreeMap<String, u64>,
+    crash_points: BTreeMap<String, u64>,
+    takeovers: Vec<Takeover>,
+    /// Service back at (database clock), for "time to the first effect after recovery".
+    recoveries: Vec<(String, DateTime<Utc>)>,
+    outage_cpu: Vec<String>,
+    outage_cpu_ok: bool,
+    samples: Vec<Sample>,
+    jobs: Vec<(Uuid, &'static str)>,
+    /// Unexpected events worth reading in the report.
+    notes: Vec<String>,
+}
+
+impl Record {
+    fn fault(&mut self, kind: &str) {
+        *self.faults.entry(kind.to_owned()).or_default() += 1;
+    }
+}
+
+struct Sample {
+    at_s: u64,
+    rss_kb: Vec<(String, u64)>,
+    pg_sessions: i64,
+    pg_proxy_open: usize,
+    mq_proxy_open: usize,
+    mq_connections: Option<usize>,
+    accepted: (u64, u64),
+}
+
+fn rss_kb(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmRSS:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// utime + stime of a process, in clock ticks.
+fn cpu_ticks(pid: i32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name may hold spaces; fields after it start past the last ')'.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
+}
+
+fn clock_ticks() -> u64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8_lossy(&o.stdout).trim().parse().ok())
+        .unwrap_or(100)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+// ---------------------------------------------------------------------------------------------
+// Database helpers (all through the direct pool, never the proxy)
+
+async fn db_now(pool: &PgPool) -> Option<DateTime<Utc>> {
+    sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await
+        .ok()
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
+}
+
+/// Jobs `worker` holds a live lease on at `at`.
+async fn held_by(pool: &PgPool, worker: &str) -> Option<(DateTime<Utc>, Vec<Uuid>)> {
+    let at = db_now(pool).await?;
+    let jobs = sqlx::query_scalar(
+        "SELECT id FROM kfs_probe_jobs WHERE run_state = 'running' AND worker_id = $1 AND lease_expires_at > $2",
+    )
+    .bind(worker)
+    .bind(at)
+    .fetch_all(pool)
+    .await
+    .ok()?;
+    Some((at, jobs))
+}
+
+async fn terminate_worker_sessions(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = $1 AND pid <> pg_backend_pid() AND application_name LIKE 'kfs-worker%'",
+    )
+    .bind(DB)
+    .fetch_one(pool)
+    .await
+    .unwrap_or(0)
+}
+
+/// Probe behaviours of the workload and the final state each must reach.
+fn workload_spec(rng: &mut StdRng) -> (ProbeSpec, &'static str) {
+    let roll: f64 = rng.random();
+    let (fail_mode, want) = if roll < 0.05 {
+        ("fatal", "failed")
+    } else if roll < 0.15 {
+        ("retry_once", "succeeded")
+    } else {
+        ("none", "succeeded")
+    };
+    let spec = ProbeSpec {
+        steps: rng.random_range(1..=10),
+        step_sleep: Duration::from_millis(if rng.random_bool(0.3) {
+            rng.random_range(50..=300)
+        } else {
+            rng.random_range(0..=20)
+        }),
+        fail_mode,
+        max_attempts: 100,
+    };
+    (spec, want)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_run_keeps_every_promise() {
+    let settings = Settings::from_env();
+    let seed = settings.seed;
+    println!(
+        "chaos: seed {seed}, {} s of faults, outages {}",
+        settings.seconds, settings.outages
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+    let started = Instant::now();
+
+    // Private services, and proxies the workers reach them through.
+    let pg = Arc::new(
+        tokio::task::spawn_blocking(PrivatePostgres::start)
+            .await
+            .unwrap(),
+    );
+    let mq = Arc::new(
+        tokio::task::spawn_blocking(PrivateRabbit::start)
+            .await
+            .unwrap(),
+    );
+    {
+        let mut admin = sqlx::PgConnection::connect_with(&pg.url("postgres").parse().unwrap())
+            .await
+            .expect("connect to the private Postgres");
+        sqlx::Executor::execute(&mut admin, format!("CREATE DATABASE {DB}").as_str())
+            .await
+            .unwrap();
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&pg.url(DB))
+        .await
+        .unwrap();
+    kfs_worker::db::migrate(&pool).await.expect("migrate");
+    probe::install(&pool).await.expect("install probe kind");
+    sqlx::raw_sql(OBSERVERS)
+        .execute(&pool)
+        .await
+        .expect("observers");
+    let prefix = "chaos".to_owned();
+    let topology = Topology::new(&prefix);
+    {
+        let conn = lapin::Connection::connect(&mq.url(), lapin::ConnectionProperties::default())
+            .await
+            .expect("connect to the private RabbitMQ");
+        let ch = conn.create_channel().await.unwrap();
+        topology
+            .declare(&ch, &[Kind::Probe])
+            .await
+            .expect("declare topology");
+        let _ = conn.close(200, "bye".into()).await;
+    }
+    let pg_proxy = Proxy::start(pg.addr()).await;
+    let mq_proxy = Proxy::start(mq.addr()).await;
+
+    let logs =
+        std::env::temp_dir().join(format!("kfschaos-logs-{seed}-{}", Uuid::new_v4().simple()));
+    std::fs::create_dir_all(&logs).unwrap();
+    let env: Vec<(String, String)> = vec![
+        (
+            "DATABASE_URL".into(),
+            format!("postgres://postgres@{}/{DB}", pg_proxy.addr),
+        ),
+        (
+            "AMQP_URL".into(),
+            format!("amqp://guest:guest@{}/%2f", mq_proxy.addr),
+        ),
+        ("KFS_QUEUE_PREFIX".into(), prefix.clone()),
+        ("KFS_HTTP_ADDR".into(), "off".into()),
+        ("KFS_LOG_FORMAT".into(), "json".into()),
+        (
+            "RUST_LOG".into(),
+            "info,kfs_worker::ack=debug,sqlx=warn,lapin=error".into(),
+        ),
+        ("KFS_LEASES".into(), LEASE.into()),
+        ("KFS_SLICE_STEPS".into(), "4".into()),
+        ("KFS_RETRY_BASE".into(), "200ms".into()),
+        ("KFS_RETRY_MAX".into(), "2s".into()),
+        ("KFS_RELAY_POLL".into(), "250ms".into()),
+        ("KFS_VISIBILITY".into(), "20s".into()),
+        ("KFS_SHUTDOWN_GRACE".into(), "5s".into()),
+        ("KFS_CONNECT_TIMEOUT".into(), "2s".into()),
+        ("KFS_PREFETCH".into(), "8".into()),
+    ];
+    let mut cluster = Cluster {
+        env,
+        logs: logs.clone(),
+        slots: Vec::new(),
+        all_logs: Vec::new(),
+    };
+    cluster.add("c1", Role::Consumer, true);
+    cluster.add("c2", Role::Consumer, false);
+    cluster.add("c3", Role::Consumer, false);
+    cluster.add("r1", Role::Relay, true);
+    cluster.add("r2", Role::Relay, false);
+    println!(
+        "chaos: services up, 5 workers started ({:.1} s); logs in {}",
+        started.elapsed().as_secs_f64(),
+        logs.display()
+    );
+
+    let mut rec = Record {
+        outage_cpu_ok: true,
+        ..Record::default()
+    };
+
+    // The workload: jobs enqueued as the platform would, through the direct pool.
+    let stop_enqueue = tokio_util::sync::CancellationToken::new();
+    let enqueuer = {
+        let pool = pool.clone();
+        let stop = stop_enqueue.clone();
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        tokio::spawn(async move {
+            let mut jobs: Vec<(Uuid, &'static str)> = Vec::new();
+            while !stop.is_cancelled() {
+                let (spec, want) = workload_spec(&mut rng);
+                let made = async {
+                    let mut conn = pool.acquire().await?;
+                    probe::enqueue(&mut conn, &spec).await
+                }
+                .await;
+                // With Postgres down the platform's API fails too; the next one is tried later.
+                if let Ok(id) = made {
+                    jobs.push((id, want));
+                }
+                tokio::time::sleep(Duration::from_millis(rng.random_range(20..=120))).await;
+            }
+            jobs
+        })
+    };
+
+    // The fault schedule.
+    let faulty = Duration::from_secs(settings.seconds);
+    let fault_start = Instant::now();
+    let outage_times = if settings.outages {
+        vec![faulty / 3, faulty * 2 / 3]
+    } else {
+        vec![]
+    };
+    let mut outages_done = 0usize;
+    let mut next_sample = Instant::now();
+    let sample_every = Duration::from_secs(if settings.seconds > 300 { 30 } else { 10 });
+    while fault_start.elapsed() < faulty {
+        supervise(&mut cluster, &mut rec, &pool, &mut rng).await;
+        if Instant::now() >= next_sample {
+            rec.samples
+                .push(sample(&cluster, &pool, &mq, &pg_proxy, &mq_proxy, fault_start).await);
+            next_sample += sample_every;
+        }
+        if outages_done < outage_times.len() && fault_start.elapsed() >= outage_times[outages_done]
+        {
+            let which = if outages_done == 0 {
+                "rabbitmq"
+            } else {
+                "postgres"
+            };
+            outage(which, &mut cluster, &mut rec, &pool, &pg, &mq).await;
+            outages_done += 1;
+            continue;
+        }
+        let gap = Duration::from_millis(rng.random_range(500..=2000));
+        tokio::time::sleep(gap).await;
+        supervise(&mut cluster, &mut rec, &pool, &mut rng).await;
+        inject(
+            &mut cluster,
+            &mut rec,
+            &pool,
+            &pg,
+            &mq,
+            &pg_proxy,
+            &mq_proxy,
+            &mut rng,
+        )
+        .await;
+    }
+
+    // Recovery: no more faults, no more new jobs; everything must finish.
+    stop_enqueue.cancel();
+    rec.jobs = enqueuer.await.unwrap();
+    pg_proxy.heal();
+    mq_proxy.heal();
+    for s in &mut cluster.slots {
+        if s.stopped {
+            s.worker.signal("CONT");
+            s.stopped = false;
+        }
+    }
+    let drain_start = Instant::now();
+    let mut drained = false;
+    while drain_start.elapsed() < Duration::from_secs(240) {
+        supervise_unarmed(&mut cluster, &mut rec, &pool).await;
+        let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await;
+        if open == 0 {
+            drained = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let drain_s = drain_start.elapsed().as_secs_f64();
+    rec.samples
+        .push(sample(&cluster, &pool, &mq, &pg_proxy, &mq_proxy, fault_start).await);
+    let mut depths = (u32::MAX, u32::MAX);
+    for _ in 0..60 {
+        depths = queue_depths(&mq, &topology).await;
+        if depths == (0, 0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let mut exit_codes = Vec::new();
+    for s in &cluster.slots {
+        s.worker.signal("TERM");
+    }
+    for s in &mut cluster.slots {
+        let status = s.worker.wait_exit(Duration::from_secs(20));
+        exit_codes.push((s.worker.name.clone(), status.and_then(|st| st.code())));
+    }
+
+    // The verdicts.
+    let checks = check_invariants(&pool, &rec, &cluster, drained, depths).await;
+    let report = report(
+        &settings,
+        &rec,
+        &pool,
+        &cluster,
+        &checks,
+        drain_s,
+        &exit_codes,
+        started,
+    )
+    .await;
+    println!("{report}");
+    if let Some(path) = &settings.report {
+        std::fs::write(path, &report).expect("write the report");
+    }
+    pool.close().await;
+    let failed: Vec<&Check> = checks.iter().filter(|c| !c.ok).collect();
+    if !failed.is_empty() {
+        // The private database goes with the run: keep a dump next to the logs for diagnosis.
+        let _ = std::process::Command::new("/usr/lib/postgresql/15/bin/pg_dump")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &pg.port.to_string(),
+                "-U",
+                "postgres",
+                "-f",
+            ])
+            .arg(logs.join("kfs_chaos.sql"))
+            .arg(DB)
+            .status();
+    }
+    assert!(
+        failed.is_empty(),
+        "invariants broken (seed {seed}, logs in {}):\n{}",
+        logs.display(),
+        failed
+            .iter()
+            .map(|c| format!("- {}: {}", c.name, c.detail))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let _ = std::fs::remove_dir_all(&logs);
+}
+
+async fn queue_depths(mq: &PrivateRabbit, topology: &Topology) -> (u32, u32) {
+    let Ok(conn) =
+        lapin::Connection::connect(&mq.url(), lapin::ConnectionProperties::default()).await
+    else {
+        return (u32::MAX, u32::MAX);
+    };
+    let mut out = [u32::MAX; 2];
+    for (i, q) in [topology.queue(Kind::Probe), topology.dead_letter_queue()]
+        .iter()
+        .enumerate()
+    {
+        if let Ok(ch) = conn.create_channel().await {
+            if let Ok(q) = ch
+                .queue_declare(
+                    q.as_str().into(),
+                    lapin::options::QueueDeclareOptions {
+                        passive: true,
+                        ..Default::default()
+                    },
+                    lapin::types::FieldTable::default(),
+                )
+                .await
+            {
+                out[i] = q.message_count();
+            }
+        }
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    (out[0], out[1])
+}
+
+async fn sample(
+    cluster: &Cluster,
+    pool: &PgPool,
+    mq: &Arc<PrivateRabbit>,
+    pg_proxy: &Proxy,
+    mq_proxy: &Proxy,
+    since: Instant,
+) -> Sample {
+    let mq2 = mq.clone();
+    let mq_connections = tokio::task::spawn_blocking(move || mq2.connections())
+        .await
+        .unwrap();
+    Sample {
+        mq_connections,
+        accepted: (pg_proxy.accepted(), mq_proxy.accepted()),
+        at_s: since.elapsed().as_secs(),
+        rss_kb: cluster
+            .slots
+            .iter()
+            .filter(|s| s.witness)
+            .map(|s| (s.worker_id.clone(), rss_kb(s.worker.pid()).unwrap_or(0)))
+            .collect(),
+        pg_sessions: sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND application_name LIKE 'kfs-worker%'",
+        )
+        .bind(DB)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(-1),
+        pg_proxy_open: pg_proxy.open_connections(),
+        mq_proxy_open: mq_proxy.open_connections(),
+    }
+}
+
+/// Notices dead processes, records why they died and what they held, and replaces them; the
+/// new generation is armed at a random kill point half of the time (never the witnesses).
+async fn supervise(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool, rng: &mut StdRng) {
+    for i in 0..cluster.slots.len() {
+        if !reap(cluster, rec, pool, i).await {
+            continue;
+        }
+        let s = &cluster.slots[i];
+        let armed = (!s.witness && rng.random_bool(0.5)).then(|| {
+            let points: &[&str] = match s.role {
+                Role::Consumer => &CONSUMER_POINTS,
+                Role::Relay => &RELAY_POINTS,
+            };
+            format!(
+                "{}:{}",
+                points[rng.random_range(0..points.len())],
+                rng.random_range(1..=15)
+            )
+        });
+        cluster.respawn(i, armed);
+    }
+}
+
+/// As [`supervise`], with nothing armed: the recovery phase.
+async fn supervise_unarmed(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool) {
+    for i in 0..cluster.slots.len() {
+        if reap(cluster, rec, pool, i).await {
+            cluster.respawn(i, None);
+        }
+    }
+}
+
+/// Whether slot `i`'s process has died (and is now accounted for).
+async fn reap(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool, i: usize) -> bool {
+    let s = &mut cluster.slots[i];
+    let Ok(Some(_)) = s.worker.child.try_wait() else {
+        return false;
+    };
+    if s.killed {
+        return true;
+    }
+    let log = s.worker.log_text();
+    let point = s.armed.as_ref().and_then(|a| a.split(':').next());
+    match point {
+        Some(point) if log.contains(&format!("crash point {point} reached")) => {
+            *rec.crash_points.entry(point.to_owned()).or_default() += 1;
+            rec.fault("kill point (abort)");
+        }
+        _ => {
+            rec.fault("process exited by itself");
+            let status = s.worker.child.try_wait().ok().flatten();
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(3)..].join(" | ");
+            rec.notes.push(format!(
+                "{} exited by itself ({status:?}): {tail}",
+                s.worker_id
+            ));
+        }
+    }
+    if let Some((at, jobs)) = held_by(pool, &s.worker_id).await {
+        if !jobs.is_empty() {
+            rec.takeovers.push(Takeover { at, jobs });
+        }
+    }
+    true
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn inject(
+    cluster: &mut Cluster,
+    rec: &mut Record,
+    pool: &PgPool,
+    pg: &Arc<PrivatePostgres>,
+    mq: &Arc<PrivateRabbit>,
+    pg_proxy: &Proxy,
+    mq_proxy: &Proxy,
+    rng: &mut StdRng,
+) {
+    let victims: Vec<usize> = (0..cluster.slots.len())
+        .filter(|&i| !cluster.slots[i].witness)
+        .collect();
+    let roll = rng.random_range(0..100);
+    match roll {
+        0..=24 => {
+            let i = victims[rng.random_range(0..victims.len())];
+            let s = &mut cluster.slots[i];
+            let held = held_by(pool, &s.worker_id).await;
+            s.worker.kill();
+            s.killed = true;
+            rec.fault(match s.role {
+                Role::Consumer => "SIGKILL consumer",
+                Role::Relay => "SIGKILL relay",
+            });
+            if let Some((at, jobs)) = held {
+                if !jobs.is_empty() {
+                    rec.takeovers.push(Takeover { at, jobs });
+                }
+            }
+        }
+        25..=37 => {
+            // Paused past its lease: others take its jobs; when it wakes it must be fenced out.
+            let consumers: Vec<usize> = victims
+                .iter()
+                .copied()
+                .filter(|&i| cluster.slots[i].role == Role::Consumer)
+                .collect();
+            let i = consumers[rng.random_range(0..consumers.len())];
+            let held = held_by(pool, &cluster.slots[i].worker_id).await;
+            cluster.slots[i].worker.signal("STOP");
+            cluster.slots[i].stopped = true;
+            rec.fault("SIGSTOP past the lease, then SIGCONT");
+            if let Some((at, jobs)) = held {
+                if !jobs.is_empty() {
+                    rec.takeovers.push(Takeover { at, jobs });
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(rng.random_range(5000..=8000))).await;
+            cluster.slots[i].worker.signal("CONT");
+            cluster.slots[i].stopped = false;
+        }
+        38..=47 => {
+            let n = terminate_worker_sessions(pool).await;
+            rec.fault("pg_terminate_backend of worker sessions");
+            let _ = n;
+        }
+        48..=57 => {
+            let ms = rng.random_range(50..=400);
+            let target = if rng.random_bool(0.5) {
+                (pg_proxy, "postgres")
+            } else {
+                (mq_proxy, "rabbitmq")
+            };
+            target.0.set_latency(ms);
+            rec.fault(&format!("latency ({})", target.1));
+            tokio::time::sleep(Duration::from_millis(rng.random_range(2000..=5000))).await;
+            target.0.set_latency(0);
+        }
+        58..=67 => {
+            let target = if rng.random_bool(0.5) {
+                (pg_proxy, "postgres")
+            } else {
+                (mq_proxy, "rabbitmq")
+            };
+            target.0.cut_all();
+            rec.fault(&format!("connections cut ({})", target.1));
+        }
+        68..=77 => {
+            let target = if rng.random_bool(0.5) {
+                (pg_proxy, "postgres")
+            } else {
+                (mq_proxy, "rabbitmq")
+            };
+            target.0.set_hold(true);
+            rec.fault(&format!("half-open connections ({})", target.1));
+            tokio::time::sleep(Duration::from_millis(rng.random_range(3000..=8000))).await;
+            if rng.random_bool(0.5) {
+                target.0.cut_all();
+            }
+            target.0.set_hold(false);
+        }
+        78..=88 => {
+            let down = Duration::from_millis(rng.random_range(1000..=5000));
+            let mq2 = mq.clone();
+            tokio::task::spawn_blocking(move || {
+                mq2.stop_app();
+                std::thread::sleep(down);
+                mq2.start_app();
+            })
+            .await
+            .unwrap();
+            rec.fault("RabbitMQ restart");
+            if let Some(at) = db_now(pool).await {
+                rec.recoveries.push(("RabbitMQ restart".into(), at));
+            }
+        }
+        _ => {
+            let down = Duration::from_millis(rng.random_range(1000..=5000));
+            let pg2 = pg.clone();
+            tokio::task::spawn_blocking(move || {
+                pg2.crash();
+                std::thread::sleep(down);
+                pg2.up();
+            })
+            .await
+            .unwrap();
+            rec.fault("Postgres crash-restart");
+            if let Some(at) = db_now(pool).await {
+                rec.recoveries.push(("Postgres crash-restart".into(), at));
+            }
+        }
+    }
+}
+
+/// A long outage of one service; checks that the workers idle (no busy loop) meanwhile.
+async fn outage(
+    which: &str,
+    cluster: &mut Cluster,
+    rec: &mut Record,
+    pool: &PgPool,
+    pg: &Arc<PrivatePostgres>,
+    mq: &Arc<PrivateRabbit>,
+) {
+    let (label, down) = match which {
+        "rabbitmq" => ("RabbitMQ down 60 s", Duration::from_secs(60)),
+        _ => ("Postgres down 30 s", Duration::from_secs(30)),
+    };
+    println!("chaos: {label}");
+    let ticks = clock_ticks();
+    let pg2 = pg.clone();
+    let mq2 = mq.clone();
+    let is_mq = which == "rabbitmq";
+    tokio::task::spawn_blocking(move || if is_mq { mq2.stop_app() } else { pg2.crash() })
+        .await
+        .unwrap();
+    // Let the reconnect attempts settle into their backoff before measuring.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let before: Vec<(String, i32, Option<u64>)> = cluster
+        .slots
+        .iter()
+        .map(|s| {
+            (
+                s.worker_id.clone(),
+                s.worker.pid(),
+                cpu_ticks(s.worker.pid()),
+            )
+        })
+        .collect();
+    let t0 = Instant::now();
+    tokio::time::sleep(down - Duration::from_secs(5)).await;
+    let wall = t0.elapsed().as_secs_f64();
+    for (id, pid, b) in before {
+        let (Some(b), Some(a)) = (b, cpu_ticks(pid)) else {
+            continue;
+        };
+        let cpu_s = (a - b) as f64 / ticks as f64;
+        let share = cpu_s / wall;
+        // A reconnect loop with backoff uses well under a tenth of a core; a busy loop uses all.
+        if share > 0.25 {
+            rec.outage_cpu_ok = false;
+        }
+        rec.outage_cpu.push(format!(
+            "{label}: {id} used {cpu_s:.2} s CPU in {wall:.0} s ({:.1} %)",
+            share * 100.0
+        ));
+    }
+    let mut alive = 0;
+    for s in &mut cluster.slots {
+        if matches!(s.worker.child.try_wait(), Ok(None)) {
+            alive += 1;
+        }
+    }
+    rec.outage_cpu.push(format!(
+        "{label}: {alive} of {} processes still running at the end of the outage",
+        cluster.slots.len()
+    ));
+    let pg2 = pg.clone();
+    let mq2 = mq.clone();
+    tokio::task::spawn_blocking(move || if is_mq { mq2.start_app() } else { pg2.up() })
+        .await
+        .unwrap();
+    rec.fault(label);
+    if let Some(at) = db_now(pool).await {
+        rec.recoveries.push((label.to_owned(), at));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Verdicts
+
+struct Check {
+    name: &'static str,
+    ok: bool,
+    detail: String,
+}
+
+fn check(name: &'static str, ok: bool, detail: impl Into<String>) -> Check {
+    Check {
+        name,
+        ok,
+        detail: detail.into(),
+    }
+}
+
+/// An `acked` line of a worker's ack log.
+struct Ack {
+    delivery_id: String,
+    claim: String,
+    end: String,
+}
+
+fn read_logs(cluster: &Cluster) -> (Vec<Ack>, BTreeMap<String, u64>) {
+    let mut acks = Vec::new();
+    let mut warnings: BTreeMap<String, u64> = BTreeMap::new();
+    for path in &cluster.all_logs {
+        let text = std::fs::read_to_string(path).unwrap_or_default();
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            let field = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_owned();
+            if field("message") == "acked" {
+                acks.push(Ack {
+                    delivery_id: field("delivery_id"),
+                    claim: field("claim"),
+                    end: field("end"),
+                });
+            } else if matches!(field("level").as_str(), "WARN" | "ERROR") {
+                *warnings.entry(field("message")).or_default() += 1;
+            }
+        }
+    }
+    (acks, warnings)
+}
+
+async fn check_invariants(
+    pool: &PgPool,
+    rec: &Record,
+    cluster: &Cluster,
+    drained: bool,
+    depths: (u32, u32),
+) -> Vec<Check> {
+    let mut out = Vec::new();
+    let open = count(pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await;
+    out.push(check(
+        "all jobs terminal",
+        drained && open == 0,
+        format!("{open} not terminal"),
+    ));
+
+    let ids: Vec<Uuid> = rec.jobs.iter().map(|(id, _)| *id).collect();
+    let wants: Vec<String> = rec.jobs.iter().map(|(_, w)| (*w).to_owned()).collect();
+    let wrong: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "SELECT x.id, x.want, j.run_state::text FROM unnest($1::uuid[], $2::text[]) AS x(id, want) \
+         LEFT JOIN kfs_probe_jobs j ON j.id = x.id WHERE j.run_state IS DISTINCT FROM x.want LIMIT 10",
+    )
+    .bind(&ids)
+    .bind(&wants)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let total = count(pool, "SELECT count(*) FROM kfs_probe_jobs").await;
+    out.push(check(
+        "no job lost; each ended as its behaviour calls for",
+        wrong.is_empty() && total == ids.len() as i64,
+        format!(
+            "{} enqueued, {total} in the database; wrong or missing (job, want, got): {wrong:?}",
+            ids.len()
+        ),
+    ));
+
+    let bad: Vec<(Uuid, i32, i64)> = sqlx::query_as(
+        "SELECT j.id, s.step, count(e.id) FROM kfs_probe_jobs j \
+         CROSS JOIN LATERAL generate_series(1, j.steps_total) AS s(step) \
+         LEFT JOIN kfs_probe_effects e ON e.job_id = j.id AND e.step = s.step \
+         WHERE j.run_state = 'succeeded' GROUP BY 1, 2 HAVING count(e.id) <> 1 LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let stray = count(pool, "SELECT count(*) FROM kfs_probe_effects e JOIN kfs_probe_jobs j ON j.id = e.job_id WHERE j.run_state <> 'succeeded' OR e.step > j.steps_total").await;
+    out.push(check(
+        "each effect applied exactly once",
+        bad.is_empty() && stray == 0,
+        format!("(job, step, count) ≠ 1: {bad:?}; effects of failed jobs or past the last step: {stray}"),
+    ));
+
+    let gaps: Vec<(Uuid, i32, i64)> = sqlx::query_as(
+        "SELECT job_id, step, rn FROM (SELECT job_id, step, row_number() OVER (PARTITION BY job_id ORDER BY id) AS rn \
+         FROM kfs_probe_effects) x WHERE step <> rn LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    out.push(check(
+        "progress sequences contiguous (effects 1, 2, 3, … in commit order)",
+        gaps.is_empty(),
+        format!("(job, step, position): {gaps:?}"),
+    ));
+
+    let back: Vec<(Uuid, String, String)> = sqlx::query_as(
+        "SELECT job_id, old_cp, new_cp FROM chaos_checkpoints WHERE \
+         (CASE WHEN old_cp = 'queued' THEN 0 WHEN old_cp = 'done' THEN 1000000 \
+               WHEN old_cp ~ '^step-[0-9]+$' THEN substr(old_cp, 6)::int END) > \
+         (CASE WHEN new_cp = 'queued' THEN 0 WHEN new_cp = 'done' THEN 1000000 \
+               WHEN new_cp ~ '^step-[0-9]+$' THEN substr(new_cp, 6)::int ELSE -1 END) LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let changes = count(pool, "SELECT count(*) FROM chaos_checkpoints").await;
+    out.push(check(
+        "checkpoints never regressed",
+        back.is_empty(),
+        format!("{changes} checkpoint changes; backwards (job, from, to): {back:?}"),
+    ));
+
+    let unclaimed = count(
+        pool,
+        "SELECT count(*) FROM kfs_probe_effects e WHERE NOT EXISTS \
+         (SELECT 1 FROM chaos_claims c WHERE c.job_id = e.job_id AND c.lease_token = e.lease_token)",
+    )
+    .await;
+    let late: Vec<(Uuid, i32, String, String)> = sqlx::query_as(
+        "SELECT e.job_id, e.step, e.worker_id, c2.worker_id FROM kfs_probe_effects e \
+         JOIN chaos_claims c1 ON c1.job_id = e.job_id AND c1.lease_token = e.lease_token \
+         JOIN chaos_claims c2 ON c2.job_id = e.job_id AND c2.id > c1.id AND c2.at <= e.created_at LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    out.push(check(
+        "no write accepted from a fenced-out lease",
+        unclaimed == 0 && late.is_empty(),
+        format!("effects under a lease no claim issued: {unclaimed}; written after a newer lease began (job, step, writer, newer): {late:?}"),
+    ));
+
+    let (acks, _) = read_logs(cluster);
+    let decided: Vec<&Ack> = acks
+        .iter()
+        .filter(|a| {
+            a.claim == "claimed"
+                && matches!(
+                    a.end.as_str(),
+                    "succeeded" | "failed" | "canceled" | "superseded" | "wait" | "continue"
+                )
+        })
+        .collect();
+    let ids: Vec<String> = decided.iter().map(|a| a.delivery_id.clone()).collect();
+    // The decision carries the delivery's id, unless the outbox row was published again under
+    // a newer id while the slice ran (its worker looked dead after its liveness session was
+    // cut, say); then the decision must be a later transition of the same job.
+    let missing: Vec<String> = sqlx::query_scalar(
+        "SELECT d FROM unnest($1::text[]) AS d WHERE NOT EXISTS (SELECT 1 FROM chaos_outbox o \
+         WHERE o.queue_job_id = d AND o.status IN ('completed', 'pending', 'dead', 'canceled')) \
+         AND NOT EXISTS (SELECT 1 FROM chaos_outbox a JOIN chaos_outbox o ON o.job_id = a.job_id AND o.id > a.id \
+           AND o.queue_job_id IS DISTINCT FROM d AND o.status IN ('completed', 'pending', 'dead', 'canceled') \
+           WHERE a.queue_job_id = d) LIMIT 10",
+    )
+    .bind(&ids)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let blank = acks.iter().filter(|a| a.delivery_id.is_empty()).count();
+    out.push(check(
+        "no message acked before its commit",
+        missing.is_empty() && blank == 0 && !decided.is_empty(),
+        format!(
+            "{} acks logged, {} decided a slice; acked without a committed decision: {missing:?}; acks without a delivery id: {blank}",
+            acks.len(),
+            decided.len()
+        ),
+    ));
+
+    let outbox_open = count(pool, "SELECT count(*) FROM kfs_probe_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')").await;
+    out.push(check(
+        "outbox settled",
+        outbox_open == 0,
+        format!("{outbox_open} outbox rows not settled"),
+    ));
+    out.push(check(
+        "queues drained (job queue, dead letters)",
+        depths == (0, 0),
+        format!("depths {depths:?}"),
+    ));
+    if !rec.outage_cpu.is_empty() {
+        out.push(check(
+            "no busy loop during outages (each process < 25 % of a core)",
+            rec.outage_cpu_ok,
+            rec.outage_cpu.join("; "),
+        ));
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn report(
+    settings: &Settings,
+    rec: &Record,
+    pool: &PgPool,
+    cluster: &Cluster,
+    checks: &[Check],
+    drain_s: f64,
+    exit_codes: &[(String, Option<i32>)],
+    started: Instant,
+) -> String {
+    let mut r = String::new();
+    let _ = writeln!(r, "== chaos report ==");
+    let _ = writeln!(
+        r,
+        "seed {}, {} s of faults{}, total {:.0} s; recovery phase {drain_s:.1} s",
+        settings.seed,
+        settings.seconds,
+        if settings.outages {
+            " with the long outages"
+        } else {
+            ""
+        },
+        started.elapsed().as_secs_f64()
+    );
+    let _ = writeln!(r, "processes: 3 consumers (c1 a witness, never killed), 2 relays with maintenance (r1 a witness); lease {LEASE}, slices of 4 steps");
+    let _ = writeln!(r, "\nfaults injected:");
+    let total: u64 = rec.faults.values().sum();
+    for (k, n) in &rec.faults {
+        let _ = writeln!(r, "  {n:>5}  {k}");
+    }
+    let _ = writeln!(r, "  {total:>5}  total");
+    let _ = writeln!(r, "kill points reached:");
+    for p in CONSUMER_POINTS.iter().chain(RELAY_POINTS.iter()) {
+        let _ = writeln!(
+            r,
+            "  {:>5}  {p}",
+            rec.crash_points.get(*p).copied().unwrap_or(0)
+        );
+    }
+
+    let states: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT run_state::text, count(*) FROM kfs_probe_jobs GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let steps = count(pool, "SELECT count(*) FROM kfs_probe_effects").await;
+    let claims = count(pool, "SELECT count(*) FROM chaos_claims").await;
+    let reclaims = count(
+        pool,
+        "SELECT count(*) - count(DISTINCT job_id) FROM chaos_claims",
+    )
+    .await;
+    let _ = writeln!(
+        r,
+        "\njobs: {} enqueued; by final state {states:?}; {steps} step effects",
+        rec.jobs.len()
+    );
+    let _ = writeln!(r, "claims: {claims} (of which {reclaims} after the job's first claim: new slices, retries and takeovers)");
+    let (acks, warnings) = read_logs(cluster);
+    let mut by_claim: BTreeMap<String, u64> = BTreeMap::new();
+    for a in &acks {
+        *by_claim
+            .entry(format!("{}/{}", a.claim, a.end))
+            .or_default() += 1;
+    }
+    let _ = writeln!(r, "acks by claim/end: {by_claim:?}");
+    let lease_lost = warnings
+        .get("lease lost; stopping the slice and writing nothing more")
+        .copied()
+        .unwrap_or(0);
+    let _ = writeln!(r, "slices stopped by fencing (lease lost): {lease_lost}");
+
+    // Takeovers: from a death or pause to the next claim of each job it held.
+    let mut times: Vec<f64> = Vec::new();
+    let mut never = 0usize;
+    for t in &rec.takeovers {
+        let rows: Vec<(Uuid, Option<DateTime<Utc>>)> = sqlx::query_as(
+            "SELECT j, (SELECT min(c.at) FROM chaos_claims c WHERE c.job_id = j AND c.at > $2) FROM unnest($1::uuid[]) AS j",
+        )
+        .bind(&t.jobs)
+        .bind(t.at)
+        .fetch_all(pool)
+        .await
+        .unwrap_or_default();
+        for (_, at) in rows {
+            match at {
+                Some(at) => times.push((at - t.at).num_milliseconds() as f64 / 1000.0),
+                None => never += 1,
+            }
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let _ = writeln!(
+        r,
+        "takeovers: {} jobs held by killed, aborted or paused processes; time to the next claim p50 {:.2} s, p90 {:.2} s, p99 {:.2} s, max {:.2} s; {never} never claimed again (finished by their holder after SIGCONT, or ended)",
+        times.len() + never,
+        percentile(&times, 0.5),
+        percentile(&times, 0.9),
+        percentile(&times, 0.99),
+        times.last().copied().unwrap_or(f64::NAN)
+    );
+    let mut rec_times: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (label, at) in &rec.recoveries {
+        let first: Option<DateTime<Utc>> = sqlx::query_scalar(
+            "SELECT min(created_at) FROM kfs_probe_effects WHERE created_at > $1",
+        )
+        .bind(at)
+        .fetch_one(pool)
+        .await
+        .unwrap_or(None);
+        if let Some(first) = first {
+            rec_times
+                .entry(label.clone())
+                .or_default()
+                .push((first - *at).num_milliseconds() as f64 / 1000.0);
+        }
+    }
+    for (label, mut v) in rec_times {
+        v.sort_by(f64::total_cmp);
+        let _ = writeln!(
+            r,
+            "recovery after {label} (service back → first step committed): n {}, p50 {:.2} s, p90 {:.2} s, max {:.2} s",
+            v.len(),
+            percentile(&v, 0.5),
+            percentile(&v, 0.9),
+            v.last().copied().unwrap_or(f64::NAN)
+        );
+    }
+    for line in &rec.outage_cpu {
+        let _ = writeln!(r, "{line}");
+    }
+
+    let _ = writeln!(r, "\nsoak samples (s since the faults began: witness RSS kB; worker sessions in Postgres; AMQP connections in RabbitMQ; open via the proxies pg/mq; accepted by the proxies so far pg/mq):");
+    for s in &rec.samples {
+        let rss: Vec<String> = s
+            .rss_kb
+            .iter()
+            .map(|(id, kb)| format!("{id} {kb}"))
+            .collect();
+        let mq = s.mq_connections.map_or("-".to_owned(), |n| n.to_string());
+        let _ = writeln!(
+            r,
+            "  {:>5} s: {}; pg sessions {}; mq connections {mq}; open {}/{}; accepted {}/{}",
+            s.at_s,
+            rss.join(", "),
+            s.pg_sessions,
+            s.pg_proxy_open,
+            s.mq_proxy_open,
+            s.accepted.0,
+            s.accepted.1
+        );
+    }
+    if let (Some(first), Some(last)) = (
+        rec.samples.iter().find(|s| s.at_s >= 10),
+        rec.samples.last(),
+    ) {
+        for ((id, a), (_, b)) in first.rss_kb.iter().zip(last.rss_kb.iter()) {
+            let _ = writeln!(
+                r,
+                "  RSS growth of {id}: {a} kB → {b} kB ({:+.1} %)",
+                (*b as f64 - *a as f64) * 100.0 / (*a).max(1) as f64
+            );
+        }
+        let _ = writeln!(
+            r,
+            "  Postgres sessions: {} → {}",
+            first.pg_sessions, last.pg_sessions
+        );
+    }
+    let _ = writeln!(r, "\nworker warnings (message: count):");
+    let mut w: Vec<(&String, &u64)> = warnings.iter().collect();
+    w.sort_by(|a, b| b.1.cmp(a.1));
+    for (m, n) in w.iter().take(12) {
+        let _ = writeln!(r, "  {n:>6}  {m}");
+    }
+    let _ = writeln!(r, "exit codes on SIGTERM at the end: {exit_codes:?}");
+    for n in &rec.notes {
+        let _ = writeln!(r, "note: {n}");
+    }
+    let _ = writeln!(r, "\ninvariants:");
+    for c in checks {
+        let _ = writeln!(
+            r,
+            "  [{}] {} — {}",
+            if c.ok { "ok" } else { "FAIL" },
+            c.name,
+            c.detail
+        );
+    }
+    r
+}
