@@ -93,6 +93,8 @@ pub struct Overview {
     /// Messages in the dead-letter queue (None: RabbitMQ not reachable).
     pub dead_letters: Option<u32>,
     pub dead_letter_sample: Vec<DeadLetter>,
+    /// The kinds leased straight from Postgres (bootstraps, profile backfills).
+    pub leased: Vec<crate::status::LeasedStatus>,
 }
 
 /// The actions a kind's jobs take.
@@ -289,6 +291,7 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
         }
         let _ = conn.close(200, "dashboard".into()).await;
     }
+    let leased = std::mem::take(&mut status.leased);
     let mut kinds = Vec::new();
     let mut failures = Vec::new();
     let mut recent = Vec::new();
@@ -321,6 +324,7 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
         recent,
         dead_letters: status.dead_letters,
         dead_letter_sample: sample,
+        leased,
     })
 }
 
@@ -998,6 +1002,40 @@ pub fn render_kinds(o: &Overview) -> String {
             k.rate_window_minutes
         );
     }
+    for l in &o.leased {
+        let total: i64 = l.jobs.values().sum();
+        let _ = write!(
+            s,
+            "<section class=\"card kind\" data-kind=\"{kind}\"><h3>{kind} <small>{total} jobs, leased from Postgres</small></h3>\
+             <table class=\"states\"><tbody>",
+            kind = esc(&l.kind),
+        );
+        if l.jobs.is_empty() {
+            s.push_str("<tr><td class=\"muted\" colspan=\"2\">no jobs yet</td></tr>");
+        }
+        for (state, n) in sorted_states(&l.jobs) {
+            let pct = if total > 0 { *n * 100 / total } else { 0 };
+            let _ = write!(
+                s,
+                "<tr><td>{badge}</td><td class=\"num\" data-state=\"{st}\">{n}</td>\
+                 <td class=\"bar\"><span style=\"width:{pct}%\"></span></td></tr>",
+                badge = state_badge(state),
+                st = esc(state),
+            );
+        }
+        s.push_str("</tbody></table><p class=\"outbox\">at ");
+        if l.checkpoints.is_empty() {
+            s.push_str("<span class=\"muted\">no checkpoint</span>");
+        }
+        for (cp, n) in sorted_states(&l.checkpoints) {
+            let _ = write!(
+                s,
+                "<span class=\"pill\" data-checkpoint=\"{cp}\">{cp} {n}</span>",
+                cp = esc(cp)
+            );
+        }
+        s.push_str("</p></section>");
+    }
     s
 }
 
@@ -1421,8 +1459,18 @@ mod tests {
             recent: vec![],
             dead_letters: Some(0),
             dead_letter_sample: vec![],
+            leased: vec![crate::status::LeasedStatus {
+                kind: "bootstrap".into(),
+                jobs: [("running".to_owned(), 1)].into_iter().collect(),
+                checkpoints: [("rebuilding".to_owned(), 1)].into_iter().collect(),
+            }],
         };
         let html = render_kinds(&o);
+        assert!(html.contains("data-kind=\"bootstrap\""), "{html}");
+        assert!(
+            html.contains("data-checkpoint=\"rebuilding\">rebuilding 1<"),
+            "{html}"
+        );
         assert!(html.contains("data-kind=\"new_kind\""), "{html}");
         assert!(html.contains("data-state=\"running\">2<"), "{html}");
         assert!(html.contains(">1.2<") || html.contains(">1.3<"), "{html}");
