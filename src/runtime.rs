@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::options::ConfirmSelectOptions;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -18,6 +19,7 @@ use crate::config::Services;
 use crate::consumer::{self, ConsumerConfig, Engine};
 use crate::jobs::{self, Handler, Kind};
 use crate::maintenance::{self, MaintenanceConfig};
+use crate::relay::schedule::Schedule;
 use crate::relay::{Relay, RelayConfig};
 use crate::{db, liveness};
 
@@ -315,28 +317,54 @@ async fn relay_loop(
                 .map_err(|e| e.to_string())?;
             let mut listener = listen(relay_pool(&relay)).await;
             health.set_relay(true);
+            let batch = usize::try_from(relay.config().batch).unwrap_or(usize::MAX);
+            let mut schedule = Schedule::new(&kinds, relay.config().depth);
+            let mut rounds = FuturesUnordered::new();
+            let mut failed = None;
             loop {
-                let mut busy = false;
-                for &kind in &kinds {
-                    let round = relay
-                        .relay_once(&ch, kind)
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    busy |= round.claimed as i64 >= relay.config().batch;
-                }
-                // Only a whole round proves both services back: resetting the backoff on the
-                // broker connection alone made a Postgres outage a reconnect loop.
-                backoff = reconnect_backoff();
-                if busy {
-                    if shutdown.is_cancelled() {
-                        break;
+                if failed.is_none() && !shutdown.is_cancelled() {
+                    for kind in schedule.start() {
+                        let (relay, ch) = (&relay, &ch);
+                        rounds.push(async move { (kind, relay.relay_once(ch, kind).await) });
                     }
-                    continue;
+                }
+                if rounds.is_empty() && (failed.is_some() || shutdown.is_cancelled()) {
+                    break;
                 }
                 tokio::select! {
-                    () = shutdown.cancelled() => break,
-                    () = wait_for_notification(&mut listener, relay.config().poll) => {}
+                    Some((kind, round)) = rounds.next(), if !rounds.is_empty() => match round {
+                        Ok(round) => {
+                            schedule.finished(kind, round.claimed >= batch);
+                            // Only a whole round proves both services back: resetting the
+                            // backoff on the broker connection alone made a Postgres outage a
+                            // reconnect loop.
+                            backoff = reconnect_backoff();
+                        }
+                        // Let the other rounds settle what they claimed, then reconnect.
+                        Err(e) => {
+                            schedule.finished(kind, false);
+                            failed.get_or_insert(e.to_string());
+                        }
+                    },
+                    () = shutdown.cancelled(), if !rounds.is_empty() || failed.is_none() => {
+                        // Rounds in flight still settle; no new one starts.
+                        if rounds.is_empty() {
+                            break;
+                        }
+                        let _ = tokio::time::timeout(relay.config().confirm_timeout, async {
+                            while rounds.next().await.is_some() {}
+                        })
+                        .await;
+                        break;
+                    }
+                    woken = wait_for_notification(&mut listener, relay.config().poll), if failed.is_none() => {
+                        schedule.wake(woken.unwrap_or_else(|| kinds.clone()));
+                    }
                 }
+            }
+            drop(rounds);
+            if let Some(e) = failed {
+                return Err(e);
             }
             // A connection the broker already dropped may never answer a close.
             let _ =
@@ -365,15 +393,25 @@ async fn listen(pool: PgPool) -> Option<PgListener> {
     Some(listener)
 }
 
-/// Returns on a notification or after `poll`, whichever comes first.
-async fn wait_for_notification(listener: &mut Option<PgListener>, poll: Duration) {
+/// Returns the kinds notified, or `None` (every kind) when `poll` passed without a notification.
+async fn wait_for_notification(
+    listener: &mut Option<PgListener>,
+    poll: Duration,
+) -> Option<Vec<Kind>> {
     match listener {
         Some(l) => {
-            let _ = tokio::time::timeout(poll, l.recv()).await;
+            let first = tokio::time::timeout(poll, l.recv()).await.ok()?.ok()?;
             // Drain what else is buffered so that a burst costs one round.
-            while l.next_buffered().is_some() {}
+            let mut kinds: Vec<Kind> = Kind::from_event_type(first.payload()).into_iter().collect();
+            while let Some(n) = l.next_buffered() {
+                kinds.extend(Kind::from_event_type(n.payload()));
+            }
+            Some(kinds)
         }
-        None => tokio::time::sleep(poll).await,
+        None => {
+            tokio::time::sleep(poll).await;
+            None
+        }
     }
 }
 

@@ -17,6 +17,7 @@ use kfs_worker::jobs::Kind;
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
+use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::PgPool;
@@ -511,77 +512,156 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
     env.cleanup().await;
 }
 
-/// The fuzz target's property (fuzz/fuzz_targets/decode.rs) over a seeded stream of mutated
-/// envelopes, so that the suite checks it without a nightly toolchain: decoding never panics,
-/// is deterministic, and accepts only a well-formed delivery of the queue's own kind.
-#[test]
-fn decoding_is_total_and_strict_on_mutated_envelopes() {
-    use kfs_worker::consumer::decode::{decode, Envelope, SCHEMA_VERSION};
-    let mut rng = StdRng::seed_from_u64(7);
-    let kinds = common::ALL_KINDS;
-    let mut accepted = 0usize;
-    for i in 0..50_000 {
-        let kind = kinds[i % kinds.len()];
-        let field = kind.spec().payload_id_field;
-        let mut body =
-            format!(r#"{{"{field}":"{}","traceparent":"00-x"}}"#, Uuid::new_v4()).into_bytes();
-        for _ in 0..rng.random_range(0..4) {
-            match rng.random_range(0..4) {
-                0 if !body.is_empty() => {
-                    let at = rng.random_range(0..body.len());
-                    body[at] = rng.random();
-                }
-                1 if !body.is_empty() => body.truncate(rng.random_range(0..body.len())),
-                2 => body
-                    .splice(
-                        0..0,
-                        (0..rng.random_range(1..8)).map(|_| rng.random::<u8>()),
-                    )
-                    .for_each(drop),
-                _ => body.resize(body.len() + rng.random_range(0..3) * (MAX_BODY / 2), b' '),
+/// How one generated envelope's fields are made.
+#[derive(Clone, Debug)]
+enum Mutation {
+    Flip(usize, u8),
+    Truncate(usize),
+    Prefix(Vec<u8>),
+    /// Pads the body by this many halves of `MAX_BODY`.
+    Pad(usize),
+}
+
+#[derive(Clone, Debug)]
+enum EventType {
+    Own,
+    Of(usize),
+    Text(String),
+}
+
+fn mutation() -> impl Strategy<Value = Mutation> {
+    prop_oneof![
+        (any::<usize>(), any::<u8>()).prop_map(|(at, b)| Mutation::Flip(at, b)),
+        any::<usize>().prop_map(Mutation::Truncate),
+        proptest::collection::vec(any::<u8>(), 1..8).prop_map(Mutation::Prefix),
+        (0usize..3).prop_map(Mutation::Pad),
+    ]
+}
+
+fn mutated_body(kind: Kind, job: u128, raw: Option<Vec<u8>>, muts: &[Mutation]) -> Vec<u8> {
+    let field = kind.spec().payload_id_field;
+    let mut body = raw.unwrap_or_else(|| {
+        format!(
+            r#"{{"{field}":"{}","traceparent":"00-x"}}"#,
+            Uuid::from_u128(job)
+        )
+        .into_bytes()
+    });
+    for m in muts {
+        match m {
+            Mutation::Flip(at, b) if !body.is_empty() => {
+                let at = at % body.len();
+                body[at] = *b;
             }
+            Mutation::Truncate(at) if !body.is_empty() => body.truncate(at % body.len()),
+            Mutation::Prefix(bytes) => body.splice(0..0, bytes.iter().copied()).for_each(drop),
+            Mutation::Pad(halves) => body.resize(body.len() + halves * (MAX_BODY / 2), b' '),
+            _ => {}
         }
-        let outbox = Uuid::new_v4().to_string();
-        let other = kinds[rng.random_range(0..kinds.len())].event_type();
-        let mid = ["d-1", "", "a\u{0}b", "ok-id"][rng.random_range(0..4)];
+    }
+    body
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 20_000, ..ProptestConfig::default() })]
+
+    /// The fuzz target's property (fuzz/fuzz_targets/decode.rs), run by proptest on every suite
+    /// run, so that it needs no nightly toolchain: decoding never panics, is deterministic, and
+    /// accepts only a well-formed delivery of the queue's own kind.
+    #[test]
+    fn decoding_is_total_and_strict_on_mutated_envelopes(
+        kind in 0usize..4,
+        job in any::<u128>(),
+        raw in proptest::option::weighted(0.1, proptest::collection::vec(any::<u8>(), 0..256)),
+        muts in proptest::collection::vec(mutation(), 0..4),
+        message_id in proptest::option::weighted(0.9, prop_oneof![
+            4 => Just("d-1".to_owned()),
+            1 => Just(String::new()),
+            1 => Just("a\u{0}b".to_owned()),
+            2 => ".{0,300}",
+        ]),
+        event_type in proptest::option::weighted(0.8, prop_oneof![
+            6 => Just(EventType::Own),
+            1 => (0usize..4).prop_map(EventType::Of),
+            1 => ".{0,40}".prop_map(EventType::Text),
+        ]),
+        schema in proptest::option::weighted(0.9, prop_oneof![
+            4 => Just(kfs_worker::consumer::decode::SCHEMA_VERSION),
+            1 => any::<i64>(),
+        ]),
+        outbox in proptest::option::weighted(0.9, prop_oneof![
+            9 => any::<u128>().prop_map(|u| Uuid::from_u128(u).to_string()),
+            1 => ".{0,40}",
+        ]),
+    ) {
+        use kfs_worker::consumer::decode::{decode, Envelope, SCHEMA_VERSION};
+        let kind = common::ALL_KINDS[kind];
+        let field = kind.spec().payload_id_field;
+        let body = mutated_body(kind, job, raw, &muts);
+        let event_type = event_type.map(|e| match e {
+            EventType::Own => kind.event_type().to_owned(),
+            EventType::Of(i) => common::ALL_KINDS[i].event_type().to_owned(),
+            EventType::Text(t) => t,
+        });
         let env = Envelope {
-            message_id: rng.random_bool(0.9).then_some(mid),
-            event_type: rng.random_bool(0.8).then_some(if rng.random_bool(0.8) {
-                kind.event_type()
-            } else {
-                other
-            }),
-            schema_version: rng.random_bool(0.9).then(|| {
-                if rng.random_bool(0.8) {
-                    SCHEMA_VERSION
-                } else {
-                    rng.random()
-                }
-            }),
-            outbox_id: rng.random_bool(0.9).then_some(if rng.random_bool(0.9) {
-                outbox.as_str()
-            } else {
-                "nope"
-            }),
+            message_id: message_id.as_deref(),
+            event_type: event_type.as_deref(),
+            schema_version: schema,
+            outbox_id: outbox.as_deref(),
             body: &body,
         };
         let got = decode(kind, &env);
-        assert_eq!(got, decode(kind, &env), "deterministic");
+        prop_assert_eq!(&got, &decode(kind, &env), "deterministic");
         if let Ok(d) = got {
-            accepted += 1;
-            assert!(body.len() <= MAX_BODY);
-            assert!(!d.delivery_id.is_empty() && !d.delivery_id.chars().any(char::is_control));
-            assert_eq!(env.schema_version, Some(SCHEMA_VERSION));
-            assert!(env.event_type.is_none_or(|t| t == kind.event_type()));
-            assert!(!d.job_id.is_nil());
+            prop_assert!(body.len() <= MAX_BODY);
+            prop_assert!(!d.delivery_id.is_empty() && d.delivery_id.len() <= 255);
+            prop_assert!(!d.delivery_id.chars().any(char::is_control));
+            prop_assert_eq!(Some(d.delivery_id.as_str()), env.message_id);
+            prop_assert_eq!(env.schema_version, Some(SCHEMA_VERSION));
+            prop_assert!(env.event_type.is_none_or(|t| t == kind.event_type()));
+            prop_assert_eq!(Some(d.outbox_id), env.outbox_id.and_then(|o| Uuid::parse_str(o).ok()));
+            prop_assert!(!d.job_id.is_nil());
             let v: serde_json::Value =
                 serde_json::from_slice(&body).expect("accepted body is JSON");
-            assert_eq!(
+            prop_assert_eq!(
                 v[field].as_str().and_then(|s| Uuid::parse_str(s).ok()),
                 Some(d.job_id)
             );
         }
     }
-    // The stream is not all garbage: a fair share decodes, so the checks above ran.
-    assert!(accepted > 1_000, "only {accepted} envelopes decoded");
+
+    /// The other half: every well-formed envelope of a queue's kind is accepted, with exactly
+    /// the ids it carries. Together with the property above, decoding is strict and complete.
+    #[test]
+    fn every_well_formed_envelope_decodes_to_its_own_ids(
+        kind in 0usize..4,
+        job in 1u128..,
+        outbox in any::<u128>(),
+        delivery_id in "[^\\p{Cc}]{1,60}",
+        with_type in any::<bool>(),
+        extra in proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..4),
+    ) {
+        use kfs_worker::consumer::decode::{decode, Envelope, SCHEMA_VERSION};
+        let kind = common::ALL_KINDS[kind];
+        let field = kind.spec().payload_id_field;
+        let mut payload: serde_json::Map<String, serde_json::Value> =
+            extra.into_iter().map(|(k, v)| (k, v.into())).collect();
+        payload.insert(field.to_owned(), Uuid::from_u128(job).to_string().into());
+        let body = serde_json::to_vec(&payload).unwrap();
+        let outbox = Uuid::from_u128(outbox).to_string();
+        let env = Envelope {
+            message_id: Some(&delivery_id),
+            event_type: with_type.then(|| kind.event_type()),
+            schema_version: Some(SCHEMA_VERSION),
+            outbox_id: Some(&outbox),
+            body: &body,
+        };
+        let d = decode(kind, &env);
+        prop_assert!(d.is_ok(), "refused a well-formed envelope: {:?}", d);
+        let d = d.unwrap();
+        prop_assert_eq!(d.kind, kind);
+        prop_assert_eq!(d.job_id, Uuid::from_u128(job));
+        prop_assert_eq!(d.outbox_id.to_string(), outbox);
+        prop_assert_eq!(d.delivery_id, delivery_id);
+    }
 }

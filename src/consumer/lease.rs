@@ -14,7 +14,6 @@ use crate::jobs::{Clock, JobCtx, Kind, KindSpec, States};
 #[derive(Debug)]
 pub struct Statements {
     claim: String,
-    claim_outbox: String,
     diagnose: String,
     fence: String,
     advance: String,
@@ -116,26 +115,35 @@ impl Statements {
             Clock::EpochMillis => "(({now} - prev.heartbeat_at) / 1000.0)::float8",
         };
         Statements {
-            // `prev` reads the row as the statement found it: a lease still on it means its
-            // holder never ended the slice, so this claim is a takeover.
+            // One statement, committed on its own: lock the job row (`prev`), then its outbox
+            // row (`ob`), and only when both are still claimable write either. Locks are taken
+            // job first, as everywhere else. `prev` reads the locked row before the update: a
+            // lease still on it means its holder never ended the slice, so this is a takeover.
             claim: spec.sql(&format!(
-                "WITH prev AS (SELECT id, lease_token IS NOT NULL AS held, heartbeat_at FROM {{job}} WHERE id = $1) \
-                 UPDATE {{job}} AS j SET {running_set} \
-                   worker_id = $3, lease_token = $4, lease_expires_at = {{now+$5}}, heartbeat_at = {{now}}, \
-                   execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = {{now}} \
-                 FROM prev \
-                 WHERE j.id = $1 AND prev.id = j.id AND {claimable} AND j.execution_attempts < j.max_execution_attempts \
-                   AND EXISTS (SELECT 1 FROM {{outbox}} o WHERE o.id = $2 AND o.{{fk}} = $1 AND o.queue_job_id = $6 \
-                               AND o.status IN ('dispatching', 'dispatched', 'leased')) \
-                 RETURNING j.{{cp}}::text, j.row_version, j.execution_attempts, j.max_execution_attempts, \
-                   prev.held, {silent_for}"
+                "WITH prev AS ( \
+                   SELECT j.id, j.lease_token IS NOT NULL AS held, j.heartbeat_at FROM {{job}} j \
+                   WHERE j.id = $1 AND {claimable} AND j.execution_attempts < j.max_execution_attempts \
+                   FOR UPDATE OF j \
+                 ), ob AS ( \
+                   SELECT o.id FROM {{outbox}} o JOIN prev ON o.{{fk}} = prev.id \
+                   WHERE o.id = $2 AND o.queue_job_id = $6 AND o.status IN ('dispatching', 'dispatched', 'leased') \
+                   FOR UPDATE OF o \
+                 ), claimed AS ( \
+                   UPDATE {{job}} AS j SET {running_set} \
+                     worker_id = $3, lease_token = $4, lease_expires_at = {{now+$5}}, heartbeat_at = {{now}}, \
+                     execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = {{now}} \
+                   FROM ob WHERE j.id = $1 \
+                   RETURNING j.{{cp}}::text AS cp, j.row_version, j.execution_attempts, j.max_execution_attempts, \
+                     j.lease_expires_at \
+                 ), leased AS ( \
+                   UPDATE {{outbox}} AS o SET status = 'leased', available_at = claimed.lease_expires_at, \
+                     delivered_at = {{now}}, lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {{now}} \
+                   FROM claimed WHERE o.id = $2 RETURNING 1 \
+                 ) \
+                 SELECT claimed.cp, claimed.row_version, claimed.execution_attempts, claimed.max_execution_attempts, \
+                   prev.held, {silent_for} \
+                 FROM claimed, prev"
             )),
-            claim_outbox: spec.sql(
-                "UPDATE {outbox} SET status = 'leased', available_at = (SELECT lease_expires_at FROM {job} WHERE id = $3), \
-                   delivered_at = {now}, \
-                   lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = {now} \
-                 WHERE id = $1 AND queue_job_id = $2 AND status IN ('dispatching', 'dispatched', 'leased')",
-            ),
             diagnose: spec.sql(&format!(
                 "SELECT o.status::text, o.queue_job_id, o.{{fk}} = $1 AS same_job, \
                    j.row_version, ({terminal}) AS terminal, \
@@ -245,7 +253,8 @@ pub struct DeliveryRef {
     pub delivery_id: String,
 }
 
-/// Claims the job a delivery points at, in one transaction.
+/// Claims the job a delivery points at. The claim is one statement committed on its own; only
+/// a delivery it does not claim is diagnosed, in a second transaction.
 pub async fn claim(
     conn: &mut PgConnection,
     st: &Statements,
@@ -253,7 +262,6 @@ pub async fn claim(
     worker_id: &str,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let token = Uuid::new_v4();
     type Row = (String, i32, i32, i32, bool, Option<f64>);
     let row: Option<Row> = sqlx::query_as(&st.claim)
@@ -263,41 +271,30 @@ pub async fn claim(
         .bind(token)
         .bind(millis(lease))
         .bind(&d.delivery_id)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut *conn)
         .await?;
     if let Some((checkpoint, row_version, attempts, max_attempts, taken_over, silent_for)) = row {
-        let outbox = sqlx::query(&st.claim_outbox)
-            .bind(d.outbox_id)
-            .bind(&d.delivery_id)
-            .bind(d.job_id)
-            .execute(&mut *tx)
-            .await?;
-        if outbox.rows_affected() == 1 {
-            tx.commit().await?;
-            crate::metrics::attempt(d.kind.name(), attempts);
-            if taken_over {
-                crate::metrics::takeover(
-                    d.kind.name(),
-                    silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
-                );
-            }
-            return Ok(Claim::Claimed(JobCtx {
-                kind: d.kind,
-                job_id: d.job_id,
-                outbox_id: d.outbox_id,
-                delivery_id: d.delivery_id.clone(),
-                lease_token: token,
-                row_version,
-                checkpoint,
-                execution_attempts: attempts,
-                max_execution_attempts: max_attempts,
-                worker_id: worker_id.to_owned(),
-            }));
+        crate::metrics::attempt(d.kind.name(), attempts);
+        if taken_over {
+            crate::metrics::takeover(
+                d.kind.name(),
+                silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            );
         }
-        // The relay took the outbox row back between our two statements: not ours after all.
-        tx.rollback().await?;
-        return Ok(Claim::Stale("outbox row changed during the claim"));
+        return Ok(Claim::Claimed(JobCtx {
+            kind: d.kind,
+            job_id: d.job_id,
+            outbox_id: d.outbox_id,
+            delivery_id: d.delivery_id.clone(),
+            lease_token: token,
+            row_version,
+            checkpoint,
+            execution_attempts: attempts,
+            max_execution_attempts: max_attempts,
+            worker_id: worker_id.to_owned(),
+        }));
     }
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let verdict = diagnose(&mut tx, st, d).await?;
     tx.commit().await?;
     Ok(verdict)

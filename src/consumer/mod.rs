@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
 use lapin::types::FieldTable;
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -189,10 +189,12 @@ impl Engine {
     pub async fn process_ref(&self, d: &DeliveryRef, shutdown: &CancellationToken) -> Handled {
         let st = &self.statements[&d.kind];
         let policy = self.policy(d.kind);
+        // One connection serves the claim and the whole slice; a failed statement drops it.
+        let mut conn: Slot = None;
         let claim = loop {
             let attempt = async {
-                let mut conn = self.pool.acquire().await?;
-                lease::claim(&mut conn, st, d, &self.worker_id, policy.lease).await
+                let c = self.connection(&mut conn).await?;
+                lease::claim(c, st, d, &self.worker_id, policy.lease).await
             };
             match attempt
                 .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id))
@@ -200,6 +202,7 @@ impl Engine {
             {
                 Ok(c) => break c,
                 Err(e) => {
+                    conn = None;
                     tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, "claim failed; not acking, will retry");
                     if !self.pause(shutdown).await {
                         return Handled::Abandon;
@@ -222,7 +225,7 @@ impl Engine {
         };
         tracing::debug!(kind = %d.kind, job_id = %job.job_id, checkpoint = %job.checkpoint, attempt = job.execution_attempts, "claimed");
         crash::point("after-claim-commit");
-        let end = self.run_slice(job, policy, shutdown).await;
+        let end = self.run_slice(job, policy, conn, shutdown).await;
         match end {
             Some(end) => {
                 crash::point("before-ack");
@@ -233,6 +236,26 @@ impl Engine {
             }
             None => Handled::Abandon,
         }
+    }
+
+    /// The delivery's connection, acquired when it has none.
+    async fn connection<'a>(
+        &self,
+        slot: &'a mut Slot,
+    ) -> Result<&'a mut PgConnection, sqlx::Error> {
+        if slot.is_none() {
+            *slot = Some(self.pool.acquire().await?);
+        }
+        Ok(&mut **slot.as_mut().expect("acquired above"))
+    }
+
+    /// Begins a transaction on the delivery's connection.
+    async fn begin<'a>(
+        &self,
+        slot: &'a mut Slot,
+    ) -> Result<sqlx::Transaction<'a, sqlx::Postgres>, sqlx::Error> {
+        let c = self.connection(slot).await?;
+        sqlx::Connection::begin(c).await
     }
 
     /// Waits before retrying a database call. `false`: shutting down instead.
@@ -249,6 +272,7 @@ impl Engine {
         &self,
         mut job: JobCtx,
         policy: Policy,
+        mut conn: Slot,
         shutdown: &CancellationToken,
     ) -> Option<&'static str> {
         self.counters.slices.fetch_add(1, Ordering::Relaxed);
@@ -264,13 +288,19 @@ impl Engine {
         );
         let started = Instant::now();
         let mut steps_done = 0u32;
+        // Set when the connection failed: a fresh one is taken at the next step.
+        let mut broken = false;
         loop {
             if lost.is_cancelled() {
                 return Some(self.lease_lost(&job));
             }
-            let mut tx = match self.pool.begin().await {
+            if std::mem::take(&mut broken) {
+                conn = None;
+            }
+            let mut tx = match self.begin(&mut conn).await {
                 Ok(tx) => tx,
                 Err(e) => {
+                    broken = true;
                     tracing::warn!(error = %e, "cannot begin a step; retrying");
                     if !self.pause(shutdown).await {
                         return None;
@@ -283,6 +313,8 @@ impl Engine {
                 Ok(Some(rv)) => rv,
                 Ok(None) => return Some(self.lease_lost(&job)),
                 Err(e) => {
+                    drop(tx);
+                    conn = None;
                     tracing::warn!(error = %e, "fence failed; retrying");
                     if !self.pause(shutdown).await {
                         return None;
@@ -328,7 +360,10 @@ impl Engine {
             let committed: Result<Option<&'static str>, StepError> = async {
                 match &next {
                     Next::Step(cp) => {
-                        if !lease::advance(&mut tx, st, &job, cp).await.map_err(StepError::Certain)? {
+                        if !lease::advance(&mut tx, st, &job, cp)
+                            .await
+                            .map_err(StepError::Certain)?
+                        {
                             return Ok(Some("lease_lost"));
                         }
                         tx.commit().await.map_err(StepError::Uncertain)?;
@@ -336,32 +371,51 @@ impl Engine {
                     }
                     Next::End { checkpoint, end } => {
                         if let Some(cp) = checkpoint {
-                            if !lease::advance(&mut tx, st, &job, cp).await.map_err(StepError::Certain)? {
+                            if !lease::advance(&mut tx, st, &job, cp)
+                                .await
+                                .map_err(StepError::Certain)?
+                            {
                                 return Ok(Some("lease_lost"));
                             }
                         }
-                        if !lease::end(&mut tx, st, &job, end).await.map_err(StepError::Certain)? {
+                        if !lease::end(&mut tx, st, &job, end)
+                            .await
+                            .map_err(StepError::Certain)?
+                        {
                             return Ok(Some("lease_lost"));
                         }
                         tx.commit().await.map_err(StepError::Uncertain)?;
                         Ok(Some(end.name()))
                     }
-                    Next::Abort(end) => {
+                    Next::Abort(_) => {
+                        // The step's writes are dropped; its end is written below, on its own.
                         tx.rollback().await.map_err(StepError::Certain)?;
-                        job.row_version = rv_before;
-                        let written = self.write_end(&handler, &job, end).await?;
-                        if written == Some("lease_lost") {
-                            return Ok(written);
-                        }
-                        if let End::Fail { code, message } | End::Wait { code, message, .. } = end {
-                            tracing::warn!(kind = %job.kind, job_id = %job.job_id, code, message, end = end.name(), "step did not finish");
-                        }
-                        Ok(written)
+                        Ok(None)
                     }
                 }
             }
-            .instrument(commit_span)
+            .instrument(commit_span.clone())
             .await;
+            let committed = match (&next, committed) {
+                (Next::Abort(end), Ok(_)) => {
+                    job.row_version = rv_before;
+                    let written = self
+                        .write_end(&mut conn, &handler, &job, end)
+                        .instrument(commit_span)
+                        .await;
+                    if let (
+                        Ok(Some(name)),
+                        End::Fail { code, message } | End::Wait { code, message, .. },
+                    ) = (&written, end)
+                    {
+                        if *name != "lease_lost" {
+                            tracing::warn!(kind = %job.kind, job_id = %job.job_id, code, message, end = end.name(), "step did not finish");
+                        }
+                    }
+                    written
+                }
+                (_, c) => c,
+            };
             match committed {
                 Ok(None) => {
                     crash::point("after-step-commit");
@@ -393,7 +447,7 @@ impl Engine {
                         code,
                         message: e.to_string(),
                     };
-                    return match self.write_end(&handler, &job, &end).await {
+                    return match self.write_end(&mut conn, &handler, &job, &end).await {
                         Ok(Some("lease_lost")) => Some(self.lease_lost(&job)),
                         Ok(Some(name)) => {
                             crate::metrics::slice(job.kind.name(), name, started.elapsed());
@@ -413,6 +467,7 @@ impl Engine {
                     // Connection trouble, or a commit whose outcome is unknown. Find out from
                     // the row itself: while our lease token is on a live row, only we can have
                     // written it.
+                    conn = None;
                     tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, "step not confirmed; resynchronising");
                     if !self.pause(shutdown).await {
                         return None;
@@ -437,12 +492,13 @@ impl Engine {
     /// Writes an end of slice in its own transaction, with the kind's failure hook.
     async fn write_end(
         &self,
+        conn: &mut Slot,
         handler: &Arc<dyn Handler>,
         job: &JobCtx,
         end: &End,
     ) -> Result<Option<&'static str>, StepError> {
         let st = &self.statements[&job.kind];
-        let mut tx = self.pool.begin().await.map_err(StepError::Certain)?;
+        let mut tx = self.begin(conn).await.map_err(StepError::Certain)?;
         if !lease::end(&mut tx, st, job, end)
             .await
             .map_err(StepError::Certain)?
@@ -508,6 +564,9 @@ impl Engine {
         }
     }
 }
+
+/// The connection a delivery holds from its claim to the end of its slice.
+type Slot = Option<sqlx::pool::PoolConnection<sqlx::Postgres>>;
 
 /// A database error inside a step, and whether the step's commit may have happened anyway.
 #[derive(Debug, thiserror::Error)]

@@ -89,8 +89,12 @@ pub async fn connect_with(
     match probe {
         Ok(Ok(conn)) => {
             let _ = sqlx::Connection::close(conn).await;
+            // No ping before each acquire: it is a round trip on every use of the pool, and
+            // every caller already treats a failed statement as retryable. sqlx still pings a
+            // connection when it is returned, off the caller's path, and drops a broken one.
             Ok(PgPoolOptions::new()
                 .max_connections(max_connections)
+                .test_before_acquire(false)
                 .acquire_timeout(timeout.max(Duration::from_secs(30)))
                 .connect_lazy_with(options))
         }

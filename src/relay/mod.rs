@@ -5,6 +5,8 @@
 //! allowed attempt, and its job fails with `dispatch_exhausted`. Rows are claimed with
 //! `SKIP LOCKED`, so any number of relays run side by side and one row never blocks the rest.
 
+pub mod schedule;
+
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -35,6 +37,9 @@ pub struct RelayConfig {
     pub release: RetryPolicy,
     /// Fallback polling when no notification arrives.
     pub poll: Duration,
+    /// Rounds of one kind in flight at once: the next batch is claimed and published while
+    /// the broker confirms the previous one.
+    pub depth: usize,
 }
 
 impl Default for RelayConfig {
@@ -50,6 +55,7 @@ impl Default for RelayConfig {
                 max: Duration::from_secs(60),
             },
             poll: Duration::from_secs(1),
+            depth: 4,
         }
     }
 }
@@ -94,18 +100,31 @@ impl Statements {
             ),
         };
         Statements {
+            // Each way a row comes due is its own index range scan on (status, available_at
+            // or locked_until), locked with SKIP LOCKED, so a claim costs the same on an outbox
+            // of a hundred rows or of millions. Rows a relay died holding (a quarter of the
+            // batch) and rows whose visibility passed (another quarter) are taken besides the
+            // new ones, so new work cannot starve them; a claim is at most 1.5 × `batch` + 3.
             claim: spec.sql(&format!(
-                "WITH due AS ( \
-                   SELECT id FROM {{outbox}} \
-                   WHERE (status = 'pending' AND available_at <= {{now}}) \
-                      OR (status = 'dispatching' AND locked_until <= {{now}}) \
-                      OR (status IN ('dispatched', 'leased') AND available_at <= {{now}}) \
-                   ORDER BY available_at, id LIMIT $1 FOR UPDATE SKIP LOCKED \
+                "WITH stuck AS ( \
+                   SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
+                   ORDER BY locked_until LIMIT $1 / 4 + 1 FOR UPDATE SKIP LOCKED \
+                 ), lost AS ( \
+                   SELECT id FROM {{outbox}} WHERE status = 'dispatched' AND available_at <= {{now}} \
+                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
+                 ), expired AS ( \
+                   SELECT id FROM {{outbox}} WHERE status = 'leased' AND available_at <= {{now}} \
+                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
+                 ), fresh AS ( \
+                   SELECT id FROM {{outbox}} WHERE status = 'pending' AND available_at <= {{now}} \
+                   ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED \
                  ) \
                  UPDATE {{outbox}} o SET status = 'dispatching', lock_token = $2, locked_by = $3, \
                    locked_until = {{now+$4}}, dispatch_attempts = o.dispatch_attempts + 1, \
                    queue_job_id = gen_random_uuid()::text, updated_at = {{now}} \
-                 FROM due WHERE o.id = due.id \
+                 WHERE o.id = ANY(ARRAY( \
+                   SELECT id FROM stuck UNION ALL SELECT id FROM lost UNION ALL SELECT id FROM expired \
+                   UNION ALL SELECT id FROM fresh)) \
                  RETURNING o.id, o.{{fk}}, o.payload, o.queue_job_id, o.dispatch_attempts, {revision}, o.schema_version"
             )),
             mark: spec.sql(&format!(
@@ -328,10 +347,18 @@ impl Relay {
             let Ok(Some(next)) = tokio::time::timeout_at(deadline, pending.next()).await else {
                 break;
             };
-            // Settle what has arrived so far in one statement, then wait for the rest.
+            // The first confirms are marked at once; the rest of the batch when all of it is
+            // confirmed (or the deadline passed): at most two marks per batch, whatever the
+            // number of acks the broker splits its confirms into.
             let mut chunk = vec![next];
-            while let Some(Some(more)) = pending.next().now_or_never() {
-                chunk.push(more);
+            if first {
+                while let Some(Some(more)) = pending.next().now_or_never() {
+                    chunk.push(more);
+                }
+            } else {
+                while let Ok(Some(more)) = tokio::time::timeout_at(deadline, pending.next()).await {
+                    chunk.push(more);
+                }
             }
             let mut confirmed = Vec::with_capacity(chunk.len());
             for (i, result) in chunk {
@@ -383,6 +410,44 @@ impl Relay {
             return Err(e.into());
         }
         Ok(round)
+    }
+
+    /// Publishes every due row of `kind` with up to `depth` rounds in flight, until a round
+    /// finds less than a batch and no other is in flight. Returns the sum of the rounds.
+    pub async fn drain(&self, channel: &Channel, kind: Kind) -> Result<Round, RelayError> {
+        let batch = usize::try_from(self.cfg.batch).unwrap_or(usize::MAX);
+        let mut schedule = schedule::Schedule::new(&[kind], self.cfg.depth);
+        let mut rounds = FuturesUnordered::new();
+        let mut total = Round::default();
+        let mut failed = None;
+        loop {
+            if failed.is_none() {
+                for k in schedule.start() {
+                    rounds.push(self.relay_once(channel, k).map(move |r| (k, r)));
+                }
+            }
+            // A failed round lets the others settle what they claimed before returning.
+            let Some((k, round)) = rounds.next().await else {
+                break;
+            };
+            match round {
+                Ok(r) => {
+                    schedule.finished(k, r.claimed >= batch);
+                    total.claimed += r.claimed;
+                    total.dispatched += r.dispatched;
+                    total.released += r.released;
+                    total.dead += r.dead;
+                }
+                Err(e) => {
+                    schedule.finished(k, false);
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(total),
+        }
     }
 
     async fn mark(&self, st: &Statements, token: Uuid, ids: &[Uuid]) -> Result<usize, sqlx::Error> {

@@ -81,7 +81,7 @@ DO $kfs_probe_trigger$
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = 'kfs_probe_outbox'::regclass AND tgname = 'kfs_probe_outbox_kfs_notify') THEN
     CREATE TRIGGER "kfs_probe_outbox_kfs_notify" AFTER INSERT OR UPDATE OF "status", "available_at"
-      ON "kfs_probe_outbox" FOR EACH ROW EXECUTE FUNCTION "kfs_notify_outbox"();
+      ON "kfs_probe_outbox" FOR EACH ROW WHEN (NEW."status" = 'pending') EXECUTE FUNCTION "kfs_notify_outbox"();
   END IF;
 END
 $kfs_probe_trigger$;

@@ -1,0 +1,170 @@
+//! Which relay rounds to start, as a pure state machine. Invariant: at most `depth` rounds of one
+//! kind are in flight; a kind gets a new round only when something may be due (a notification,
+//! the poll, or its last round claimed a full batch), so an idle relay issues no claims. A kind
+//! with a backlog (its last round was full) gets `depth` rounds at once.
+//!
+//! Keeping two rounds in flight lets the next batch be claimed and published while the broker
+//! confirms the previous one. Each round claims under its own lock token with `SKIP LOCKED`, so
+//! rounds never share a row, and each settles only the rows it claimed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::jobs::Kind;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    depth: usize,
+    in_flight: BTreeMap<Kind, usize>,
+    wanted: BTreeSet<Kind>,
+    backlog: BTreeSet<Kind>,
+}
+
+impl Schedule {
+    /// Every kind starts wanted: rows may have come due while no relay ran.
+    pub fn new(kinds: &[Kind], depth: usize) -> Self {
+        Self {
+            depth: depth.max(1),
+            in_flight: kinds.iter().map(|&k| (k, 0)).collect(),
+            wanted: kinds.iter().copied().collect(),
+            backlog: BTreeSet::new(),
+        }
+    }
+
+    /// Rows of `kinds` may be due (a notification, or the poll for all kinds).
+    pub fn wake(&mut self, kinds: impl IntoIterator<Item = Kind>) {
+        for k in kinds {
+            if self.in_flight.contains_key(&k) {
+                self.wanted.insert(k);
+            }
+        }
+    }
+
+    /// A round of `kind` ended; `full`: it claimed a whole batch, so more rows may wait.
+    pub fn finished(&mut self, kind: Kind, full: bool) {
+        if let Some(n) = self.in_flight.get_mut(&kind) {
+            *n = n.saturating_sub(1);
+        }
+        if full {
+            self.wanted.insert(kind);
+            self.backlog.insert(kind);
+        } else {
+            self.backlog.remove(&kind);
+        }
+    }
+
+    /// The rounds to start now, counted as in flight from here on.
+    pub fn start(&mut self) -> Vec<Kind> {
+        let mut out = Vec::new();
+        for (&kind, n) in &mut self.in_flight {
+            if *n < self.depth && self.wanted.remove(&kind) {
+                *n += 1;
+                out.push(kind);
+                while self.backlog.contains(&kind) && *n < self.depth {
+                    *n += 1;
+                    out.push(kind);
+                }
+            }
+        }
+        out
+    }
+
+    pub fn idle(&self) -> bool {
+        self.in_flight.values().all(|&n| n == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Clone, Copy, Debug)]
+    enum Ev {
+        Wake(&'static [Kind]),
+        Finished(Kind, bool),
+    }
+
+    #[test]
+    fn schedule_table() {
+        use Kind::*;
+        // (events applied in order, then the rounds `start` returns)
+        // Every case starts after the first `start`, with one round of each kind in flight:
+        // (events applied in order, then the rounds `start` returns).
+        let cases: &[(&str, &[Ev], &[Kind])] = &[
+            ("nothing happened: no new round", &[], &[]),
+            (
+                "a full batch means a backlog: rounds up to the depth at once",
+                &[Ev::Finished(Probe, true)],
+                &[Probe, Probe],
+            ),
+            (
+                "a partial batch ends the backlog",
+                &[
+                    Ev::Finished(Probe, true),
+                    Ev::Finished(Probe, false),
+                    Ev::Wake(&[Probe]),
+                ],
+                &[Probe],
+            ),
+            (
+                "a partial batch with nothing notified: no new round",
+                &[Ev::Finished(Probe, false)],
+                &[],
+            ),
+            (
+                "a notification while a round is in flight starts a second one",
+                &[Ev::Wake(&[Probe])],
+                &[Probe],
+            ),
+            (
+                "a notification of another kind wakes only that kind",
+                &[Ev::Wake(&[Compile])],
+                &[Compile],
+            ),
+            (
+                "notifications of kinds this relay does not serve are ignored",
+                &[Ev::Wake(&[Research])],
+                &[],
+            ),
+            (
+                "the poll wakes every kind",
+                &[Ev::Wake(&[Compile, Probe, Research])],
+                &[Compile, Probe],
+            ),
+        ];
+        for (name, events, want) in cases {
+            let mut s = Schedule::new(&[Compile, Probe], 2);
+            assert_eq!(s.start(), vec![Compile, Probe], "{name}: the first start");
+            for e in *events {
+                match *e {
+                    Ev::Wake(k) => s.wake(k.iter().copied()),
+                    Ev::Finished(k, full) => s.finished(k, full),
+                }
+            }
+            assert_eq!(&s.start(), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn depth_caps_rounds_per_kind() {
+        let mut s = Schedule::new(&[Kind::Probe], 2);
+        assert_eq!(s.start(), vec![Kind::Probe]);
+        s.wake([Kind::Probe]);
+        assert_eq!(s.start(), vec![Kind::Probe]);
+        s.wake([Kind::Probe]);
+        assert_eq!(
+            s.start(),
+            Vec::<Kind>::new(),
+            "two in flight: the third waits"
+        );
+        s.finished(Kind::Probe, false);
+        assert_eq!(
+            s.start(),
+            vec![Kind::Probe],
+            "the wake is kept until a slot frees"
+        );
+        s.finished(Kind::Probe, false);
+        s.finished(Kind::Probe, false);
+        assert!(s.idle());
+        assert_eq!(s.start(), Vec::<Kind>::new(), "idle and nothing due");
+    }
+}
