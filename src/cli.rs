@@ -347,6 +347,42 @@ impl From<ConfigError> for Failure {
     }
 }
 
+/// Reports a command line clap refused. A value it could not parse gets one line that names
+/// the flag and its environment variable, like every other configuration error; help, version
+/// and usage mistakes keep clap's own output.
+pub fn usage_error(e: clap::Error) -> ExitCode {
+    use clap::error::{ContextKind, ErrorKind};
+    if !matches!(
+        e.kind(),
+        ErrorKind::InvalidValue | ErrorKind::ValueValidation
+    ) {
+        e.exit();
+    }
+    let invalid = e
+        .get(ContextKind::InvalidArg)
+        .map(ToString::to_string)
+        .unwrap_or_default();
+    let env = env_of(&<Cli as clap::CommandFactory>::command(), &invalid);
+    let first = e.to_string();
+    let first = first.lines().next().unwrap_or("invalid value").trim();
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    match env {
+        Some(var) => eprintln!("error: {var}: {first}"),
+        None => eprintln!("error: {first}"),
+    }
+    ExitCode::from(2)
+}
+
+/// The environment variable behind the flag clap names as `--flag <VALUE>`, in any subcommand.
+fn env_of(cmd: &clap::Command, invalid: &str) -> Option<String> {
+    let flag = invalid.split_whitespace().next()?.trim_start_matches('-');
+    cmd.get_arguments()
+        .find(|a| a.get_long() == Some(flag))
+        .and_then(|a| a.get_env())
+        .map(|v| v.to_string_lossy().into_owned())
+        .or_else(|| cmd.get_subcommands().find_map(|sub| env_of(sub, invalid)))
+}
+
 pub async fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Migrate => migrate(&cli.conn).await,

@@ -7,7 +7,14 @@ use clap::Parser;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let cli = kfs_worker::cli::Cli::parse();
+    let cli = match kfs_worker::cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return kfs_worker::cli::usage_error(e),
+    };
+    if let Err(e) = kfs_worker::telemetry::check_env() {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     // Long-running commands log at info; one-shot commands speak through their own output,
     // and the AMQP client's own error lines would only repeat what the command says.
     let filter = match cli.command {

@@ -45,6 +45,40 @@ pub fn otlp_configured() -> bool {
     .any(|v| std::env::var(v).is_ok_and(|s| !s.trim().is_empty()))
 }
 
+/// Checks the logging settings before anything is logged: `KFS_LOG_FORMAT` is `text` or
+/// `json` (or unset), and `RUST_LOG`, when set, is a filter `tracing` understands.
+pub fn check_env() -> Result<(), crate::config::ConfigError> {
+    check_settings(
+        std::env::var("KFS_LOG_FORMAT").ok().as_deref(),
+        std::env::var("RUST_LOG").ok().as_deref(),
+    )
+}
+
+fn check_settings(
+    format: Option<&str>,
+    filter: Option<&str>,
+) -> Result<(), crate::config::ConfigError> {
+    use crate::config::ConfigError;
+    if let Some(f) = format.map(str::trim).filter(|f| !f.is_empty()) {
+        if !f.eq_ignore_ascii_case("json") && !f.eq_ignore_ascii_case("text") {
+            let shown: String = f.chars().take(40).collect();
+            return Err(ConfigError::new(
+                "KFS_LOG_FORMAT",
+                format!("must be 'text' or 'json', got '{shown}'"),
+            ));
+        }
+    }
+    if let Some(f) = filter.filter(|f| !f.trim().is_empty()) {
+        if let Err(e) = EnvFilter::try_new(f) {
+            return Err(ConfigError::new(
+                "RUST_LOG",
+                format!("is not a log filter ({e}), e.g. 'info' or 'kfs_worker=debug,info'"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Sets up logging, and span export when configured. `default_filter` applies to the logs
 /// when `RUST_LOG` is unset; exported spans are the worker's own at info and above,
 /// whatever the log filter.
@@ -129,4 +163,37 @@ pub fn traceparent_of(span: &Span) -> Option<String> {
     let mut carrier = HashMap::new();
     TraceContextPropagator::new().inject_context(&span.context(), &mut carrier);
     carrier.remove("traceparent")
+}
+
+#[cfg(test)]
+mod settings_tests {
+    use super::check_settings;
+
+    #[test]
+    fn log_settings_table() {
+        for (format, filter, err) in [
+            (None, None, None),
+            (Some("json"), None, None),
+            (Some("JSON"), Some("info,sqlx=warn"), None),
+            (Some("text"), Some("kfs_worker=debug"), None),
+            (Some(""), Some(""), None),
+            (
+                Some("xml"),
+                None,
+                Some("KFS_LOG_FORMAT: must be 'text' or 'json', got 'xml'"),
+            ),
+            (
+                None,
+                Some("info,=[{"),
+                Some("RUST_LOG: is not a log filter"),
+            ),
+        ] {
+            let got = check_settings(format, filter).err().map(|e| e.to_string());
+            match (err, got) {
+                (None, None) => {}
+                (Some(want), Some(got)) => assert!(got.starts_with(want), "{got}"),
+                (want, got) => panic!("{format:?} {filter:?}: want {want:?}, got {got:?}"),
+            }
+        }
+    }
 }

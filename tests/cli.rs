@@ -197,6 +197,18 @@ fn bad_run_settings_are_refused_before_connecting() {
             "ftp://x",
             "KFS_OBJECT_STORE: has scheme 'ftp'",
         ),
+        ("KFS_PREFETCH", "lots", "KFS_PREFETCH: invalid value 'lots'"),
+        (
+            "KFS_SLICE_STEPS",
+            "-3",
+            "KFS_SLICE_STEPS: invalid value '-3'",
+        ),
+        (
+            "KFS_LOG_FORMAT",
+            "xml",
+            "KFS_LOG_FORMAT: must be 'text' or 'json', got 'xml'",
+        ),
+        ("RUST_LOG", "info,=[{", "RUST_LOG: is not a log filter"),
     ] {
         let o = kfs(&["run"], &[("DATABASE_URL", &db), (var, value)]);
         assert_usage_error(&o, 1, needle);
