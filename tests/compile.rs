@@ -10,12 +10,11 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::space::SpaceFx;
 use kfs_worker::consumer::lease::DeliveryRef;
 use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
@@ -24,9 +23,7 @@ use kfs_worker::jobs::compile::{
     self, AttemptStatus, CompileError, CompileHandler, RequestOptions,
 };
 use kfs_worker::jobs::{Deps, Kind};
-use kfs_worker::platform;
 use kfs_worker::publication::{self, PUBLISHED_NODE_FILTER};
-use kfs_worker::store::Store;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -39,51 +36,19 @@ const PAGE_HTML: &[u8] = include_bytes!("fixtures/compile/page.html");
 const NOTES_TXT: &[u8] = include_bytes!("fixtures/compile/notes.txt");
 
 /// A test database and queues, a shared file object store, and one knowledge space.
-struct Fx {
-    env: TestEnv,
-    store: Store,
-    store_url: String,
-    dir: PathBuf,
-    space: Uuid,
+struct Fx(SpaceFx);
+
+impl std::ops::Deref for Fx {
+    type Target = SpaceFx;
+
+    fn deref(&self) -> &SpaceFx {
+        &self.0
+    }
 }
 
 impl Fx {
     async fn new() -> Fx {
-        let env = TestEnv::new().await;
-        let dir = std::env::temp_dir().join(format!("kfs-compile-{}", Uuid::new_v4().simple()));
-        let store_url = format!("file://{}", dir.display());
-        let store = Store::open(&kfs_worker::config::object_store(&store_url).unwrap()).unwrap();
-        let mut conn = env.pool.acquire().await.unwrap();
-        let space = platform::create_space(&mut conn, TENANT, "compile", "Compile tests")
-            .await
-            .unwrap();
-        drop(conn);
-        Fx {
-            env,
-            store,
-            store_url,
-            dir,
-            space,
-        }
-    }
-
-    fn pool(&self) -> &PgPool {
-        &self.env.pool
-    }
-
-    async fn add(&self, filename: &str, mime: &str, bytes: &[u8]) -> Uuid {
-        let mut conn = self.pool().acquire().await.unwrap();
-        platform::add_document(
-            &mut conn,
-            &self.store,
-            self.space,
-            None,
-            filename,
-            mime,
-            Bytes::copy_from_slice(bytes),
-        )
-        .await
-        .unwrap()
+        Fx(SpaceFx::new(TENANT, "compile", "Compile tests").await)
     }
 
     async fn request(&self, doc: Uuid, defer: bool) -> Result<Uuid, CompileError> {
@@ -228,8 +193,7 @@ impl Fx {
     }
 
     async fn cleanup(self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-        self.env.cleanup().await;
+        self.0.cleanup().await;
     }
 }
 

@@ -7,17 +7,15 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::space::SpaceFx;
 use common::TestEnv;
 use fantoccini::{ClientBuilder, Locator};
 use kfs_worker::jobs::compile::{self, RequestOptions};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
-use kfs_worker::platform;
-use kfs_worker::store::Store;
 use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicRejectOptions};
 use lapin::BasicProperties;
 use serde_json::Value;
@@ -73,47 +71,23 @@ async fn post(addr: SocketAddr, path: &str, form: &str, bearer: Option<&str>) ->
 }
 
 /// A test database and queues, a file object store shared with the worker, one space.
-struct Fx {
-    env: TestEnv,
-    store: Store,
-    store_url: String,
-    dir: PathBuf,
-    space: Uuid,
+struct Fx(SpaceFx);
+
+impl std::ops::Deref for Fx {
+    type Target = SpaceFx;
+
+    fn deref(&self) -> &SpaceFx {
+        &self.0
+    }
 }
 
 impl Fx {
     async fn new() -> Fx {
-        let env = TestEnv::new().await;
-        let dir = std::env::temp_dir().join(format!("kfs-dash-{}", Uuid::new_v4().simple()));
-        let store_url = format!("file://{}", dir.display());
-        let store = Store::open(&kfs_worker::config::object_store(&store_url).unwrap()).unwrap();
-        let mut conn = env.pool.acquire().await.unwrap();
-        let space = platform::create_space(&mut conn, "tenant-dash", "dash", "Dashboard")
-            .await
-            .unwrap();
-        drop(conn);
-        Fx {
-            env,
-            store,
-            store_url,
-            dir,
-            space,
-        }
+        Fx(SpaceFx::new("tenant-dash", "dash", "Dashboard").await)
     }
 
     async fn add(&self, name: &str, bytes: &[u8]) -> Uuid {
-        let mut conn = self.env.pool.acquire().await.unwrap();
-        platform::add_document(
-            &mut conn,
-            &self.store,
-            self.space,
-            None,
-            name,
-            "text/plain",
-            Bytes::copy_from_slice(bytes),
-        )
-        .await
-        .unwrap()
+        self.0.add(name, "text/plain", bytes).await
     }
 
     async fn object_key(&self, doc: Uuid) -> String {
@@ -212,8 +186,7 @@ impl Fx {
     }
 
     async fn cleanup(self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-        self.env.cleanup().await;
+        self.0.cleanup().await;
     }
 }
 

@@ -11,12 +11,10 @@
 
 mod common;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use common::TestEnv;
+use common::space::SpaceFx;
 use kfs_worker::consumer::lease::{DeliveryRef, End};
 use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine};
@@ -28,7 +26,6 @@ use kfs_worker::jobs::leased::{self, Lease, LeasedKind, Outcome};
 use kfs_worker::jobs::{Deps, Kind};
 use kfs_worker::platform;
 use kfs_worker::publication;
-use kfs_worker::store::Store;
 use serde_json::json;
 use sqlx::{Connection, PgPool};
 use tokio_util::sync::CancellationToken;
@@ -64,57 +61,25 @@ CREATE TRIGGER leased_state_log_backfill AFTER INSERT OR UPDATE ON knowledge_spa
   FOR EACH ROW EXECUTE FUNCTION leased_state_log_backfill();
 "#;
 
-struct Fx {
-    env: TestEnv,
-    store: Store,
-    store_url: String,
-    dir: PathBuf,
-    space: Uuid,
+struct Fx(SpaceFx);
+
+impl std::ops::Deref for Fx {
+    type Target = SpaceFx;
+
+    fn deref(&self) -> &SpaceFx {
+        &self.0
+    }
 }
 
 impl Fx {
     async fn new() -> Fx {
-        let env = TestEnv::new().await;
-        let dir = std::env::temp_dir().join(format!("kfs-leased-{}", Uuid::new_v4().simple()));
-        let store_url = format!("file://{}", dir.display());
-        let store = Store::open(&kfs_worker::config::object_store(&store_url).unwrap()).unwrap();
-        sqlx::raw_sql(STATE_LOG).execute(&env.pool).await.unwrap();
-        let mut conn = env.pool.acquire().await.unwrap();
-        let space = platform::create_space(&mut conn, TENANT, "legacy", "Legacy space")
-            .await
-            .unwrap();
-        drop(conn);
-        Fx {
-            env,
-            store,
-            store_url,
-            dir,
-            space,
-        }
-    }
-
-    fn pool(&self) -> &PgPool {
-        &self.env.pool
+        let fx = SpaceFx::new(TENANT, "legacy", "Legacy space").await;
+        sqlx::raw_sql(STATE_LOG).execute(fx.pool()).await.unwrap();
+        Fx(fx)
     }
 
     async fn cleanup(self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-        self.env.cleanup().await;
-    }
-
-    async fn add(&self, filename: &str, mime: &str, bytes: &[u8]) -> Uuid {
-        let mut conn = self.pool().acquire().await.unwrap();
-        platform::add_document(
-            &mut conn,
-            &self.store,
-            self.space,
-            None,
-            filename,
-            mime,
-            Bytes::copy_from_slice(bytes),
-        )
-        .await
-        .unwrap()
+        self.0.cleanup().await;
     }
 
     async fn three_documents(&self) -> Vec<Uuid> {

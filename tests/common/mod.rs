@@ -3,6 +3,8 @@
 //! queue prefix, and both are removed when the `TestEnv` is dropped.
 #![allow(dead_code)]
 
+pub mod space;
+
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
