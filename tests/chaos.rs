@@ -1,4 +1,5 @@
-//! Chaos run: a stream of probe jobs through several `kfs-worker` consumer and relay processes
+//! Chaos run: a stream of probe jobs, and the platform's document compiles, research tasks and
+//! deletions (`chaos/platform.rs`), through several `kfs-worker` consumer and relay processes
 //! while a seeded driver injects faults: SIGKILL, kill points, SIGSTOP/SIGCONT past the lease,
 //! RabbitMQ and Postgres restarts, `pg_terminate_backend` of worker sessions, and network
 //! faults (latency, cut connections, half-open connections) through a TCP proxy. Invariant
@@ -21,6 +22,8 @@
 #![cfg(feature = "crash-points")]
 
 mod common;
+#[path = "chaos/platform.rs"]
+mod platform_mix;
 #[path = "chaos/proxy.rs"]
 mod proxy;
 #[path = "chaos/services.rs"]
@@ -44,7 +47,9 @@ use sqlx::{Connection, PgPool};
 use uuid::Uuid;
 
 const DB: &str = "kfs_chaos";
-const LEASE: &str = "probe=4s";
+const LEASE: &str = "probe=4s,compile=4s,deletion=4s,research=4s";
+/// Every kind the workers run: the engine's probe and the platform's three.
+const KINDS: [Kind; 4] = [Kind::Probe, Kind::Compile, Kind::Deletion, Kind::Research];
 const CONSUMER_POINTS: [&str; 3] = ["after-claim-commit", "after-step-commit", "before-ack"];
 const RELAY_POINTS: [&str; 2] = [
     "after-publish-before-mark",
@@ -173,10 +178,16 @@ impl Cluster {
             Role::Consumer => &["--consumer"],
             Role::Relay => &["--relay", "--maintenance"],
         };
-        cmd.args(["run", "--kinds", "probe", "--worker-id", &id])
-            .args(role_args)
-            .stdout(std::process::Stdio::null())
-            .stderr(file);
+        cmd.args([
+            "run",
+            "--kinds",
+            "probe,compile,deletion,research",
+            "--worker-id",
+            &id,
+        ])
+        .args(role_args)
+        .stdout(std::process::Stdio::null())
+        .stderr(file);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
@@ -247,6 +258,8 @@ struct Record {
     outage_cpu_ok: bool,
     samples: Vec<Sample>,
     jobs: Vec<(Uuid, &'static str)>,
+    /// The platform's jobs requested during the run.
+    platform: platform_mix::Requested,
     /// Unexpected events worth reading in the report.
     notes: Vec<String>,
 }
@@ -410,6 +423,18 @@ async fn chaos_run_keeps_every_promise() {
         .execute(&pool)
         .await
         .expect("observers");
+    sqlx::raw_sql(platform_mix::OBSERVERS)
+        .execute(&pool)
+        .await
+        .expect("observers of the platform's tables");
+    let store_dir =
+        std::env::temp_dir().join(format!("kfschaos-store-{seed}-{}", Uuid::new_v4().simple()));
+    let store_url = format!("file://{}", store_dir.display());
+    let store = kfs_worker::store::Store::open(
+        &kfs_worker::config::object_store(&store_url).expect("object store URL"),
+    )
+    .expect("object store");
+    let space = platform_mix::seed(&pool, &store).await;
     let prefix = "chaos".to_owned();
     let topology = Topology::new(&prefix);
     {
@@ -418,7 +443,7 @@ async fn chaos_run_keeps_every_promise() {
             .expect("connect to the private RabbitMQ");
         let ch = conn.create_channel().await.unwrap();
         topology
-            .declare(&ch, &[Kind::Probe])
+            .declare(&ch, &KINDS)
             .await
             .expect("declare topology");
         let _ = conn.close(200, "bye".into()).await;
@@ -439,6 +464,7 @@ async fn chaos_run_keeps_every_promise() {
             format!("amqp://guest:guest@{}/%2f", mq_proxy.addr),
         ),
         ("KFS_QUEUE_PREFIX".into(), prefix.clone()),
+        ("KFS_OBJECT_STORE".into(), store_url.clone()),
         ("KFS_HTTP_ADDR".into(), "off".into()),
         ("KFS_LOG_FORMAT".into(), "json".into()),
         (
@@ -502,6 +528,13 @@ async fn chaos_run_keeps_every_promise() {
         })
     };
 
+    let platform_requests = tokio::spawn(platform_mix::drive(
+        pool.clone(),
+        space,
+        stop_enqueue.clone(),
+        seed,
+    ));
+
     // The fault schedule.
     let faulty = Duration::from_secs(settings.seconds);
     let fault_start = Instant::now();
@@ -550,6 +583,7 @@ async fn chaos_run_keeps_every_promise() {
     // Recovery: no more faults, no more new jobs; everything must finish.
     stop_enqueue.cancel();
     rec.jobs = enqueuer.await.unwrap();
+    rec.platform = platform_requests.await.unwrap();
     pg_proxy.heal();
     mq_proxy.heal();
     for s in &mut cluster.slots {
@@ -562,7 +596,8 @@ async fn chaos_run_keeps_every_promise() {
     let mut drained = false;
     while drain_start.elapsed() < Duration::from_secs(240) {
         supervise_unarmed(&mut cluster, &mut rec, &pool).await;
-        let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await;
+        let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await
+            + platform_mix::open(&pool).await;
         if open == 0 {
             drained = true;
             break;
@@ -635,6 +670,7 @@ async fn chaos_run_keeps_every_promise() {
             .join("\n")
     );
     let _ = std::fs::remove_dir_all(&logs);
+    let _ = std::fs::remove_dir_all(&store_dir);
 }
 
 async fn queue_depths(mq: &PrivateRabbit, topology: &Topology) -> (u32, u32) {
@@ -643,11 +679,14 @@ async fn queue_depths(mq: &PrivateRabbit, topology: &Topology) -> (u32, u32) {
     else {
         return (u32::MAX, u32::MAX);
     };
-    let mut out = [u32::MAX; 2];
-    for (i, q) in [topology.queue(Kind::Probe), topology.dead_letter_queue()]
+    // (every job queue summed, the dead letters); a queue that cannot be read counts as full.
+    let mut out = [0u32; 2];
+    let queues = KINDS
         .iter()
-        .enumerate()
-    {
+        .map(|k| (0, topology.queue(*k)))
+        .chain([(1, topology.dead_letter_queue())]);
+    for (i, q) in queues {
+        let mut depth = u32::MAX;
         if let Ok(ch) = conn.create_channel().await {
             if let Ok(q) = ch
                 .queue_declare(
@@ -660,9 +699,10 @@ async fn queue_depths(mq: &PrivateRabbit, topology: &Topology) -> (u32, u32) {
                 )
                 .await
             {
-                out[i] = q.message_count();
+                depth = q.message_count();
             }
         }
+        out[i] = out[i].saturating_add(depth);
     }
     let _ = conn.close(200, "bye".into()).await;
     (out[0], out[1])
@@ -1155,7 +1195,8 @@ async fn check_invariants(
         ),
     ));
 
-    let outbox_open = count(pool, "SELECT count(*) FROM kfs_probe_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')").await;
+    let outbox_open = count(pool, "SELECT count(*) FROM kfs_probe_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')").await
+        + platform_mix::outbox_open(pool).await;
     out.push(check(
         "outbox settled",
         outbox_open == 0,
@@ -1166,6 +1207,9 @@ async fn check_invariants(
         depths == (0, 0),
         format!("depths {depths:?}"),
     ));
+    for (name, ok, detail) in platform_mix::checks(pool, &rec.platform).await {
+        out.push(check(name, ok, detail));
+    }
     if !rec.outage_cpu.is_empty() {
         out.push(check(
             "no busy loop during outages (each process < 25 % of a core)",
@@ -1235,6 +1279,7 @@ async fn report(
         "\njobs: {} enqueued; by final state {states:?}; {steps} step effects",
         rec.jobs.len()
     );
+    let _ = writeln!(r, "platform jobs: {}", platform_mix::summary(&rec.platform));
     let _ = writeln!(r, "claims: {claims} (of which {reclaims} after the job's first claim: new slices, retries and takeovers)");
     let (acks, warnings) = read_logs(cluster);
     let mut by_claim: BTreeMap<String, u64> = BTreeMap::new();

@@ -757,6 +757,24 @@ struct Kill {
     at: DateTime<Utc>,
     /// Jobs the killed process held a live lease on at the kill instant.
     held: Vec<Uuid>,
+    /// The lease token of each held job.
+    tokens: Vec<Uuid>,
+}
+
+/// Whether `job` succeeded with its last effect written under `token`: the slice of a killed
+/// worker whose final commit was already on its way to Postgres when the process died (the
+/// server commits what it received), so nobody needed to claim the job again.
+async fn ended_under(pool: &PgPool, job: Uuid, token: Uuid) -> bool {
+    sqlx::query_scalar(
+        "SELECT j.run_state = 'succeeded' AND (SELECT e.lease_token FROM kfs_probe_effects e \
+           WHERE e.job_id = j.id ORDER BY e.id DESC LIMIT 1) = $2 \
+         FROM kfs_probe_jobs j WHERE j.id = $1",
+    )
+    .bind(job)
+    .bind(token)
+    .fetch_one(pool)
+    .await
+    .unwrap_or(false)
 }
 
 const FLEET: [&str; 3] = ["w1", "w2", "w3"];
@@ -856,15 +874,13 @@ async fn fleet_run(same_id: bool) {
         let i = rng.random_range(0..FLEET.len());
         let at = db_now(&env.pool).await;
         workers[i].kill();
-        let held = held_by(&env.pool, &ids[i], at)
-            .await
-            .into_iter()
-            .map(|(j, _)| j)
-            .collect();
+        let (held, tokens): (Vec<Uuid>, Vec<Uuid>) =
+            held_by(&env.pool, &ids[i], at).await.into_iter().unzip();
         kills.push(Kill {
             worker: ids[i].clone(),
             at,
             held,
+            tokens,
         });
         tokio::time::sleep(Duration::from_millis(rng.random_range(100..500))).await;
         if !same_id {
@@ -900,11 +916,13 @@ async fn fleet_run(same_id: bool) {
     let mut samples: Vec<f64> = Vec::new();
     let mut slowest: Option<(f64, Uuid, usize)> = None;
     let mut never_claimed = 0usize;
+    let mut ended_in_flight = 0usize;
     for (n, k) in kills.iter().enumerate() {
-        for (t, job) in next_claims(&env.pool, &k.held, k.at)
+        for ((t, job), token) in next_claims(&env.pool, &k.held, k.at)
             .await
             .into_iter()
             .zip(&k.held)
+            .zip(&k.tokens)
         {
             match t {
                 Some(t) => {
@@ -913,6 +931,7 @@ async fn fleet_run(same_id: bool) {
                         slowest = Some((t, *job, n));
                     }
                 }
+                None if ended_under(&env.pool, *job, *token).await => ended_in_flight += 1,
                 None => never_claimed += 1,
             }
         }
@@ -980,7 +999,8 @@ async fn fleet_run(same_id: bool) {
         "[{label}] seed={seed} lease={FLEET_LEASE} jobs={total} succeeded={succeeded} retry_once_retried={retried} \
          kills={} refused_restarts={refused_restarts} startup_deadlocks={startup_deadlocks} claims={claims} all_terminal={done} last_completion_after_s={:.1} driver_wall_s={:.1}\n\
          [{label}] takeovers(jobs with effects from >1 lease)={takeovers} jobs_held_at_kills={held_total} \
-         time_to_takeover_ms(median={med:.0}, max={max:.0}, samples={}, at_or_over_lease={over_lease}, never={never_claimed})",
+         time_to_takeover_ms(median={med:.0}, max={max:.0}, samples={}, at_or_over_lease={over_lease}, never={never_claimed}) \
+         ended_by_a_commit_in_flight_at_the_kill={ended_in_flight}",
         kills.len(),
         ms(until - run_start) / 1000.0,
         wall.as_secs_f64(),

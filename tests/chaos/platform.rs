@@ -1,0 +1,427 @@
+//! The platform's own kinds in the chaos mix: a space of Markdown documents compiled, researched
+//! and deleted through the library's request functions while the faults run, next to the probe
+//! jobs. Invariant under test: whatever failed when, every compile ends succeeded with its
+//! outline and nodes written once, every research task completes with contiguous progress and
+//! each stage entered once, every deletion completes and leaves no nodes of its document, and
+//! no walk ever goes backwards.
+//!
+//! The requests are the platform's, in its transactions; the only change the harness makes is
+//! to give each job 100 execution attempts (in the request's own transaction), as the probe
+//! jobs get, so that a job killed with its worker five times is not a legitimate failure.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use kfs_worker::jobs::{compile, deletion, research};
+use kfs_worker::platform;
+use kfs_worker::store::Store;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::{Connection, PgPool};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+const TENANT: &str = "tenant-chaos";
+const SUBJECT: &str = "user-chaos";
+/// Documents of the space; the first half is never deleted, so research always has sources.
+const DOCUMENTS: usize = 24;
+
+/// Observers on the platform's tables, as for the probe kind: claims, walks (checkpoint or
+/// stage) and outbox transitions, recorded in the transaction that makes them.
+pub const OBSERVERS: &str = r#"
+CREATE TABLE chaos_walks (
+  id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, job_id UUID NOT NULL, old_cp TEXT NOT NULL, new_cp TEXT NOT NULL);
+CREATE FUNCTION chaos_walk() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_walks (kind, job_id, old_cp, new_cp)
+  VALUES (TG_ARGV[0], NEW.id, to_jsonb(OLD) ->> TG_ARGV[1], to_jsonb(NEW) ->> TG_ARGV[1]);
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_walk AFTER UPDATE OF checkpoint ON document_compilation_attempts FOR EACH ROW
+  WHEN (NEW.checkpoint IS DISTINCT FROM OLD.checkpoint) EXECUTE FUNCTION chaos_walk('compile', 'checkpoint');
+CREATE TRIGGER chaos_walk AFTER UPDATE OF stage ON research_task_jobs FOR EACH ROW
+  WHEN (NEW.stage IS DISTINCT FROM OLD.stage) EXECUTE FUNCTION chaos_walk('research', 'stage');
+CREATE FUNCTION chaos_outbox_of() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_outbox (job_id, old_status, status, queue_job_id)
+  VALUES ((to_jsonb(NEW) ->> TG_ARGV[0])::uuid, OLD.status, NEW.status, NEW.queue_job_id);
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_outbox AFTER UPDATE ON document_compilation_outbox FOR EACH ROW
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  EXECUTE FUNCTION chaos_outbox_of('attempt_id');
+CREATE TRIGGER chaos_outbox AFTER UPDATE ON deletion_outbox FOR EACH ROW
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  EXECUTE FUNCTION chaos_outbox_of('deletion_job_id');
+CREATE TRIGGER chaos_outbox AFTER UPDATE ON research_task_outbox FOR EACH ROW
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  EXECUTE FUNCTION chaos_outbox_of('research_task_job_id');
+CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON document_compilation_attempts FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
+  EXECUTE FUNCTION chaos_claim();
+CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON deletion_jobs FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
+  EXECUTE FUNCTION chaos_claim();
+CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON research_task_jobs FOR EACH ROW
+  WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
+  EXECUTE FUNCTION chaos_claim();
+"#;
+
+/// The space the platform's jobs work on.
+pub struct Space {
+    space: Uuid,
+    snapshot: Uuid,
+    documents: Vec<Uuid>,
+}
+
+/// The jobs requested during the run.
+#[derive(Default)]
+pub struct Requested {
+    /// (attempt, document)
+    pub compiles: Vec<(Uuid, Uuid)>,
+    pub research: Vec<Uuid>,
+    pub deletions: Vec<(Uuid, Uuid)>,
+}
+
+fn markdown(i: usize) -> String {
+    format!(
+        "# Note {i}\n\nWorkers lease jobs from Postgres and fence every write by lease token.\n\n\
+         ## Leases\n\nA lease of note {i} expires unless its worker heartbeats.\n\n\
+         ## Fencing\n\nA worker woken after its lease expired finds note {i}'s writes refused.\n"
+    )
+}
+
+/// Creates the space, its source, a permission snapshot and the documents in `store`.
+pub async fn seed(pool: &PgPool, store: &Store) -> Space {
+    let mut tx = pool.begin().await.unwrap();
+    let space = platform::create_space(&mut tx, TENANT, "chaos", "Chaos space")
+        .await
+        .unwrap();
+    let source = platform::create_source(&mut tx, space, "notes", "upload", None)
+        .await
+        .unwrap();
+    let snapshot =
+        platform::create_permission_snapshot(&mut tx, TENANT, space, SUBJECT, "interactive", None)
+            .await
+            .unwrap();
+    let mut documents = Vec::new();
+    for i in 0..DOCUMENTS {
+        let id = platform::add_document(
+            &mut tx,
+            store,
+            space,
+            Some(source),
+            &format!("note-{i}.md"),
+            "text/markdown",
+            Bytes::from(markdown(i)),
+        )
+        .await
+        .unwrap();
+        documents.push(id);
+    }
+    tx.commit().await.unwrap();
+    Space {
+        space,
+        snapshot,
+        documents,
+    }
+}
+
+/// Requests compiles of every document, then research tasks and deletions of the second half,
+/// on a seeded schedule until `stop`. A request refused because Postgres is down is tried again
+/// later, as the platform's API would be.
+pub async fn drive(pool: PgPool, s: Space, stop: CancellationToken, seed: u64) -> Requested {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x91a7);
+    let mut out = Requested::default();
+    let mut compiled_next = 0usize;
+    let mut deleted_next = DOCUMENTS / 2;
+    while !stop.is_cancelled() {
+        let roll: f64 = rng.random();
+        let made = async {
+            let mut conn = pool.acquire().await?;
+            let mut tx = conn.begin().await?;
+            if compiled_next < DOCUMENTS && (roll < 0.6 || out.research.len() >= 3 * DOCUMENTS) {
+                let id = compile::request::request(
+                    &mut tx,
+                    s.documents[compiled_next],
+                    compile::request::RequestOptions::default(),
+                )
+                .await
+                .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                sqlx::query(
+                    "UPDATE document_compilation_attempts SET max_execution_attempts = 100 WHERE id = $1",
+                )
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                out.compiles.push((id, s.documents[compiled_next]));
+                compiled_next += 1;
+            } else if roll < 0.85 || deleted_next >= DOCUMENTS {
+                let doc = rng.random_range(0..DOCUMENTS / 2);
+                let req = research::request::ResearchRequest::new(
+                    s.space,
+                    format!("How does note {doc} describe leases and fencing of workers?"),
+                    SUBJECT,
+                    s.snapshot,
+                );
+                let r = research::request::request(&mut tx, &req)
+                    .await
+                    .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                sqlx::query(
+                    "UPDATE research_task_jobs SET max_execution_attempts = 100 WHERE id = $1",
+                )
+                .bind(r.job_id)
+                .execute(&mut *tx)
+                .await?;
+                tx.commit().await?;
+                out.research.push(r.job_id);
+            } else {
+                // Only a document whose compile ended may be deleted: a deletion racing its own
+                // document's compile is a different test.
+                let doc = s.documents[deleted_next];
+                let ended: bool = sqlx::query_scalar(
+                    "SELECT count(*) > 0 AND bool_and(run_state IN ('succeeded', 'failed', 'canceled', 'superseded')) \
+                     FROM document_compilation_attempts WHERE document_asset_id = $1",
+                )
+                .bind(doc)
+                .fetch_one(&mut *tx)
+                .await?;
+                if !ended {
+                    return Ok(());
+                }
+                let req = deletion::request::DeletionRequest {
+                    tenant_id: TENANT.into(),
+                    knowledge_space_id: s.space,
+                    target: deletion::request::Target::Document { id: doc },
+                    expected_revision: None,
+                    requested_by_subject_id: SUBJECT.into(),
+                    permission_snapshot_id: s.snapshot,
+                    access_channel: "interactive".into(),
+                    idempotency_key: format!("chaos-delete-{doc}"),
+                };
+                let r = deletion::request::request_deletion(&mut tx, &req)
+                    .await
+                    .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                sqlx::query("UPDATE deletion_jobs SET max_execution_attempts = 100 WHERE id = $1")
+                    .bind(r.job_id)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+                out.deletions.push((r.job_id, doc));
+                deleted_next += 1;
+            }
+            Ok::<(), sqlx::Error>(())
+        }
+        .await;
+        if let Err(e) = made {
+            // Postgres down or cut: the platform's request fails too and is made again later.
+            // A compile whose commit went through while its answer was lost is found active
+            // by the next request of the same document: it stands, and the checks below judge
+            // every job in the tables, recorded here or not.
+            if e.to_string()
+                .contains("already has an active compilation attempt")
+            {
+                compiled_next += 1;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(400..=1500))).await;
+    }
+    out
+}
+
+/// The platform's jobs not yet in a terminal state.
+pub async fn open(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM document_compilation_attempts \
+                 WHERE run_state NOT IN ('succeeded', 'failed', 'canceled', 'superseded')) \
+              + (SELECT count(*) FROM deletion_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')) \
+              + (SELECT count(*) FROM research_task_jobs WHERE stage NOT IN ('completed', 'failed', 'canceled'))",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(i64::MAX)
+}
+
+/// Outbox rows of the platform's kinds not settled.
+pub async fn outbox_open(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM document_compilation_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')) \
+              + (SELECT count(*) FROM deletion_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')) \
+              + (SELECT count(*) FROM research_task_outbox WHERE status NOT IN ('completed', 'dead', 'canceled'))",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(i64::MAX)
+}
+
+/// The checks of the platform's kinds: (name, passed, detail).
+pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, String)> {
+    let mut out = Vec::new();
+    let deleted: Vec<Uuid> = r.deletions.iter().map(|(_, d)| *d).collect();
+    let deletion_jobs: Vec<Uuid> = r.deletions.iter().map(|(j, _)| *j).collect();
+    // A deletion removes its document's compile attempts with the rest of its rows.
+    let kept_compiles: Vec<Uuid> = r
+        .compiles
+        .iter()
+        .filter(|(_, d)| !deleted.contains(d))
+        .map(|(a, _)| *a)
+        .collect();
+
+    // Every job in the tables is judged, including one whose request committed while its
+    // answer was lost; and every recorded request must be there (a compile unless its document
+    // was deleted since).
+    let wrong_compiles: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, run_state::text, last_error_code FROM document_compilation_attempts \
+         WHERE run_state <> 'succeeded' LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let wrong_research: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, stage::text, error FROM research_task_jobs WHERE stage <> 'completed' LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let wrong_deletions: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, run_state::text, last_error_code FROM deletion_jobs \
+         WHERE run_state <> 'succeeded' OR checkpoint <> 'completed' LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let missing: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM unnest($1::uuid[]) x(id) WHERE NOT EXISTS \
+                  (SELECT 1 FROM document_compilation_attempts a WHERE a.id = x.id)) \
+              + (SELECT count(*) FROM unnest($2::uuid[]) x(id) WHERE NOT EXISTS \
+                  (SELECT 1 FROM research_task_jobs j WHERE j.id = x.id)) \
+              + (SELECT count(*) FROM unnest($3::uuid[]) x(id) WHERE NOT EXISTS \
+                  (SELECT 1 FROM deletion_jobs j WHERE j.id = x.id))",
+    )
+    .bind(&kept_compiles)
+    .bind(&r.research)
+    .bind(&deletion_jobs)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let (compiles, research, deletions): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM document_compilation_attempts), (SELECT count(*) FROM research_task_jobs), \
+           (SELECT count(*) FROM deletion_jobs)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    out.push((
+        "platform jobs: none lost; every compile succeeded, every research task and deletion completed",
+        wrong_compiles.is_empty()
+            && wrong_research.is_empty()
+            && wrong_deletions.is_empty()
+            && missing == 0
+            && compiles > 0
+            && research > 0,
+        format!(
+            "requested {} compiles, {} research tasks, {} deletions; in the database {compiles}, {research}, {deletions}; \
+             recorded but missing {missing}; wrong (job, state, error): compile {wrong_compiles:?}, \
+             research {wrong_research:?}, deletion {wrong_deletions:?}",
+            r.compiles.len(),
+            r.research.len(),
+            r.deletions.len()
+        ),
+    ));
+
+    // Each compile's outline exactly once per generation, its nodes once per ordinal, and nodes
+    // present for every compiled document that was not deleted.
+    let dup_outlines: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM document_outlines GROUP BY document_asset_id, publication_generation_id \
+         HAVING count(*) <> 1) x",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let dup_nodes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT 1 FROM knowledge_nodes GROUP BY document_asset_id, publication_generation_id, ordinal \
+         HAVING count(*) <> 1) x",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let without_nodes: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT a.document_asset_id FROM document_compilation_attempts a WHERE a.id = ANY($1) \
+         AND a.run_state = 'succeeded' AND NOT (a.document_asset_id = ANY($2)) \
+         AND NOT EXISTS (SELECT 1 FROM knowledge_nodes n WHERE n.document_asset_id = a.document_asset_id) LIMIT 10",
+    )
+    .bind(&kept_compiles)
+    .bind(&deleted)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let residue: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT DISTINCT document_asset_id FROM knowledge_nodes WHERE document_asset_id = ANY($1) LIMIT 10",
+    )
+    .bind(&deleted)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    out.push((
+        "platform effects once: one outline per compile, each node once, no nodes left of a deleted document",
+        dup_outlines == 0 && dup_nodes == 0 && without_nodes.is_empty() && residue.is_empty(),
+        format!(
+            "duplicated outlines {dup_outlines}, duplicated nodes {dup_nodes}; compiled documents without nodes \
+             {without_nodes:?}; deleted documents with nodes {residue:?}"
+        ),
+    ));
+
+    let gaps: Vec<(Uuid, i64, i32, i32)> = sqlx::query_as(
+        "SELECT research_task_job_id, count(*), min(sequence), max(sequence) FROM research_task_progress_events \
+         GROUP BY 1 HAVING min(sequence) <> 1 OR max(sequence) <> count(*) LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let twice: Vec<(Uuid, String, i64)> = sqlx::query_as(
+        "SELECT research_task_job_id, stage::text, count(*) FROM research_task_progress_events \
+         WHERE event_type = 'research_task.stage_changed' GROUP BY 1, 2 HAVING count(*) > 1 LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    out.push((
+        "research progress contiguous (1, 2, 3, …) and each stage entered once",
+        gaps.is_empty() && twice.is_empty(),
+        format!("(job, events, first, last) with gaps: {gaps:?}; (job, stage, times): {twice:?}"),
+    ));
+
+    let back: Vec<(String, Uuid, String, String)> = sqlx::query_as(
+        "SELECT kind, job_id, old_cp, new_cp FROM chaos_walks w WHERE \
+         array_position(CASE kind WHEN 'compile' THEN ARRAY['queued', 'parsed', 'outline_built', 'nodes_generated', \
+             'projection_built', 'smoke_eval_passed', 'published'] \
+           ELSE ARRAY['queued', 'planning', 'retrieving', 'analyzing', 'generating', 'completed'] END, old_cp) > \
+         array_position(CASE kind WHEN 'compile' THEN ARRAY['queued', 'parsed', 'outline_built', 'nodes_generated', \
+             'projection_built', 'smoke_eval_passed', 'published'] \
+           ELSE ARRAY['queued', 'planning', 'retrieving', 'analyzing', 'generating', 'completed'] END, new_cp) LIMIT 10",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let walks: i64 = sqlx::query_scalar("SELECT count(*) FROM chaos_walks")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    out.push((
+        "compile and research walks never went backwards",
+        back.is_empty() && walks > 0,
+        format!("{walks} checkpoint and stage changes; backwards (kind, job, from, to): {back:?}"),
+    ));
+    out
+}
+
+/// One line for the report.
+pub fn summary(r: &Requested) -> String {
+    format!(
+        "{} document compiles, {} research tasks, {} document deletions",
+        r.compiles.len(),
+        r.research.len(),
+        r.deletions.len()
+    )
+}
