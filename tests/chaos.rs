@@ -64,6 +64,8 @@ const OBSERVERS: &str = r#"
 CREATE TABLE chaos_claims (
   id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, worker_id TEXT NOT NULL, lease_token UUID NOT NULL,
   at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+CREATE INDEX chaos_claims_job ON chaos_claims (job_id, id);
+CREATE INDEX chaos_claims_lease ON chaos_claims (job_id, lease_token);
 CREATE FUNCTION chaos_claim() RETURNS trigger LANGUAGE plpgsql AS $f$
 BEGIN
   INSERT INTO chaos_claims (job_id, worker_id, lease_token) VALUES (NEW.id, NEW.worker_id, NEW.lease_token);
@@ -86,6 +88,7 @@ CREATE TABLE chaos_outbox (
   id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, old_status TEXT NOT NULL, status TEXT NOT NULL,
   queue_job_id TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
 CREATE INDEX chaos_outbox_delivery ON chaos_outbox (queue_job_id);
+CREATE INDEX chaos_outbox_job ON chaos_outbox (job_id, id);
 CREATE FUNCTION chaos_outbox() RETURNS trigger LANGUAGE plpgsql AS $f$
 BEGIN
   INSERT INTO chaos_outbox (job_id, old_status, status, queue_job_id)
