@@ -9,7 +9,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
@@ -595,16 +594,6 @@ pub async fn latency(env: &BenchEnv, p: &Params) -> Result<Report, String> {
 const TENANT: &str = "kfs-bench";
 const SUBJECT: &str = "bench-user";
 
-fn markdown(i: u32) -> String {
-    format!(
-        "# Note {i}\n\nThe relay publishes outbox row {i} with publisher confirms, and a consumer \
-         claims job {i} under a lease before it runs a step.\n\n## Fencing\n\nA worker whose lease \
-         expired is fenced out by the row version; checkpoint {i} commits together with its step.\n\n\
-         - retries back off exponentially\n- deletions quiesce the document first\n- research cites \
-         note {i}\n"
-    )
-}
-
 /// Counts `(succeeded, finished)` of `ids` in a job table.
 async fn kind_progress(pool: &PgPool, sql: &str, ids: &[Uuid]) -> Result<(u64, u64), String> {
     let (ok, fin): (i64, i64) = sqlx::query_as(sql)
@@ -651,39 +640,12 @@ pub async fn kinds(env: &BenchEnv, p: &Params) -> Result<Report, String> {
 
     let (space, snapshot, docs) = {
         let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
-        let space = platform::create_space(&mut tx, TENANT, "bench", "Bench space")
-            .await
-            .map_err(|e| e.to_string())?;
-        let source = platform::create_source(&mut tx, space, "notes", "upload", None)
-            .await
-            .map_err(|e| e.to_string())?;
-        let snapshot = platform::create_permission_snapshot(
-            &mut tx,
-            TENANT,
-            space,
-            SUBJECT,
-            "interactive",
-            None,
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        let mut docs = Vec::new();
-        for i in 0..k {
-            let id = platform::add_document(
-                &mut tx,
-                &store,
-                space,
-                Some(source),
-                &format!("note-{i}.md"),
-                "text/markdown",
-                Bytes::from(markdown(i)),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-            docs.push(id);
-        }
+        let notes =
+            platform::create_notes_space(&mut tx, &store, TENANT, SUBJECT, "bench", k as usize)
+                .await
+                .map_err(|e| e.to_string())?;
         tx.commit().await.map_err(|e| e.to_string())?;
-        (space, snapshot, docs)
+        (notes.space, notes.snapshot, notes.documents)
     };
 
     let runs = with_runtime(opts, async {

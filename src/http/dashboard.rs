@@ -952,6 +952,38 @@ fn sorted_states(m: &BTreeMap<String, i64>) -> Vec<(&String, &i64)> {
     v
 }
 
+/// One table row per job state, with its count and its share of all jobs as a bar.
+fn state_rows(s: &mut String, jobs: &BTreeMap<String, i64>) {
+    let total: i64 = jobs.values().sum();
+    if jobs.is_empty() {
+        s.push_str("<tr><td class=\"muted\" colspan=\"2\">no jobs yet</td></tr>");
+    }
+    for (state, n) in sorted_states(jobs) {
+        let pct = if total > 0 { *n * 100 / total } else { 0 };
+        let _ = write!(
+            s,
+            "<tr><td>{badge}</td><td class=\"num\" data-state=\"{st}\">{n}</td>\
+             <td class=\"bar\"><span style=\"width:{pct}%\"></span></td></tr>",
+            badge = state_badge(state),
+            st = esc(state),
+        );
+    }
+}
+
+/// One pill per entry (`name count`), tagged with `attr` for the page's script; `empty` when none.
+fn pills(s: &mut String, counts: &BTreeMap<String, i64>, attr: &str, empty: &str) {
+    if counts.is_empty() {
+        let _ = write!(s, "<span class=\"muted\">{empty}</span>");
+    }
+    for (name, n) in sorted_states(counts) {
+        let _ = write!(
+            s,
+            "<span class=\"pill\" {attr}=\"{v}\">{v} {n}</span>",
+            v = esc(name)
+        );
+    }
+}
+
 pub fn render_kinds(o: &Overview) -> String {
     let mut s = String::new();
     for k in &o.kinds {
@@ -972,30 +1004,9 @@ pub fn render_kinds(o: &Overview) -> String {
             lag = ks.oldest_due_seconds.map_or("0 s".into(), fmt_age),
             queued = ks.queued_messages.map_or("?".into(), |n| n.to_string()),
         );
-        if ks.jobs.is_empty() {
-            s.push_str("<tr><td class=\"muted\" colspan=\"2\">no jobs yet</td></tr>");
-        }
-        for (state, n) in sorted_states(&ks.jobs) {
-            let pct = if total > 0 { *n * 100 / total } else { 0 };
-            let _ = write!(
-                s,
-                "<tr><td>{badge}</td><td class=\"num\" data-state=\"{st}\">{n}</td>\
-                 <td class=\"bar\"><span style=\"width:{pct}%\"></span></td></tr>",
-                badge = state_badge(state),
-                st = esc(state),
-            );
-        }
+        state_rows(&mut s, &ks.jobs);
         s.push_str("</tbody></table><p class=\"outbox\">outbox ");
-        if ks.outbox.is_empty() {
-            s.push_str("<span class=\"muted\">empty</span>");
-        }
-        for (status, n) in sorted_states(&ks.outbox) {
-            let _ = write!(
-                s,
-                "<span class=\"pill\" data-outbox=\"{st}\">{st} {n}</span>",
-                st = esc(status)
-            );
-        }
+        pills(&mut s, &ks.outbox, "data-outbox", "empty");
         let _ = write!(
             s,
             "</p><p class=\"foot muted\">rates over the last {} min</p></section>",
@@ -1010,30 +1021,9 @@ pub fn render_kinds(o: &Overview) -> String {
              <table class=\"states\"><tbody>",
             kind = esc(&l.kind),
         );
-        if l.jobs.is_empty() {
-            s.push_str("<tr><td class=\"muted\" colspan=\"2\">no jobs yet</td></tr>");
-        }
-        for (state, n) in sorted_states(&l.jobs) {
-            let pct = if total > 0 { *n * 100 / total } else { 0 };
-            let _ = write!(
-                s,
-                "<tr><td>{badge}</td><td class=\"num\" data-state=\"{st}\">{n}</td>\
-                 <td class=\"bar\"><span style=\"width:{pct}%\"></span></td></tr>",
-                badge = state_badge(state),
-                st = esc(state),
-            );
-        }
+        state_rows(&mut s, &l.jobs);
         s.push_str("</tbody></table><p class=\"outbox\">at ");
-        if l.checkpoints.is_empty() {
-            s.push_str("<span class=\"muted\">no checkpoint</span>");
-        }
-        for (cp, n) in sorted_states(&l.checkpoints) {
-            let _ = write!(
-                s,
-                "<span class=\"pill\" data-checkpoint=\"{cp}\">{cp} {n}</span>",
-                cp = esc(cp)
-            );
-        }
+        pills(&mut s, &l.checkpoints, "data-checkpoint", "no checkpoint");
         s.push_str("</p></section>");
     }
     s

@@ -11,9 +11,8 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use kfs_worker::jobs::{compile, deletion, research};
-use kfs_worker::platform;
+use kfs_worker::platform::{self, NotesSpace};
 use kfs_worker::store::Store;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -67,13 +66,6 @@ CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON research_task_jobs FOR
   EXECUTE FUNCTION chaos_claim();
 "#;
 
-/// The space the platform's jobs work on.
-pub struct Space {
-    space: Uuid,
-    snapshot: Uuid,
-    documents: Vec<Uuid>,
-}
-
 /// The jobs requested during the run.
 #[derive(Default)]
 pub struct Requested {
@@ -83,54 +75,20 @@ pub struct Requested {
     pub deletions: Vec<(Uuid, Uuid)>,
 }
 
-fn markdown(i: usize) -> String {
-    format!(
-        "# Note {i}\n\nWorkers lease jobs from Postgres and fence every write by lease token.\n\n\
-         ## Leases\n\nA lease of note {i} expires unless its worker heartbeats.\n\n\
-         ## Fencing\n\nA worker woken after its lease expired finds note {i}'s writes refused.\n"
-    )
-}
-
 /// Creates the space, its source, a permission snapshot and the documents in `store`.
-pub async fn seed(pool: &PgPool, store: &Store) -> Space {
+pub async fn seed(pool: &PgPool, store: &Store) -> NotesSpace {
     let mut tx = pool.begin().await.unwrap();
-    let space = platform::create_space(&mut tx, TENANT, "chaos", "Chaos space")
+    let notes = platform::create_notes_space(&mut tx, store, TENANT, SUBJECT, "chaos", DOCUMENTS)
         .await
         .unwrap();
-    let source = platform::create_source(&mut tx, space, "notes", "upload", None)
-        .await
-        .unwrap();
-    let snapshot =
-        platform::create_permission_snapshot(&mut tx, TENANT, space, SUBJECT, "interactive", None)
-            .await
-            .unwrap();
-    let mut documents = Vec::new();
-    for i in 0..DOCUMENTS {
-        let id = platform::add_document(
-            &mut tx,
-            store,
-            space,
-            Some(source),
-            &format!("note-{i}.md"),
-            "text/markdown",
-            Bytes::from(markdown(i)),
-        )
-        .await
-        .unwrap();
-        documents.push(id);
-    }
     tx.commit().await.unwrap();
-    Space {
-        space,
-        snapshot,
-        documents,
-    }
+    notes
 }
 
 /// Requests compiles of every document, then research tasks and deletions of the second half,
 /// on a seeded schedule until `stop`. A request refused because Postgres is down is tried again
 /// later, as the platform's API would be.
-pub async fn drive(pool: PgPool, s: Space, stop: CancellationToken, seed: u64) -> Requested {
+pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u64) -> Requested {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x91a7);
     let mut out = Requested::default();
     let mut compiled_next = 0usize;
