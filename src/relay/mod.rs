@@ -230,6 +230,21 @@ impl Relay {
         self.pool.clone()
     }
 
+    /// A transaction whose statements are planned without bitmap scans. The outbox's
+    /// statistics lag behind its churn: planned from an outbox that looked empty, a claim over
+    /// a backlog of thousands read and sorted every due row (a bitmap scan) to return one
+    /// batch, and its cost grew with the backlog. An index scan in `available_at` order stops
+    /// after one batch, whatever the statistics say.
+    async fn index_planned(
+        &self,
+    ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET LOCAL enable_bitmapscan = off")
+            .execute(&mut *tx)
+            .await?;
+        Ok(tx)
+    }
+
     pub fn config(&self) -> &RelayConfig {
         &self.cfg
     }
@@ -245,6 +260,7 @@ impl Relay {
         let st = &self.statements[&kind];
         let started = std::time::Instant::now();
         let token = Uuid::new_v4();
+        let mut tx = self.index_planned().await?;
         let rows: Vec<Claimed> = sqlx::query_as::<
             _,
             (Uuid, Uuid, serde_json::Value, Option<String>, i32, i32, i32),
@@ -253,7 +269,7 @@ impl Relay {
         .bind(token)
         .bind(&self.relay_id)
         .bind(crate::consumer::lease::millis(self.cfg.lock_ttl))
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?
         .into_iter()
         .map(
@@ -268,6 +284,7 @@ impl Relay {
             },
         )
         .collect();
+        tx.commit().await?;
         let mut round = Round {
             claimed: rows.len(),
             ..Round::default()
@@ -454,12 +471,14 @@ impl Relay {
         if ids.is_empty() {
             return Ok(0);
         }
+        let mut tx = self.index_planned().await?;
         let (marked, _moved): (i64, i64) = sqlx::query_as(&st.mark)
             .bind(ids)
             .bind(token)
             .bind(crate::consumer::lease::millis(self.cfg.visibility))
-            .fetch_one(&self.pool)
+            .fetch_one(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(usize::try_from(marked).unwrap_or(0))
     }
 
