@@ -973,7 +973,7 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
     };
     assert_eq!(
         lease::fence(&mut conn, &st, &current).await.unwrap(),
-        Some(ctx.row_version + 2)
+        Some(ctx.row_version + 1)
     );
     env.cleanup().await;
 }
@@ -1034,8 +1034,83 @@ async fn a_heartbeat_extends_the_lease_and_the_outbox_visibility_without_bumping
     );
     assert_eq!(
         lease::fence(&mut conn, &st, &ctx).await.unwrap(),
-        Some(ctx.row_version + 1)
+        Some(ctx.row_version),
+        "the fence passes and leaves the row version to the step's own write"
     );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_step_fence_locks_the_job_row_until_the_step_commits_and_the_step_bumps_row_version_once(
+) {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            steps: 3,
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let st = Statements::new(Kind::Probe.spec());
+    let mut conn = env.pool.acquire().await.unwrap();
+    let ctx = claimed(
+        lease::claim(&mut conn, &st, &d, "worker-fenced", Duration::from_secs(30))
+            .await
+            .unwrap(),
+    );
+    let before = job_text(&env.pool, job).await;
+
+    let mut tx = env.pool.begin().await.unwrap();
+    assert_eq!(
+        lease::fence(&mut tx, &st, &ctx).await.unwrap(),
+        Some(ctx.row_version),
+        "the fence passes"
+    );
+    assert_eq!(
+        job_text(&env.pool, job).await,
+        before,
+        "the fence writes nothing"
+    );
+
+    // Any other writer (here: a takeover) must wait for the step.
+    let mut other = env.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '300ms'")
+        .execute(&mut *other)
+        .await
+        .unwrap();
+    let blocked = sqlx::query(
+        "UPDATE kfs_probe_jobs SET lease_token = gen_random_uuid(), row_version = row_version + 1 WHERE id = $1",
+    )
+    .bind(job)
+    .execute(&mut *other)
+    .await
+    .expect_err("the row is locked by the step");
+    assert_eq!(
+        blocked
+            .as_database_error()
+            .and_then(|e| e.code())
+            .as_deref(),
+        Some("55P03"),
+        "lock_not_available: {blocked}"
+    );
+    drop(other);
+
+    let advanced = lease::advance(&mut tx, &st, &ctx, "step-1")
+        .await
+        .unwrap()
+        .expect("the lease is ours");
+    tx.commit().await.unwrap();
+    assert_eq!(advanced, ctx.row_version + 1, "one bump per committed step");
+    let after = probe_job(&env.pool, job).await;
+    assert_eq!(
+        (after.row_version, after.checkpoint.as_str()),
+        (ctx.row_version + 1, "step-1")
+    );
+
+    // The old row version is now stale: a fence with it is refused.
+    assert_eq!(lease::fence(&mut conn, &st, &ctx).await.unwrap(), None);
     env.cleanup().await;
 }
 
@@ -1732,14 +1807,15 @@ async fn a_compile_attempt_walks_to_published_and_success_frees_its_slot() {
     .await
     .unwrap();
     assert_eq!((bound, head_revision), (true, 1));
-    // row_version: 0 written by the platform, +1 relay mark, +1 claim, +1 per step (6), +1 end.
+    // row_version: 0 written by the platform, +1 relay mark, +1 claim, +1 per checkpoint advance
+    // (5), +1 end (the sixth step's write). The step fence locks the row and writes nothing.
     let rv: i32 =
         sqlx::query_scalar("SELECT row_version FROM document_compilation_attempts WHERE id = $1")
             .bind(attempt)
             .fetch_one(&env.pool)
             .await
             .unwrap();
-    assert_eq!(rv, 9);
+    assert_eq!(rv, 8);
 
     // A second attempt for the same document version can take the freed slot.
     let doc: Uuid = sqlx::query_scalar(

@@ -518,7 +518,10 @@ async fn step_by_hand(
     };
     match &step {
         Step::Advance(cp) => {
-            lease::advance(&mut tx, &st, ctx, cp).await.unwrap();
+            ctx.row_version = lease::advance(&mut tx, &st, ctx, cp)
+                .await
+                .unwrap()
+                .expect("ours");
             ctx.checkpoint = cp.clone();
         }
         Step::Succeed(cp) => {
@@ -764,7 +767,10 @@ async fn a_replayed_step_adds_no_event_and_no_partial() {
         assert_eq!(first, again, "a replay decides the same");
         match &again {
             Step::Advance(cp) => {
-                lease::advance(&mut tx, &st, &ctx, cp).await.unwrap();
+                ctx.row_version = lease::advance(&mut tx, &st, &ctx, cp)
+                    .await
+                    .unwrap()
+                    .expect("ours");
                 ctx.checkpoint = cp.clone();
             }
             Step::Succeed(cp) => {

@@ -153,11 +153,15 @@ impl Statements {
                    (j.retry_at IS NOT NULL AND j.retry_at > {{now}}) AS retry_later \
                  FROM {{outbox}} o LEFT JOIN {{job}} j ON j.id = o.{{fk}} WHERE o.id = $2"
             )),
+            // A row lock, not a write: the lock keeps every other writer out until the step
+            // commits or rolls back, and the step's one write (the checkpoint or the end) bumps
+            // `row_version`. A step thus writes one job row version instead of two.
             fence: spec.sql(&format!(
-                "UPDATE {{job}} SET row_version = row_version + 1, updated_at = {{now}} WHERE {fence} RETURNING row_version"
+                "SELECT row_version FROM {{job}} WHERE {fence} FOR NO KEY UPDATE"
             )),
             advance: spec.sql(
-                "UPDATE {job} SET {cp} = $2 WHERE id = $1 AND lease_token = $3 AND lease_expires_at > {clock}",
+                "UPDATE {job} SET {cp} = $2, row_version = row_version + 1, updated_at = {now} \
+                 WHERE id = $1 AND lease_token = $3 AND lease_expires_at > {clock} RETURNING row_version",
             ),
             heartbeat: spec.sql(&format!(
                 "WITH j AS ( \
@@ -392,8 +396,8 @@ async fn diagnose(
     Ok(Claim::Stale("job is not claimable"))
 }
 
-/// Locks the job row for one step and checks that the lease is still ours. Returns the new
-/// row version, or `None` when the lease is lost.
+/// Locks the job row for one step and checks that the lease is still ours. Returns the row
+/// version (unchanged: the step's own write bumps it), or `None` when the lease is lost.
 pub async fn fence(
     tx: &mut PgConnection,
     st: &Statements,
@@ -407,21 +411,21 @@ pub async fn fence(
         .await
 }
 
-/// Moves the checkpoint, right after [`fence`] in the same transaction, checking once more
-/// that the lease has not run out meanwhile. `false`: it has; roll back.
+/// Moves the checkpoint, after [`fence`] in the same transaction, checking once more that the
+/// lease has not run out meanwhile. Returns the new row version, or `None` when it has: roll
+/// back.
 pub async fn advance(
     tx: &mut PgConnection,
     st: &Statements,
     job: &JobCtx,
     checkpoint: &str,
-) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query(&st.advance)
+) -> Result<Option<i32>, sqlx::Error> {
+    sqlx::query_scalar(&st.advance)
         .bind(job.job_id)
         .bind(checkpoint)
         .bind(job.lease_token)
-        .execute(tx)
-        .await?;
-    Ok(done.rows_affected() == 1)
+        .fetch_optional(tx)
+        .await
 }
 
 /// Extends the lease and the outbox visibility. `false`: the lease is lost.

@@ -357,28 +357,33 @@ impl Engine {
                     tracing::info_span!("end_slice", kind = %job.kind, job_id = %job.job_id, end = end.name())
                 }
             };
+            // The row version after this step's checkpoint write, when it made one.
+            let mut advanced = fenced;
             let committed: Result<Option<&'static str>, StepError> = async {
                 match &next {
                     Next::Step(cp) => {
-                        if !lease::advance(&mut tx, st, &job, cp)
+                        let Some(rv) = lease::advance(&mut tx, st, &job, cp)
                             .await
                             .map_err(StepError::Certain)?
-                        {
+                        else {
                             return Ok(Some("lease_lost"));
-                        }
+                        };
+                        advanced = rv;
                         tx.commit().await.map_err(StepError::Uncertain)?;
                         Ok(None)
                     }
                     Next::End { checkpoint, end } => {
+                        let mut ending = std::borrow::Cow::Borrowed(&job);
                         if let Some(cp) = checkpoint {
-                            if !lease::advance(&mut tx, st, &job, cp)
+                            let Some(rv) = lease::advance(&mut tx, st, &job, cp)
                                 .await
                                 .map_err(StepError::Certain)?
-                            {
+                            else {
                                 return Ok(Some("lease_lost"));
-                            }
+                            };
+                            ending.to_mut().row_version = rv;
                         }
-                        if !lease::end(&mut tx, st, &job, end)
+                        if !lease::end(&mut tx, st, &ending, end)
                             .await
                             .map_err(StepError::Certain)?
                         {
@@ -421,7 +426,7 @@ impl Engine {
                     crash::point("after-step-commit");
                     if let Next::Step(cp) = next {
                         job.checkpoint = cp;
-                        job.row_version = fenced;
+                        job.row_version = advanced;
                     }
                 }
                 Ok(Some("lease_lost")) => return Some(self.lease_lost(&job)),

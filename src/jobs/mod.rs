@@ -309,7 +309,8 @@ pub struct JobCtx {
     pub outbox_id: Uuid,
     pub delivery_id: String,
     pub lease_token: Uuid,
-    /// The row version after the claim; every fenced write compares and bumps it.
+    /// The row version the worker last wrote; every fenced write compares it, and the
+    /// checkpoint and end writes bump it.
     pub row_version: i32,
     pub checkpoint: String,
     pub execution_attempts: i32,
