@@ -123,45 +123,65 @@ impl Handler for ProbeHandler {
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
-        let (steps_total, sleep_ms, fail_mode): (i32, i32, String) = sqlx::query_as(
-            "SELECT steps_total, step_sleep_ms, fail_mode FROM kfs_probe_jobs WHERE id = $1",
-        )
-        .bind(job.job_id)
-        .fetch_one(&mut *tx)
-        .await?;
         let done = step_of(&job.checkpoint).ok_or_else(|| {
             JobError::fatal(
                 "bad_checkpoint",
                 format!("unknown checkpoint '{}'", job.checkpoint),
             )
         })?;
-        match fail_mode.as_str() {
-            "fatal" => return Err(JobError::fatal("probe_fatal", "the probe was told to fail")),
-            "retry_always" => {
-                return Err(JobError::retryable(
-                    "probe_retry",
-                    "the probe was told to retry",
-                ))
-            }
-            "retry_once" if job.execution_attempts == 1 => {
-                return Err(JobError::retryable(
-                    "probe_retry",
-                    "the probe fails its first attempt",
-                ))
-            }
-            _ => {}
-        }
-        if sleep_ms > 0 {
-            tokio::time::sleep(Duration::from_millis(u64::try_from(sleep_ms).unwrap_or(0))).await;
-        }
         let step = done + 1;
-        sqlx::query("INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) VALUES ($1, $2, $3, $4)")
-            .bind(job.job_id)
-            .bind(step)
-            .bind(&job.worker_id)
-            .bind(job.lease_token)
-            .execute(&mut *tx)
-            .await?;
+        // One round trip for the common case: the statement that reads the job's spec also
+        // writes the effect when the spec lets the step run straight through (no failure to
+        // play, no sleep). Otherwise the effect is written below, after the sleep.
+        let (steps_total, sleep_ms, fail_mode, written): (i32, i32, String, bool) = sqlx::query_as(
+            "WITH spec AS ( \
+               SELECT steps_total, step_sleep_ms, fail_mode FROM kfs_probe_jobs WHERE id = $1 \
+             ), effect AS ( \
+               INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) \
+               SELECT $1, $2, $3, $4 FROM spec \
+               WHERE spec.step_sleep_ms = 0 AND (spec.fail_mode = 'none' OR (spec.fail_mode = 'retry_once' AND $5 > 1)) \
+               RETURNING 1 \
+             ) \
+             SELECT steps_total, step_sleep_ms, fail_mode, EXISTS (SELECT 1 FROM effect) FROM spec",
+        )
+        .bind(job.job_id)
+        .bind(step)
+        .bind(&job.worker_id)
+        .bind(job.lease_token)
+        .bind(job.execution_attempts)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !written {
+            match fail_mode.as_str() {
+                "fatal" => {
+                    return Err(JobError::fatal("probe_fatal", "the probe was told to fail"))
+                }
+                "retry_always" => {
+                    return Err(JobError::retryable(
+                        "probe_retry",
+                        "the probe was told to retry",
+                    ))
+                }
+                "retry_once" if job.execution_attempts == 1 => {
+                    return Err(JobError::retryable(
+                        "probe_retry",
+                        "the probe fails its first attempt",
+                    ))
+                }
+                _ => {}
+            }
+            if sleep_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(u64::try_from(sleep_ms).unwrap_or(0)))
+                    .await;
+            }
+            sqlx::query("INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) VALUES ($1, $2, $3, $4)")
+                .bind(job.job_id)
+                .bind(step)
+                .bind(&job.worker_id)
+                .bind(job.lease_token)
+                .execute(&mut *tx)
+                .await?;
+        }
         if step >= steps_total {
             Ok(Step::Succeed("done".into()))
         } else {
