@@ -33,13 +33,24 @@ impl Default for MaintenanceConfig {
 }
 
 /// Jobs leased by workers that are no longer alive, whose outbox rows wait for a later time.
+/// Every worker sweeps every kind each second, and almost always every holder is alive, so
+/// the sweep first asks each distinct holder's liveness once (each question reads
+/// `pg_locks`) and looks at outbox rows only when some holder is dead. Joining the outbox
+/// first walked every dispatched row of a backlog (100 ms at 20,000) on every sweep.
 pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
     let spec = kind.spec();
+    let running = running(kind);
+    // `OFFSET 0` keeps the liveness filter above the `DISTINCT` (one call per worker, not
+    // per job); `EXISTS (… dead)` gates the join, so no dead holder means no outbox scan.
     let sql = spec.sql(&format!(
-        "SELECT j.id FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
-         WHERE o.status IN ('leased', 'dispatched') AND o.available_at > {{now}} \
-           AND {} AND NOT kfs_worker_alive(j.worker_id)",
-        running(kind)
+        "WITH dead AS MATERIALIZED ( \
+           SELECT w.worker_id FROM (SELECT DISTINCT j.worker_id FROM {{job}} j WHERE {running} OFFSET 0) w \
+           WHERE NOT kfs_worker_alive(w.worker_id) \
+         ) \
+         SELECT j.id FROM dead JOIN {{job}} j ON j.worker_id = dead.worker_id \
+         JOIN {{outbox}} o ON o.{{fk}} = j.id \
+         WHERE EXISTS (SELECT 1 FROM dead) AND {running} \
+           AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}"
     ));
     sqlx::query_scalar(&sql).fetch_all(pool).await
 }
