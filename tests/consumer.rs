@@ -25,7 +25,8 @@ use lapin::message::Delivery;
 use lapin::options::BasicGetOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::pool::PoolConnection;
+use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -245,6 +246,24 @@ fn claimed(c: Claim) -> JobCtx {
     }
 }
 
+/// Claims the probe delivery `d` as `worker` on a connection of its own, as a consumer would.
+/// The job must be claimable. Returns the statements, the connection and the claimed job.
+async fn claim_by_hand(
+    pool: &PgPool,
+    d: &DeliveryRef,
+    worker: &str,
+    lease: Duration,
+) -> (Statements, PoolConnection<Postgres>, JobCtx) {
+    let st = Statements::new(Kind::Probe.spec());
+    let mut conn = pool.acquire().await.unwrap();
+    let ctx = claimed(
+        lease::claim(&mut conn, &st, d, worker, lease)
+            .await
+            .unwrap(),
+    );
+    (st, conn, ctx)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Claim
 // ---------------------------------------------------------------------------------------------
@@ -255,14 +274,7 @@ async fn a_claim_takes_the_lease_counts_the_attempt_and_moves_the_outbox_row_to_
     let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
     let d = dispatch(&env.pool, Kind::Probe, outbox).await;
     let before = probe_job(&env.pool, job).await;
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-
-    let ctx = claimed(
-        lease::claim(&mut conn, &st, &d, "worker-claim", Duration::from_secs(30))
-            .await
-            .unwrap(),
-    );
+    let (_, _, ctx) = claim_by_hand(&env.pool, &d, "worker-claim", Duration::from_secs(30)).await;
 
     let after = probe_job(&env.pool, job).await;
     assert_eq!(after.run_state, "running");
@@ -418,13 +430,8 @@ async fn a_job_leased_by_a_live_worker_is_a_duplicate_but_a_dead_workers_job_is_
     let liveness = kfs_worker::liveness::acquire(&url, "other-worker")
         .await
         .expect("liveness lock");
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    let theirs = claimed(
-        lease::claim(&mut conn, &st, &d, "other-worker", Duration::from_secs(600))
-            .await
-            .unwrap(),
-    );
+    let (_, conn, theirs) =
+        claim_by_hand(&env.pool, &d, "other-worker", Duration::from_secs(600)).await;
     drop(conn);
 
     // The broker delivers the same message again, to us.
@@ -487,13 +494,7 @@ async fn an_expired_lease_is_taken_over_even_while_its_worker_lives() {
     let liveness = kfs_worker::liveness::acquire(&url, "stuck-worker")
         .await
         .expect("liveness lock");
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    claimed(
-        lease::claim(&mut conn, &st, &d, "stuck-worker", Duration::from_secs(600))
-            .await
-            .unwrap(),
-    );
+    let (_, conn, _) = claim_by_hand(&env.pool, &d, "stuck-worker", Duration::from_secs(600)).await;
     drop(conn);
     sqlx::query(
         "UPDATE kfs_probe_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
@@ -554,13 +555,7 @@ async fn a_job_whose_attempts_are_used_up_is_failed_and_its_outbox_row_is_dead()
     .await;
     let d = dispatch(&env.pool, Kind::Probe, outbox).await;
     // A worker died during the last allowed attempt, and its lease ran out.
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    claimed(
-        lease::claim(&mut conn, &st, &d, "dead-worker", Duration::from_secs(30))
-            .await
-            .unwrap(),
-    );
+    let (_, conn, _) = claim_by_hand(&env.pool, &d, "dead-worker", Duration::from_secs(30)).await;
     drop(conn);
     sqlx::query(
         "UPDATE kfs_probe_jobs SET execution_attempts = max_execution_attempts, lease_expires_at = now() - interval '1 second' \
@@ -888,13 +883,8 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
     let env = TestEnv::new().await;
     let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
     let d = dispatch(&env.pool, Kind::Probe, outbox).await;
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    let ctx = claimed(
-        lease::claim(&mut conn, &st, &d, "worker-paused", Duration::from_secs(30))
-            .await
-            .unwrap(),
-    );
+    let (st, mut conn, ctx) =
+        claim_by_hand(&env.pool, &d, "worker-paused", Duration::from_secs(30)).await;
 
     // The worker was paused past its lease.
     sqlx::query(
@@ -983,13 +973,8 @@ async fn a_heartbeat_extends_the_lease_and_the_outbox_visibility_without_bumping
     let env = TestEnv::new().await;
     let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
     let d = dispatch(&env.pool, Kind::Probe, outbox).await;
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    let ctx = claimed(
-        lease::claim(&mut conn, &st, &d, "worker-hb", Duration::from_secs(10))
-            .await
-            .unwrap(),
-    );
+    let (st, mut conn, ctx) =
+        claim_by_hand(&env.pool, &d, "worker-hb", Duration::from_secs(10)).await;
     let expires = |pool: PgPool| async move {
         sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>(
             "SELECT lease_expires_at FROM kfs_probe_jobs WHERE id = $1",
@@ -1053,13 +1038,8 @@ async fn the_step_fence_locks_the_job_row_until_the_step_commits_and_the_step_bu
     )
     .await;
     let d = dispatch(&env.pool, Kind::Probe, outbox).await;
-    let st = Statements::new(Kind::Probe.spec());
-    let mut conn = env.pool.acquire().await.unwrap();
-    let ctx = claimed(
-        lease::claim(&mut conn, &st, &d, "worker-fenced", Duration::from_secs(30))
-            .await
-            .unwrap(),
-    );
+    let (st, mut conn, ctx) =
+        claim_by_hand(&env.pool, &d, "worker-fenced", Duration::from_secs(30)).await;
     let before = job_text(&env.pool, job).await;
 
     let mut tx = env.pool.begin().await.unwrap();
