@@ -72,17 +72,12 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         .iter()
         .filter_map(|k| opts.consumer_cfg.policies.get(k).map(|p| p.lease))
         .min();
-    let pool = db::connect_with(
+    let options = db::session_options(
         &s.database_url,
         &format!("kfs-worker {}", opts.worker_id),
-        pool_size,
-        s.connect_timeout,
         idle,
-    )
-    .await?;
-    if opts.kinds.contains(&Kind::Probe) {
-        jobs::probe::install(&pool).await?;
-    }
+    )?;
+    let pool = db::lazy_pool(options.clone(), pool_size, s.connect_timeout);
     let topology = Topology::new(&s.queue_prefix);
     let mut tasks = JoinSet::new();
     let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
@@ -107,8 +102,29 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         tracing::info!(addr = %bound, "serving the dashboard, /healthz, /readyz and /metrics");
     }
 
-    if opts.consumer || opts.leased.is_some() {
-        let lock = liveness::acquire(&s.database_url, &opts.worker_id).await?;
+    // A worker may well start before Postgres does (a machine booting, a database restarting):
+    // it waits for it, with backoff, instead of exiting. Only what waiting cannot fix ends it.
+    let mut lock = None;
+    let mut backoff = reconnect_backoff();
+    loop {
+        match prepare_database(&opts, &options, &pool, &mut lock).await {
+            Ok(()) => break,
+            Err(Blocked::Fail(e)) => {
+                shutdown.cancel();
+                while tasks.join_next().await.is_some() {}
+                return Err(e);
+            }
+            Err(Blocked::Wait(reason)) => {
+                let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+                tracing::warn!(%reason, retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "Postgres is not available yet; starting once it is");
+                if !nap(delay, &shutdown).await {
+                    while tasks.join_next().await.is_some() {}
+                    return Ok(());
+                }
+            }
+        }
+    }
+    if let Some(lock) = lock {
         tasks.spawn(liveness::hold(
             s.database_url.clone(),
             opts.worker_id.clone(),
@@ -126,12 +142,6 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         ));
     }
     if opts.consumer {
-        for &kind in &opts.kinds {
-            let n = maintenance::release_own_leases(&pool, kind, &opts.worker_id).await?;
-            if n > 0 {
-                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
-            }
-        }
         let deps = jobs::Deps {
             store: crate::store::Store::open(&opts.object_store)?,
         };
@@ -214,6 +224,90 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         }
     }
     let _ = tokio::time::timeout(Duration::from_secs(3), pool.close()).await;
+    Ok(())
+}
+
+/// Why start-up cannot go on yet.
+enum Blocked {
+    /// Postgres cannot be used for now (down, starting, restarting, full): wait and try again.
+    Wait(String),
+    /// Nothing that waiting can fix: refused credentials, a missing database, a worker id
+    /// already in use, a statement Postgres rejects.
+    Fail(anyhow::Error),
+}
+
+impl From<db::ConnectError> for Blocked {
+    fn from(e: db::ConnectError) -> Self {
+        if e.is_transient() {
+            Blocked::Wait(e.to_string())
+        } else {
+            Blocked::Fail(e.into())
+        }
+    }
+}
+
+impl From<sqlx::Error> for Blocked {
+    fn from(e: sqlx::Error) -> Self {
+        if db::is_retryable(&e) {
+            Blocked::Wait(e.to_string())
+        } else {
+            Blocked::Fail(e.into())
+        }
+    }
+}
+
+impl From<liveness::LivenessError> for Blocked {
+    fn from(e: liveness::LivenessError) -> Self {
+        match e {
+            liveness::LivenessError::Db(e) => e.into(),
+            in_use => Blocked::Fail(in_use.into()),
+        }
+    }
+}
+
+/// Everything start-up needs from Postgres: a connection, the probe kind's tables where it
+/// runs, this worker's liveness lock (kept in `lock` across attempts while its session lives),
+/// and the release of leases a dead predecessor left under this worker id.
+async fn prepare_database(
+    opts: &RunOptions,
+    options: &sqlx::postgres::PgConnectOptions,
+    pool: &PgPool,
+    lock: &mut Option<sqlx::PgConnection>,
+) -> Result<(), Blocked> {
+    let s = &opts.services;
+    db::probe(&s.database_url, options, s.connect_timeout).await?;
+    if opts.kinds.contains(&Kind::Probe) {
+        jobs::probe::install(pool).await?;
+    }
+    if opts.consumer || opts.leased.is_some() {
+        if let Some(held) = lock.as_mut() {
+            if sqlx::Connection::ping(held).await.is_err() {
+                *lock = None;
+            }
+        }
+        if lock.is_none() {
+            let taken = tokio::time::timeout(
+                s.connect_timeout,
+                liveness::acquire(&s.database_url, &opts.worker_id),
+            )
+            .await
+            .map_err(|_| {
+                Blocked::Wait(format!(
+                    "no answer within {}s while taking the liveness lock",
+                    s.connect_timeout.as_secs()
+                ))
+            })??;
+            *lock = Some(taken);
+        }
+    }
+    if opts.consumer {
+        for &kind in &opts.kinds {
+            let n = maintenance::release_own_leases(pool, kind, &opts.worker_id).await?;
+            if n > 0 {
+                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
+            }
+        }
+    }
     Ok(())
 }
 

@@ -2,8 +2,13 @@
 //! back off, reconnect, and finish every job with each effect applied once. These tests restart
 //! the machine's own services, so they run one at a time and bring the services back even when
 //! they fail; where a service cannot be restarted from here they skip with a printed reason.
+//! A worker started while Postgres cannot be reached waits for it behind a TCP proxy that
+//! refuses connections, and one whose credentials are refused exits at once.
 
 mod common;
+#[allow(dead_code)]
+#[path = "chaos/proxy.rs"]
+mod proxy;
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -215,4 +220,111 @@ async fn a_postgres_restart_mid_run_loses_nothing() {
         eprintln!("Postgres was down for {:.1}s", down.elapsed().as_secs_f64());
     })
     .await;
+}
+
+/// `url` with its host and port replaced by `addr`.
+fn through(url: &str, addr: std::net::SocketAddr) -> String {
+    let mut u = url::Url::parse(url).expect("database URL");
+    u.set_host(Some(&addr.ip().to_string())).unwrap();
+    u.set_port(Some(addr.port())).unwrap();
+    u.to_string()
+}
+
+fn waiting_lines(log: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains("Postgres is not available yet"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_the_jobs() {
+    let env = TestEnv::new().await;
+    let jobs = 20;
+    probe::enqueue_many(&env.pool, jobs, &ProbeSpec::default())
+        .await
+        .unwrap();
+    let upstream: std::net::SocketAddr = {
+        let u = url::Url::parse(&env.url).unwrap();
+        format!(
+            "{}:{}",
+            u.host_str().unwrap(),
+            u.port_or_known_default().unwrap()
+        )
+        .parse()
+        .expect("Postgres is at an IP address in the tests")
+    };
+    let pg = proxy::Proxy::start(upstream).await;
+    pg.set_refuse(true);
+    let url = through(&env.url, pg.addr);
+    let mut w = env.spawn_worker(
+        "waits",
+        &["run", "--kinds", "probe", "--worker-id", "starts-early"],
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("KFS_CONNECT_TIMEOUT", "1s"),
+        ],
+    );
+
+    // It keeps trying, without exiting, and writes nothing meanwhile.
+    let tried = env
+        .wait_until(Duration::from_secs(60), || async {
+            waiting_lines(&w.log_text()) >= 3
+        })
+        .await;
+    assert!(tried, "worker log:\n{}", w.log_text());
+    assert!(
+        w.wait_exit(Duration::ZERO).is_none(),
+        "the worker exited instead of waiting:\n{}",
+        w.log_text()
+    );
+    assert_eq!(
+        common::probe_states(&env.pool).await,
+        vec![("dispatch_pending".to_owned(), jobs)]
+    );
+    assert!(
+        !w.log_text().contains("kfs-worker running"),
+        "it started without Postgres"
+    );
+
+    // Postgres becomes reachable: the worker starts by itself and runs every job once.
+    pg.set_refuse(false);
+    let finished = wait_all_done(&env, jobs, Duration::from_secs(120)).await;
+    assert!(
+        finished,
+        "jobs: {:?}\nworker log:\n{}",
+        common::probe_states(&env.pool).await,
+        w.log_text()
+    );
+    common::assert_probe_invariants(&env.pool).await;
+    w.signal("TERM");
+    assert_eq!(
+        w.wait_exit(Duration::from_secs(60)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        w.log_text()
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_whose_postgres_role_is_refused_exits_at_once_instead_of_waiting() {
+    let env = TestEnv::new().await;
+    let mut url = url::Url::parse(&env.url).unwrap();
+    url.set_username("no_such_role").unwrap();
+    url.set_password(Some("hunter2")).unwrap();
+    let mut w = env.spawn_worker(
+        "refused",
+        &["run", "--kinds", "probe", "--worker-id", "refused"],
+        &[("DATABASE_URL", url.as_str())],
+    );
+    let status = w.wait_exit(Duration::from_secs(60));
+    let log = w.log_text();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    assert!(
+        log.contains("refused the credentials of user \"no_such_role\""),
+        "{log}"
+    );
+    assert_eq!(waiting_lines(&log), 0, "it waited for a refusal: {log}");
+    assert!(!log.contains("hunter2"), "a secret leaked: {log}");
+    env.cleanup().await;
 }

@@ -26,8 +26,22 @@ pub enum ConnectError {
     },
     #[error("Postgres at {endpoint} has no database \"{database}\"")]
     NoDatabase { endpoint: String, database: String },
+    #[error("Postgres at {endpoint} is not accepting connections: {reason}")]
+    NotAccepting { endpoint: String, reason: String },
     #[error("Postgres at {endpoint} failed: {reason}")]
     Other { endpoint: String, reason: String },
+}
+
+impl ConnectError {
+    /// True when the same connection may succeed later without anyone changing the settings:
+    /// the server is down, starting, shutting down or full. Refused credentials, a missing
+    /// database and an unusable URL are not.
+    pub fn is_transient(&self) -> bool {
+        matches!(
+            self,
+            ConnectError::Unreachable { .. } | ConnectError::NotAccepting { .. }
+        )
+    }
 }
 
 pub fn connect_options(
@@ -75,28 +89,41 @@ pub async fn connect_with(
     timeout: Duration,
     idle_in_transaction: Option<Duration>,
 ) -> Result<PgPool, ConnectError> {
+    let options = session_options(url, application_name, idle_in_transaction)?;
+    probe(url, &options, timeout).await?;
+    Ok(lazy_pool(options, max_connections, timeout))
+}
+
+/// The options of a worker's sessions; see [`connect_with`]. Fails only on a URL that cannot
+/// be used, never on the server.
+pub fn session_options(
+    url: &SecretUrl,
+    application_name: &str,
+    idle_in_transaction: Option<Duration>,
+) -> Result<PgConnectOptions, ConnectError> {
     let mut options = connect_options(url, application_name)?;
     if let Some(idle) = idle_in_transaction {
         let ms = idle.as_millis().max(1000).to_string();
         options = options.options([("idle_in_transaction_session_timeout", ms.as_str())]);
     }
-    // One direct connection first: a pool would turn every failure into a timeout.
+    Ok(options)
+}
+
+/// Opens and closes one direct connection: a pool would turn every failure into a timeout.
+pub async fn probe(
+    url: &SecretUrl,
+    options: &PgConnectOptions,
+    timeout: Duration,
+) -> Result<(), ConnectError> {
     let probe = tokio::time::timeout(
         timeout,
-        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
+        <sqlx::PgConnection as sqlx::Connection>::connect_with(options),
     )
     .await;
     match probe {
         Ok(Ok(conn)) => {
             let _ = sqlx::Connection::close(conn).await;
-            // No ping before each acquire: it is a round trip on every use of the pool, and
-            // every caller already treats a failed statement as retryable. sqlx still pings a
-            // connection when it is returned, off the caller's path, and drops a broken one.
-            Ok(PgPoolOptions::new()
-                .max_connections(max_connections)
-                .test_before_acquire(false)
-                .acquire_timeout(timeout.max(Duration::from_secs(30)))
-                .connect_lazy_with(options))
+            Ok(())
         }
         Ok(Err(e)) => Err(classify_connect_error(url, &e)),
         Err(_) => Err(ConnectError::Unreachable {
@@ -104,6 +131,18 @@ pub async fn connect_with(
             reason: format!("no answer within {}s", timeout.as_secs()),
         }),
     }
+}
+
+/// A pool that connects on first use.
+pub fn lazy_pool(options: PgConnectOptions, max_connections: u32, timeout: Duration) -> PgPool {
+    // No ping before each acquire: it is a round trip on every use of the pool, and every
+    // caller already treats a failed statement as retryable. sqlx still pings a connection
+    // when it is returned, off the caller's path, and drops a broken one.
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .test_before_acquire(false)
+        .acquire_timeout(timeout.max(Duration::from_secs(30)))
+        .connect_lazy_with(options)
 }
 
 pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError {
@@ -129,6 +168,11 @@ pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError 
                     endpoint,
                     user: url.username().to_owned(),
                     reason: db.message().to_owned(),
+                },
+                // admin_shutdown, crash_shutdown, cannot_connect_now, too_many_connections
+                "57P01" | "57P02" | "57P03" | "53300" => ConnectError::NotAccepting {
+                    endpoint,
+                    reason: format!("{} (SQLSTATE {code})", db.message()),
                 },
                 "3D000" => ConnectError::NoDatabase {
                     endpoint,
