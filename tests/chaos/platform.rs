@@ -85,6 +85,22 @@ pub async fn seed(pool: &PgPool, store: &Store) -> NotesSpace {
     notes
 }
 
+/// Gives the job just requested in `tx` its 100 execution attempts, in the request's own
+/// transaction, and commits both.
+async fn commit_with_attempts(
+    mut tx: sqlx::Transaction<'_, sqlx::Postgres>,
+    job_table: &str,
+    id: Uuid,
+) -> Result<(), sqlx::Error> {
+    sqlx::query(&format!(
+        "UPDATE {job_table} SET max_execution_attempts = 100 WHERE id = $1"
+    ))
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await
+}
+
 /// Requests compiles of every document, then research tasks and deletions of the second half,
 /// on a seeded schedule until `stop`. A request refused because Postgres is down is tried again
 /// later, as the platform's API would be.
@@ -106,13 +122,7 @@ pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u
                 )
                 .await
                 .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                sqlx::query(
-                    "UPDATE document_compilation_attempts SET max_execution_attempts = 100 WHERE id = $1",
-                )
-                .bind(id)
-                .execute(&mut *tx)
-                .await?;
-                tx.commit().await?;
+                commit_with_attempts(tx, "document_compilation_attempts", id).await?;
                 out.compiles.push((id, s.documents[compiled_next]));
                 compiled_next += 1;
             } else if roll < 0.85 || deleted_next >= DOCUMENTS {
@@ -126,13 +136,7 @@ pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u
                 let r = research::request::request(&mut tx, &req)
                     .await
                     .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                sqlx::query(
-                    "UPDATE research_task_jobs SET max_execution_attempts = 100 WHERE id = $1",
-                )
-                .bind(r.job_id)
-                .execute(&mut *tx)
-                .await?;
-                tx.commit().await?;
+                commit_with_attempts(tx, "research_task_jobs", r.job_id).await?;
                 out.research.push(r.job_id);
             } else {
                 // Only a document whose compile ended may be deleted: a deletion racing its own
@@ -161,11 +165,7 @@ pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u
                 let r = deletion::request::request_deletion(&mut tx, &req)
                     .await
                     .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
-                sqlx::query("UPDATE deletion_jobs SET max_execution_attempts = 100 WHERE id = $1")
-                    .bind(r.job_id)
-                    .execute(&mut *tx)
-                    .await?;
-                tx.commit().await?;
+                commit_with_attempts(tx, "deletion_jobs", r.job_id).await?;
                 out.deletions.push((r.job_id, doc));
                 deleted_next += 1;
             }
