@@ -2,7 +2,8 @@
 //! admin-token gate of every action, the dead-letter peek and requeue (library, HTTP and CLI),
 //! and an end-to-end run in headless Chromium (Debian's `chromium` and `chromium-driver`)
 //! driven over WebDriver: a job appears and finishes live, and a failed compile is retried
-//! first without the token (refused, nothing changes) and then with it (it runs again).
+//! first without the token (refused, nothing changes) and then with it (it runs again); a
+//! research task is paused, resumed and canceled with a reason by clicking its page's buttons.
 
 mod common;
 
@@ -16,12 +17,14 @@ use common::TestEnv;
 use fantoccini::{ClientBuilder, Locator};
 use kfs_worker::jobs::compile::{self, RequestOptions};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
+use kfs_worker::jobs::research;
 use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicRejectOptions};
 use lapin::BasicProperties;
 use serde_json::Value;
 use uuid::Uuid;
 
 const TOKEN: &str = "dashboard-test-token-0123456789";
+const RESEARCHER: &str = "subject-dash";
 const GOOD: &[u8] = b"Otters juggle pebbles in the kelp forest. They sleep holding paws.";
 
 fn free_port() -> SocketAddr {
@@ -173,6 +176,48 @@ impl Fx {
             extra.push(("KFS_ADMIN_TOKEN", t));
         }
         self.env.spawn_worker(name, &["run"], &extra)
+    }
+
+    /// A research task requested as the platform's API would, over this space.
+    async fn research(&self, question: &str) -> Uuid {
+        let mut tx = self.env.pool.begin().await.unwrap();
+        let snapshot = kfs_worker::platform::create_permission_snapshot(
+            &mut tx,
+            "tenant-dash",
+            self.space,
+            RESEARCHER,
+            "interactive",
+            None,
+        )
+        .await
+        .unwrap();
+        let req =
+            research::request::ResearchRequest::new(self.space, question, RESEARCHER, snapshot);
+        let done = research::request::request(&mut tx, &req).await.unwrap();
+        tx.commit().await.unwrap();
+        done.job_id
+    }
+
+    async fn stage(&self, task: Uuid) -> (String, Option<String>) {
+        sqlx::query_as("SELECT stage, error FROM research_task_jobs WHERE id = $1")
+            .bind(task)
+            .fetch_one(&self.env.pool)
+            .await
+            .unwrap()
+    }
+
+    /// A `kfs-worker run --maintenance` process for research with the dashboard on `addr`: no
+    /// relay and no consumer, so a job stays where the dashboard's actions put it.
+    fn dashboard_only(&self, name: &str, addr: SocketAddr, token: &str) -> common::Worker {
+        let addr = addr.to_string();
+        let extra = [
+            ("KFS_HTTP_ADDR", addr.as_str()),
+            ("KFS_OBJECT_STORE", self.store_url.as_str()),
+            ("KFS_KINDS", "research"),
+            ("KFS_ADMIN_TOKEN", token),
+        ];
+        self.env
+            .spawn_worker(name, &["run", "--maintenance"], &extra)
     }
 
     async fn wait_ready(&self, addr: SocketAddr, worker: &common::Worker) {
@@ -784,6 +829,115 @@ async fn in_a_browser_a_job_appears_and_finishes_and_a_failed_one_is_retried_wit
         .for_element(Locator::Css("#job-state[data-state=\"succeeded\"]"))
         .await
         .expect("the job page shows it succeeded");
+
+    c.close().await.unwrap();
+    drop(driver);
+    drop(worker);
+    fx.cleanup().await;
+}
+
+/// Opens `task`'s page, checks the stage it shows, types the token and clicks `action`
+/// (after typing `reason`, when given, into the action's reason box); returns the outcome text.
+async fn click_research_action(
+    c: &fantoccini::Client,
+    addr: SocketAddr,
+    task: Uuid,
+    shows: &str,
+    action: &str,
+    reason: Option<&str>,
+) -> String {
+    c.goto(&format!("http://{addr}/jobs/research/{task}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        c.find(Locator::Css("#job-state"))
+            .await
+            .unwrap()
+            .attr("data-state")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some(shows)
+    );
+    let token_box = c.find(Locator::Css("#admin-token")).await.unwrap();
+    token_box.clear().await.unwrap();
+    token_box.send_keys(TOKEN).await.unwrap();
+    if let Some(r) = reason {
+        c.find(Locator::Css("form.action input[name=\"reason\"]"))
+            .await
+            .unwrap()
+            .send_keys(r)
+            .await
+            .unwrap();
+    }
+    c.find(Locator::Css(&format!("button[data-action=\"{action}\"]")))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    let outcome = c
+        .wait()
+        .at_most(Duration::from_secs(60))
+        .for_element(Locator::Css("#outcome"))
+        .await
+        .unwrap();
+    assert_eq!(
+        outcome.attr("data-ok").await.unwrap().as_deref(),
+        Some("true"),
+        "{action}: {}",
+        outcome.text().await.unwrap_or_default()
+    );
+    outcome.text().await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn in_a_browser_a_research_task_is_paused_resumed_and_canceled_with_a_reason() {
+    let fx = Fx::new().await;
+    let task = fx.research("Where do otters keep their pebbles?").await;
+    let addr = free_port();
+    let worker = fx.dashboard_only("dash-research", addr, TOKEN);
+    fx.wait_ready(addr, &worker).await;
+    let driver = chromedriver().await;
+    let c = browser(&driver).await;
+
+    click_research_action(&c, addr, task, "queued", "pause", None).await;
+    assert_eq!(fx.stage(task).await.0, "paused");
+
+    // A paused task offers resume and cancel, not pause.
+    c.goto(&format!("http://{addr}/jobs/research/{task}"))
+        .await
+        .unwrap();
+    assert!(c
+        .find(Locator::Css("button[data-action=\"pause\"]"))
+        .await
+        .is_err());
+    click_research_action(&c, addr, task, "paused", "resume", None).await;
+    assert_eq!(fx.stage(task).await.0, "queued");
+
+    click_research_action(
+        &c,
+        addr,
+        task,
+        "queued",
+        "cancel",
+        Some("asked twice by the browser test"),
+    )
+    .await;
+    let (stage, error) = fx.stage(task).await;
+    assert_eq!(stage, "canceled");
+    assert!(
+        error
+            .as_deref()
+            .is_some_and(|e| e.contains("asked twice by the browser test")),
+        "{error:?}"
+    );
+
+    // An ended task offers no action at all.
+    c.goto(&format!("http://{addr}/jobs/research/{task}"))
+        .await
+        .unwrap();
+    assert!(c.find(Locator::Css("form.action button")).await.is_err());
 
     c.close().await.unwrap();
     drop(driver);
