@@ -3,7 +3,8 @@
 //! the machine's own services, so they run one at a time and bring the services back even when
 //! they fail; where a service cannot be restarted from here they skip with a printed reason.
 //! A worker started while Postgres cannot be reached waits for it behind a TCP proxy that
-//! refuses connections, and one whose credentials are refused exits at once.
+//! refuses connections (and stops cleanly on SIGTERM meanwhile), and one whose credentials are
+//! refused exits at once.
 
 mod common;
 #[allow(dead_code)]
@@ -230,6 +231,18 @@ fn through(url: &str, addr: std::net::SocketAddr) -> String {
     u.to_string()
 }
 
+/// Where this test's Postgres listens.
+fn postgres_addr(env: &TestEnv) -> std::net::SocketAddr {
+    let u = url::Url::parse(&env.url).unwrap();
+    format!(
+        "{}:{}",
+        u.host_str().unwrap(),
+        u.port_or_known_default().unwrap()
+    )
+    .parse()
+    .expect("Postgres is at an IP address in the tests")
+}
+
 fn waiting_lines(log: &str) -> usize {
     log.lines()
         .filter(|l| l.contains("Postgres is not available yet"))
@@ -243,17 +256,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
     probe::enqueue_many(&env.pool, jobs, &ProbeSpec::default())
         .await
         .unwrap();
-    let upstream: std::net::SocketAddr = {
-        let u = url::Url::parse(&env.url).unwrap();
-        format!(
-            "{}:{}",
-            u.host_str().unwrap(),
-            u.port_or_known_default().unwrap()
-        )
-        .parse()
-        .expect("Postgres is at an IP address in the tests")
-    };
-    let pg = proxy::Proxy::start(upstream).await;
+    let pg = proxy::Proxy::start(postgres_addr(&env)).await;
     pg.set_refuse(true);
     let url = through(&env.url, pg.addr);
     let mut w = env.spawn_worker(
@@ -302,6 +305,40 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
         Some(0),
         "{}",
         w.log_text()
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
+    let env = TestEnv::new().await;
+    let pg = proxy::Proxy::start(postgres_addr(&env)).await;
+    pg.set_refuse(true);
+    let url = through(&env.url, pg.addr);
+    let mut w = env.spawn_worker(
+        "stops",
+        &["run", "--kinds", "probe", "--worker-id", "stops-waiting"],
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("KFS_CONNECT_TIMEOUT", "1s"),
+        ],
+    );
+    let waiting = env
+        .wait_until(Duration::from_secs(60), || async {
+            waiting_lines(&w.log_text()) >= 1
+        })
+        .await;
+    assert!(waiting, "worker log:\n{}", w.log_text());
+    w.signal("TERM");
+    assert_eq!(
+        w.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
+        Some(0),
+        "{}",
+        w.log_text()
+    );
+    assert!(
+        !w.log_text().contains("kfs-worker running"),
+        "it started without Postgres"
     );
     env.cleanup().await;
 }
