@@ -727,17 +727,8 @@ async fn in_a_browser_a_job_appears_and_finishes_and_a_failed_one_is_retried_wit
     assert!(row.contains("hash_mismatch"), "{row}");
 
     // Its page: checkpoint strip, deliveries, and the retry action.
-    c.goto(&format!("http://{addr}/jobs/compile/{bad}"))
-        .await
-        .unwrap();
     assert_eq!(
-        c.find(Locator::Css("#job-state"))
-            .await
-            .unwrap()
-            .attr("data-state")
-            .await
-            .unwrap()
-            .as_deref(),
+        open_job(&c, addr, "compile", bad).await.as_deref(),
         Some("failed")
     );
     assert!(text_of(&c, "#job-error").await.contains("hash_mismatch"));
@@ -745,78 +736,24 @@ async fn in_a_browser_a_job_appears_and_finishes_and_a_failed_one_is_retried_wit
 
     // Without the token: refused, and nothing changes.
     let before = fx.rows(bad).await;
-    c.find(Locator::Css("button[data-action=\"retry\"]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    let outcome = c
-        .wait()
-        .at_most(wait)
-        .for_element(Locator::Css("#outcome"))
-        .await
-        .unwrap();
-    assert_eq!(
-        outcome.attr("data-ok").await.unwrap().as_deref(),
-        Some("false")
-    );
-    assert!(outcome
-        .text()
-        .await
-        .unwrap()
-        .contains("needs the admin token"));
+    let (ok, text) = click_action(&c, "retry").await;
+    assert_eq!(ok.as_deref(), Some("false"));
+    assert!(text.contains("needs the admin token"));
     assert_eq!(fx.rows(bad).await, before);
 
     // With a wrong token: refused too.
-    c.goto(&format!("http://{addr}/jobs/compile/{bad}"))
-        .await
-        .unwrap();
-    c.find(Locator::Css("#admin-token"))
-        .await
-        .unwrap()
-        .send_keys("not-the-token-at-all")
-        .await
-        .unwrap();
-    c.find(Locator::Css("button[data-action=\"retry\"]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    let outcome = c
-        .wait()
-        .at_most(wait)
-        .for_element(Locator::Css("#outcome"))
-        .await
-        .unwrap();
-    assert!(outcome.text().await.unwrap().contains("wrong"));
+    open_job(&c, addr, "compile", bad).await;
+    type_token(&c, "not-the-token-at-all").await;
+    let (_, text) = click_action(&c, "retry").await;
+    assert!(text.contains("wrong"));
     assert_eq!(fx.rows(bad).await, before);
 
     // With the token: accepted, and the job runs again to the end.
-    c.goto(&format!("http://{addr}/jobs/compile/{bad}"))
-        .await
-        .unwrap();
-    let token_box = c.find(Locator::Css("#admin-token")).await.unwrap();
-    token_box.clear().await.unwrap();
-    token_box.send_keys(TOKEN).await.unwrap();
-    c.find(Locator::Css("button[data-action=\"retry\"]"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
-    let outcome = c
-        .wait()
-        .at_most(wait)
-        .for_element(Locator::Css("#outcome"))
-        .await
-        .unwrap();
-    assert_eq!(
-        outcome.attr("data-ok").await.unwrap().as_deref(),
-        Some("true")
-    );
-    assert!(outcome.text().await.unwrap().contains("retrying"));
+    open_job(&c, addr, "compile", bad).await;
+    type_token(&c, TOKEN).await;
+    let (ok, text) = click_action(&c, "retry").await;
+    assert_eq!(ok.as_deref(), Some("true"));
+    assert!(text.contains("retrying"));
     fx.wait_state(bad, "succeeded").await;
     c.find(Locator::Css("#back"))
         .await
@@ -836,40 +773,33 @@ async fn in_a_browser_a_job_appears_and_finishes_and_a_failed_one_is_retried_wit
     fx.cleanup().await;
 }
 
-/// Opens `task`'s page, checks the stage it shows, types the token and clicks `action`
-/// (after typing `reason`, when given, into the action's reason box); returns the outcome text.
-async fn click_research_action(
+/// Opens a job's page; returns the state it shows.
+async fn open_job(
     c: &fantoccini::Client,
     addr: SocketAddr,
-    task: Uuid,
-    shows: &str,
-    action: &str,
-    reason: Option<&str>,
-) -> String {
-    c.goto(&format!("http://{addr}/jobs/research/{task}"))
+    kind: &str,
+    id: Uuid,
+) -> Option<String> {
+    c.goto(&format!("http://{addr}/jobs/{kind}/{id}"))
         .await
         .unwrap();
-    assert_eq!(
-        c.find(Locator::Css("#job-state"))
-            .await
-            .unwrap()
-            .attr("data-state")
-            .await
-            .unwrap()
-            .as_deref(),
-        Some(shows)
-    );
+    c.find(Locator::Css("#job-state"))
+        .await
+        .unwrap()
+        .attr("data-state")
+        .await
+        .unwrap()
+}
+
+/// Replaces whatever the page's admin-token box holds with `token`.
+async fn type_token(c: &fantoccini::Client, token: &str) {
     let token_box = c.find(Locator::Css("#admin-token")).await.unwrap();
     token_box.clear().await.unwrap();
-    token_box.send_keys(TOKEN).await.unwrap();
-    if let Some(r) = reason {
-        c.find(Locator::Css("form.action input[name=\"reason\"]"))
-            .await
-            .unwrap()
-            .send_keys(r)
-            .await
-            .unwrap();
-    }
+    token_box.send_keys(token).await.unwrap();
+}
+
+/// Clicks the page's `action` button; returns the outcome's `data-ok` and its text.
+async fn click_action(c: &fantoccini::Client, action: &str) -> (Option<String>, String) {
     c.find(Locator::Css(&format!("button[data-action=\"{action}\"]")))
         .await
         .unwrap()
@@ -882,13 +812,37 @@ async fn click_research_action(
         .for_element(Locator::Css("#outcome"))
         .await
         .unwrap();
+    (
+        outcome.attr("data-ok").await.unwrap(),
+        outcome.text().await.unwrap(),
+    )
+}
+
+/// Opens `task`'s page, checks the stage it shows, types the token and clicks `action`
+/// (after typing `reason`, when given, into the action's reason box); the action must succeed.
+async fn click_research_action(
+    c: &fantoccini::Client,
+    addr: SocketAddr,
+    task: Uuid,
+    shows: &str,
+    action: &str,
+    reason: Option<&str>,
+) {
     assert_eq!(
-        outcome.attr("data-ok").await.unwrap().as_deref(),
-        Some("true"),
-        "{action}: {}",
-        outcome.text().await.unwrap_or_default()
+        open_job(c, addr, "research", task).await.as_deref(),
+        Some(shows)
     );
-    outcome.text().await.unwrap()
+    type_token(c, TOKEN).await;
+    if let Some(r) = reason {
+        c.find(Locator::Css("form.action input[name=\"reason\"]"))
+            .await
+            .unwrap()
+            .send_keys(r)
+            .await
+            .unwrap();
+    }
+    let (ok, text) = click_action(c, action).await;
+    assert_eq!(ok.as_deref(), Some("true"), "{action}: {text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -905,9 +859,7 @@ async fn in_a_browser_a_research_task_is_paused_resumed_and_canceled_with_a_reas
     assert_eq!(fx.stage(task).await.0, "paused");
 
     // A paused task offers resume and cancel, not pause.
-    c.goto(&format!("http://{addr}/jobs/research/{task}"))
-        .await
-        .unwrap();
+    open_job(&c, addr, "research", task).await;
     assert!(c
         .find(Locator::Css("button[data-action=\"pause\"]"))
         .await
@@ -934,9 +886,7 @@ async fn in_a_browser_a_research_task_is_paused_resumed_and_canceled_with_a_reas
     );
 
     // An ended task offers no action at all.
-    c.goto(&format!("http://{addr}/jobs/research/{task}"))
-        .await
-        .unwrap();
+    open_job(&c, addr, "research", task).await;
     assert!(c.find(Locator::Css("form.action button")).await.is_err());
 
     c.close().await.unwrap();

@@ -223,24 +223,35 @@ async fn a_postgres_restart_mid_run_loses_nothing() {
     .await;
 }
 
-/// `url` with its host and port replaced by `addr`.
-fn through(url: &str, addr: std::net::SocketAddr) -> String {
-    let mut u = url::Url::parse(url).expect("database URL");
-    u.set_host(Some(&addr.ip().to_string())).unwrap();
-    u.set_port(Some(addr.port())).unwrap();
-    u.to_string()
-}
-
-/// Where this test's Postgres listens.
-fn postgres_addr(env: &TestEnv) -> std::net::SocketAddr {
+/// A probe worker whose Postgres connections go through a proxy that refuses them all until
+/// the test lets them through.
+async fn behind_a_refusing_proxy(
+    env: &TestEnv,
+    name: &str,
+    worker_id: &str,
+) -> (proxy::Proxy, common::Worker) {
     let u = url::Url::parse(&env.url).unwrap();
-    format!(
+    let upstream: std::net::SocketAddr = format!(
         "{}:{}",
         u.host_str().unwrap(),
         u.port_or_known_default().unwrap()
     )
     .parse()
-    .expect("Postgres is at an IP address in the tests")
+    .expect("Postgres is at an IP address in the tests");
+    let pg = proxy::Proxy::start(upstream).await;
+    pg.set_refuse(true);
+    let mut through = u;
+    through.set_host(Some(&pg.addr.ip().to_string())).unwrap();
+    through.set_port(Some(pg.addr.port())).unwrap();
+    let w = env.spawn_worker(
+        name,
+        &["run", "--kinds", "probe", "--worker-id", worker_id],
+        &[
+            ("DATABASE_URL", through.as_str()),
+            ("KFS_CONNECT_TIMEOUT", "1s"),
+        ],
+    );
+    (pg, w)
 }
 
 fn waiting_lines(log: &str) -> usize {
@@ -256,17 +267,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
     probe::enqueue_many(&env.pool, jobs, &ProbeSpec::default())
         .await
         .unwrap();
-    let pg = proxy::Proxy::start(postgres_addr(&env)).await;
-    pg.set_refuse(true);
-    let url = through(&env.url, pg.addr);
-    let mut w = env.spawn_worker(
-        "waits",
-        &["run", "--kinds", "probe", "--worker-id", "starts-early"],
-        &[
-            ("DATABASE_URL", url.as_str()),
-            ("KFS_CONNECT_TIMEOUT", "1s"),
-        ],
-    );
+    let (pg, mut w) = behind_a_refusing_proxy(&env, "waits", "starts-early").await;
 
     // It keeps trying, without exiting, and writes nothing meanwhile.
     let tried = env
@@ -312,17 +313,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
     let env = TestEnv::new().await;
-    let pg = proxy::Proxy::start(postgres_addr(&env)).await;
-    pg.set_refuse(true);
-    let url = through(&env.url, pg.addr);
-    let mut w = env.spawn_worker(
-        "stops",
-        &["run", "--kinds", "probe", "--worker-id", "stops-waiting"],
-        &[
-            ("DATABASE_URL", url.as_str()),
-            ("KFS_CONNECT_TIMEOUT", "1s"),
-        ],
-    );
+    let (_pg, mut w) = behind_a_refusing_proxy(&env, "stops", "stops-waiting").await;
     let waiting = env
         .wait_until(Duration::from_secs(60), || async {
             waiting_lines(&w.log_text()) >= 1
