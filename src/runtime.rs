@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use futures_util::stream::{FuturesUnordered, StreamExt};
 use lapin::options::ConfirmSelectOptions;
 use sqlx::postgres::PgListener;
 use sqlx::PgPool;
@@ -19,8 +18,7 @@ use crate::config::Services;
 use crate::consumer::{self, ConsumerConfig, Engine};
 use crate::jobs::{self, Handler, Kind};
 use crate::maintenance::{self, MaintenanceConfig};
-use crate::relay::schedule::Schedule;
-use crate::relay::{Relay, RelayConfig};
+use crate::relay::{Relay, RelayConfig, Rounds, Settled};
 use crate::{db, liveness};
 
 #[derive(Clone, Debug)]
@@ -411,54 +409,42 @@ async fn relay_loop(
                 .map_err(|e| e.to_string())?;
             let mut listener = listen(relay_pool(&relay)).await;
             health.set_relay(true);
-            let batch = usize::try_from(relay.config().batch).unwrap_or(usize::MAX);
-            let mut schedule = Schedule::new(&kinds, relay.config().depth);
-            let mut rounds = FuturesUnordered::new();
-            let mut failed = None;
+            let mut rounds = Rounds::new(&relay, &ch, &kinds);
             loop {
-                if failed.is_none() && !shutdown.is_cancelled() {
-                    for kind in schedule.start() {
-                        let (relay, ch) = (&relay, &ch);
-                        rounds.push(async move { (kind, relay.relay_once(ch, kind).await) });
-                    }
+                if !shutdown.is_cancelled() {
+                    rounds.start();
                 }
-                if rounds.is_empty() && (failed.is_some() || shutdown.is_cancelled()) {
+                if !rounds.in_flight() && (rounds.has_failed() || shutdown.is_cancelled()) {
                     break;
                 }
                 tokio::select! {
-                    Some((kind, round)) = rounds.next(), if !rounds.is_empty() => match round {
-                        Ok(round) => {
-                            schedule.finished(kind, round.claimed >= batch);
-                            // Only a whole round proves both services back: resetting the
-                            // backoff on the broker connection alone made a Postgres outage a
-                            // reconnect loop.
+                    Some(settled) = rounds.settle(), if rounds.in_flight() => {
+                        // Only a whole round proves both services back: resetting the backoff
+                        // on the broker connection alone made a Postgres outage a reconnect
+                        // loop. After a failed round the others settle what they claimed, then
+                        // the session reconnects.
+                        if let Settled::Round(_) = settled {
                             backoff = reconnect_backoff();
                         }
-                        // Let the other rounds settle what they claimed, then reconnect.
-                        Err(e) => {
-                            schedule.finished(kind, false);
-                            failed.get_or_insert(e.to_string());
-                        }
                     },
-                    () = shutdown.cancelled(), if !rounds.is_empty() || failed.is_none() => {
+                    () = shutdown.cancelled(), if rounds.in_flight() || !rounds.has_failed() => {
                         // Rounds in flight still settle; no new one starts.
-                        if rounds.is_empty() {
+                        if !rounds.in_flight() {
                             break;
                         }
                         let _ = tokio::time::timeout(relay.config().confirm_timeout, async {
-                            while rounds.next().await.is_some() {}
+                            while rounds.settle().await.is_some() {}
                         })
                         .await;
                         break;
                     }
-                    woken = wait_for_notification(&mut listener, relay.config().poll), if failed.is_none() => {
-                        schedule.wake(woken.unwrap_or_else(|| kinds.clone()));
+                    woken = wait_for_notification(&mut listener, relay.config().poll), if !rounds.has_failed() => {
+                        rounds.wake(woken.unwrap_or_else(|| kinds.clone()));
                     }
                 }
             }
-            drop(rounds);
-            if let Some(e) = failed {
-                return Err(e);
+            if let Some(e) = rounds.failed() {
+                return Err(e.to_string());
             }
             // A connection the broker already dropped may never answer a close.
             let _ =
