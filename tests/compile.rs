@@ -35,16 +35,10 @@ const GUIDE_MD: &[u8] = include_bytes!("fixtures/compile/guide.md");
 const PAGE_HTML: &[u8] = include_bytes!("fixtures/compile/page.html");
 const NOTES_TXT: &[u8] = include_bytes!("fixtures/compile/notes.txt");
 
-/// A test database and queues, a shared file object store, and one knowledge space.
-struct Fx(SpaceFx);
-
-impl std::ops::Deref for Fx {
-    type Target = SpaceFx;
-
-    fn deref(&self) -> &SpaceFx {
-        &self.0
-    }
-}
+common::space::space_fixture!(
+    /// A test database and queues, a shared file object store, and one knowledge space.
+    Fx
+);
 
 impl Fx {
     async fn new() -> Fx {
@@ -1209,12 +1203,7 @@ async fn two_hundred_documents_across_two_worker_processes() {
     );
     assert_all_published(&fx, &docs).await;
     assert_eq!(fx.head().await.unwrap().members.len(), DOCS);
-    for w in &mut workers {
-        w.signal("TERM");
-    }
-    for w in &mut workers {
-        w.wait_exit(Duration::from_secs(20));
-    }
+    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     fx.cleanup().await;
 }
 
@@ -1280,8 +1269,7 @@ mod crash {
             started.elapsed().as_secs_f64()
         );
         assert_all_published(&fx, &docs).await;
-        b.signal("TERM");
-        b.wait_exit(Duration::from_secs(20));
+        common::stop_cleanly([&mut b], Duration::from_secs(20)).await;
         drop(a);
         fx.cleanup().await;
     }

@@ -20,7 +20,6 @@
 mod common;
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
@@ -102,51 +101,6 @@ fn spawn(env: &TestEnv, id: &str, roles: &[&str], extra: &[(&str, &str)]) -> Wor
     let mut args = vec!["run", "--kinds", "probe", "--worker-id", id];
     args.extend_from_slice(roles);
     env.spawn_worker(id, &args, extra)
-}
-
-/// Waits (without blocking the runtime) until the process exits, at most `timeout`.
-async fn exited(w: &mut Worker, timeout: Duration) -> Option<ExitStatus> {
-    let start = Instant::now();
-    loop {
-        if let Ok(Some(status)) = w.child.try_wait() {
-            return Some(status);
-        }
-        if start.elapsed() >= timeout {
-            return None;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// The last `n` lines of a worker's log, for failure messages.
-fn tail(w: &Worker, n: usize) -> String {
-    let text = w.log_text();
-    let lines: Vec<&str> = text.lines().collect();
-    let from = lines.len().saturating_sub(n);
-    format!(
-        "--- {} ({}) ---\n{}",
-        w.name,
-        w.log.display(),
-        lines[from..].join("\n")
-    )
-}
-
-/// Stops every worker with SIGTERM and asserts that each exits 0.
-async fn stop_cleanly<'a>(workers: impl IntoIterator<Item = &'a mut Worker>) {
-    let workers: Vec<&mut Worker> = workers.into_iter().collect();
-    for w in &workers {
-        w.signal("TERM");
-    }
-    for w in workers {
-        let status = exited(w, Duration::from_secs(20)).await;
-        assert_eq!(
-            status.and_then(|s| s.code()),
-            Some(0),
-            "{} did not exit 0 on SIGTERM ({status:?})\n{}",
-            w.name,
-            tail(w, 30)
-        );
-    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -362,13 +316,13 @@ async fn kill_point(point: &'static str) {
     let started = Instant::now();
     let mut jobs = JOBS;
     let status = loop {
-        if let Some(s) = exited(&mut a, Duration::from_millis(1500)).await {
+        if let Some(s) = a.exited(Duration::from_millis(1500)).await {
             break s;
         }
         assert!(
             started.elapsed() < Duration::from_secs(30),
             "A never reached {point}\n{}",
-            tail(&a, 30)
+            a.tail(30)
         );
         probe::enqueue_many(&env.pool, JOBS, &spec).await.unwrap();
         jobs += JOBS;
@@ -378,12 +332,12 @@ async fn kill_point(point: &'static str) {
     assert!(
         status.signal().is_some(),
         "A must die by a signal (abort), got {status:?}\n{}",
-        tail(&a, 30)
+        a.tail(30)
     );
     assert!(
         log.contains(&format!("crash point {point} reached")),
         "A's log lacks the crash point\n{}",
-        tail(&a, 30)
+        a.tail(30)
     );
 
     // What A left behind. Consumer points: nothing else runs, so this is the state at A's
@@ -421,7 +375,7 @@ async fn kill_point(point: &'static str) {
     let finished_ms = ms(db_now(&env.pool).await - death);
     let logs: String = others
         .iter()
-        .map(|w| tail(w, 40))
+        .map(|w| w.tail(40))
         .collect::<Vec<_>>()
         .join("\n");
     assert!(
@@ -431,7 +385,7 @@ async fn kill_point(point: &'static str) {
     );
 
     let depths = wait_queues_drained(&env, Duration::from_secs(15)).await;
-    stop_cleanly(&mut others).await;
+    common::stop_cleanly(&mut others, Duration::from_secs(20)).await;
     assert_eq!(
         depths,
         (0, 0),
@@ -554,7 +508,7 @@ async fn stop_a_and_start_b(wait: Duration) -> Stopped {
             }
         })
         .await;
-    assert!(running, "A never ran a step\n{}", tail(&a, 30));
+    assert!(running, "A never ran a step\n{}", a.tail(30));
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.signal("STOP");
     let stopped_at = db_now(&env.pool).await;
@@ -614,7 +568,7 @@ async fn stop_a_and_start_b(wait: Duration) -> Stopped {
          transaction: {row_locked}; outbox (status, available_at, \
          dispatch_attempts, delivered_at): {outbox:?}; sessions while A is stopped \
          (application, state, wait, query, blocked by): {sessions:?}\n{}",
-        tail(&b, 20)
+        b.tail(20)
     );
     Stopped {
         env,
@@ -637,8 +591,8 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
         done,
         "job not terminal: {:?}\n{}\n{}",
         common::probe_states(&s.env.pool).await,
-        tail(&s.a, 20),
-        tail(&s.b, 20)
+        s.a.tail(20),
+        s.b.tail(20)
     );
     let start = Instant::now();
     while !s.a.log_text().contains("lease lost") && start.elapsed() < Duration::from_secs(10) {
@@ -647,7 +601,7 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
     assert!(
         s.a.log_text().contains("lease lost"),
         "A's log does not report the lost lease\n{}",
-        tail(&s.a, 30)
+        s.a.tail(30)
     );
     // The takeover: the first new lease of the job after A was stopped (B's, or A's own second
     // delivery once awake; either way A's first lease is over).
@@ -688,7 +642,7 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
         ms(claim_b - s.stopped_at),
         s.claim_b_while_stopped.is_some(),
     );
-    stop_cleanly([&mut s.a, &mut s.b]).await;
+    common::stop_cleanly([&mut s.a, &mut s.b], Duration::from_secs(20)).await;
     assert_history(&s.env.pool).await;
     assert_no_overlap(&s.env.pool, "a", "b").await;
     let depths = wait_queues_drained(&s.env, Duration::from_secs(5)).await;
@@ -864,7 +818,7 @@ async fn fleet_run(same_id: bool) {
                         log.contains("already in use"),
                         "{} exited on its own ({status:?})\n{}",
                         w.name,
-                        tail(w, 40)
+                        w.tail(40)
                     );
                     refused_restarts += 1;
                 }
@@ -1012,7 +966,7 @@ async fn fleet_run(same_id: bool) {
         "not every job terminal after 150 s: {states:?}; e.g. (job, state, checkpoint, worker, lease expires, \
          outbox status, dispatch attempts, outbox available at): {stuck:#?}"
     );
-    stop_cleanly(&mut workers).await;
+    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     assert_eq!(succeeded, 1000, "jobs not succeeded: {states:?}");
     assert_eq!(
         never_claimed, 0,
@@ -1071,7 +1025,7 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
         running,
         "w1 never held the 4 jobs: {:?}\n{}",
         common::probe_states(&env.pool).await,
-        tail(&workers[1], 20)
+        workers[1].tail(20)
     );
     workers[1].kill();
     let killed_at = db_now(&env.pool).await;
@@ -1087,7 +1041,7 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
     assert!(
         republished,
         "the sweeper and relay did not publish w1's jobs again\n{}",
-        tail(&workers[0], 20)
+        workers[0].tail(20)
     );
     workers[1] = spawn(&env, "w1", &["--consumer"], &e);
     let done = wait_all_terminal(&env, Duration::from_secs(30)).await;
@@ -1102,9 +1056,9 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
     assert!(
         done,
         "jobs stranded 30 s after the restart (lease 10 s): {rows:#?}\n{}",
-        tail(&workers[1], 20)
+        workers[1].tail(20)
     );
-    stop_cleanly(&mut workers).await;
+    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     assert_history(&env.pool).await;
     env.cleanup().await;
 }
@@ -1170,7 +1124,7 @@ async fn worker_start_does_not_deadlock_with_running_steps() {
     } else {
         drop(step);
     }
-    let exit = exited(&mut w, Duration::from_secs(3)).await;
+    let exit = w.exited(Duration::from_secs(3)).await;
     println!(
         "[startup vs step] worker start waited on a lock: {waiting} ({blocked:?}); the step transaction {step_result}; \
          worker exit: {exit:?}"
@@ -1178,13 +1132,13 @@ async fn worker_start_does_not_deadlock_with_running_steps() {
     assert!(
         exit.is_none(),
         "the starting worker died ({exit:?}) while a step transaction ran\n{}",
-        tail(&w, 10)
+        w.tail(10)
     );
     assert!(
         matches!(ended, Ok(Ok(_))),
         "the running step could not end its slice: {step_result}"
     );
     let mut workers = vec![w];
-    stop_cleanly(&mut workers).await;
+    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     env.cleanup().await;
 }

@@ -73,16 +73,10 @@ async fn post(addr: SocketAddr, path: &str, form: &str, bearer: Option<&str>) ->
     )
 }
 
-/// A test database and queues, a file object store shared with the worker, one space.
-struct Fx(SpaceFx);
-
-impl std::ops::Deref for Fx {
-    type Target = SpaceFx;
-
-    fn deref(&self) -> &SpaceFx {
-        &self.0
-    }
-}
+common::space::space_fixture!(
+    /// A test database and queues, a file object store shared with the worker, one space.
+    Fx
+);
 
 impl Fx {
     async fn new() -> Fx {
@@ -462,8 +456,7 @@ async fn the_json_endpoints_show_live_numbers_and_every_action_needs_the_token()
         .await;
     assert!(died_twice, "{}", get_json(addr, "/api/overview").await.1);
 
-    worker.signal("TERM");
-    assert!(worker.wait_exit(Duration::from_secs(30)).is_some());
+    common::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
     assert!(
         !worker.log_text().contains(TOKEN),
         "the token is never logged"

@@ -1875,8 +1875,7 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             job_state(&env.pool, job).await,
             rescuer.log_text()
         );
-        rescuer.signal("TERM");
-        rescuer.wait_exit(Duration::from_secs(30));
+        common::stop_cleanly([&mut rescuer], Duration::from_secs(30)).await;
         assert_finished_clean(&env.pool, job).await;
         assert_empty(&footprint(&env.pool, &s.tenant, s.id).await);
         assert_eq!(objects.count(s.id), 0, "{point}: objects left behind");

@@ -61,15 +61,7 @@ CREATE TRIGGER leased_state_log_backfill AFTER INSERT OR UPDATE ON knowledge_spa
   FOR EACH ROW EXECUTE FUNCTION leased_state_log_backfill();
 "#;
 
-struct Fx(SpaceFx);
-
-impl std::ops::Deref for Fx {
-    type Target = SpaceFx;
-
-    fn deref(&self) -> &SpaceFx {
-        &self.0
-    }
-}
+common::space::space_fixture!(Fx);
 
 impl Fx {
     async fn new() -> Fx {
@@ -1140,8 +1132,7 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     ] {
         assert!(metrics.contains(want), "{want} missing from\n{metrics}");
     }
-    w.signal("TERM");
-    assert!(w.wait_exit(Duration::from_secs(30)).is_some());
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
 
@@ -1186,8 +1177,7 @@ async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
     .unwrap();
     assert_eq!(per_doc, vec![1, 1, 1]);
     assert_bootstrap_states(&fx.states(boot).await);
-    b.signal("TERM");
-    b.wait_exit(Duration::from_secs(30));
+    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
 
@@ -1232,7 +1222,6 @@ async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes(
     assert_bootstrap_states(&states);
     let tokens: std::collections::BTreeSet<Uuid> = states.iter().filter_map(|s| s.3).collect();
     assert!(tokens.len() >= 2, "a second lease finished the walk");
-    b.signal("TERM");
-    b.wait_exit(Duration::from_secs(30));
+    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }

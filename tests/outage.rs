@@ -148,16 +148,7 @@ async fn survive(name: &str, outage: impl FnOnce()) {
         wa.wait_exit(Duration::ZERO).is_none() && wb.wait_exit(Duration::ZERO).is_none(),
         "workers kept running"
     );
-    wa.signal("TERM");
-    wb.signal("TERM");
-    for w in [&mut wa, &mut wb] {
-        assert_eq!(
-            w.wait_exit(Duration::from_secs(60)).and_then(|s| s.code()),
-            Some(0),
-            "{}",
-            w.log_text()
-        );
-    }
+    common::stop_cleanly([&mut wa, &mut wb], Duration::from_secs(60)).await;
     let log = wa.log_text() + &wb.log_text();
     assert!(
         log.contains("reconnecting") || log.contains("retrying") || log.contains("resynchronising"),
@@ -300,13 +291,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
         w.log_text()
     );
     common::assert_probe_invariants(&env.pool).await;
-    w.signal("TERM");
-    assert_eq!(
-        w.wait_exit(Duration::from_secs(60)).and_then(|s| s.code()),
-        Some(0),
-        "{}",
-        w.log_text()
-    );
+    common::stop_cleanly([&mut w], Duration::from_secs(60)).await;
     env.cleanup().await;
 }
 
@@ -320,13 +305,7 @@ async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
         })
         .await;
     assert!(waiting, "worker log:\n{}", w.log_text());
-    w.signal("TERM");
-    assert_eq!(
-        w.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
-        Some(0),
-        "{}",
-        w.log_text()
-    );
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     assert!(
         !w.log_text().contains("kfs-worker running"),
         "it started without Postgres"

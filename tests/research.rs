@@ -2023,9 +2023,7 @@ async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
             job(&env.pool, id).await,
             rescuer.log_text()
         );
-        rescuer.signal("TERM");
-        let _ =
-            tokio::task::spawn_blocking(move || rescuer.wait_exit(Duration::from_secs(20))).await;
+        common::stop_cleanly([&mut rescuer], Duration::from_secs(20)).await;
 
         let evs = events(&env.pool, id).await;
         assert_contiguous(id, &evs);

@@ -93,11 +93,7 @@ async fn a_worker_logs_one_json_object_per_line_when_asked() {
         })
         .await;
     assert!(done);
-    w.signal("TERM");
-    assert_eq!(
-        w.wait_exit(Duration::from_secs(30)).and_then(|s| s.code()),
-        Some(0)
-    );
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
     let lines: Vec<&str> = log.lines().collect();
     assert!(lines.len() >= 3, "{log}");

@@ -169,7 +169,6 @@ async fn the_requests_traceparent_reaches_the_consumer_through_the_relay() {
     );
     assert!(under_consume.contains(&"end_slice"), "{under_consume:?}");
 
-    worker.signal("TERM");
-    worker.wait_exit(Duration::from_secs(30));
+    common::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
     env.cleanup().await;
 }

@@ -263,8 +263,56 @@ impl Worker {
         None
     }
 
+    /// Waits for the process to exit, without blocking the runtime.
+    pub async fn exited(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if start.elapsed() >= timeout {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The last `n` lines of the log, named, for failure messages.
+    pub fn tail(&self, n: usize) -> String {
+        let text = self.log_text();
+        let lines: Vec<&str> = text.lines().collect();
+        let from = lines.len().saturating_sub(n);
+        format!(
+            "--- {} ({}) ---\n{}",
+            self.name,
+            self.log.display(),
+            lines[from..].join("\n")
+        )
+    }
+}
+
+/// Sends SIGTERM to every worker at once, then asserts that each exits 0 within `timeout`.
+pub async fn stop_cleanly<'a>(
+    workers: impl IntoIterator<Item = &'a mut Worker>,
+    timeout: Duration,
+) {
+    let workers: Vec<&mut Worker> = workers.into_iter().collect();
+    for w in &workers {
+        w.signal("TERM");
+    }
+    for w in workers {
+        let status = w.exited(timeout).await;
+        assert_eq!(
+            status.and_then(|s| s.code()),
+            Some(0),
+            "{} did not exit 0 on SIGTERM ({status:?})\n{}",
+            w.name,
+            w.tail(30)
+        );
     }
 }
 

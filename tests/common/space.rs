@@ -12,6 +12,26 @@ use uuid::Uuid;
 
 use super::TestEnv;
 
+/// Declares `struct $name(SpaceFx)` that derefs to the `SpaceFx`, so a test file can add its
+/// own steps to the shared fixture.
+#[allow(unused_macros)]
+macro_rules! space_fixture {
+    ($(#[$meta:meta])* $name:ident) => {
+        $(#[$meta])*
+        struct $name(common::space::SpaceFx);
+
+        impl std::ops::Deref for $name {
+            type Target = common::space::SpaceFx;
+
+            fn deref(&self) -> &common::space::SpaceFx {
+                &self.0
+            }
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use space_fixture;
+
 pub struct SpaceFx {
     pub env: TestEnv,
     pub store: Store,
