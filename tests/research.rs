@@ -813,47 +813,28 @@ async fn a_replayed_step_adds_no_event_and_no_partial() {
 // Pause, resume, cancel
 
 /// Pauses its job from another connection while the step at `stage` runs: the pause waits for
-/// the step's row lock, so it commits right after the step, before the worker's next write.
+/// the step's row lock. When the step's checkpoint has committed, `after_step_commit` waits for
+/// the pause to finish, so it commits before the worker's next fence, every time.
 struct PauseDuring {
     inner: Arc<dyn Handler>,
     stage: String,
     pool: PgPool,
     fired: AtomicBool,
-    /// Slows the engine's next connection, so the waiting pause commits first.
-    armed: Arc<AtomicBool>,
     pause: Mutex<Option<tokio::task::JoinHandle<Result<control::Controlled, ControlError>>>>,
+    /// The pause's outcome, once `after_step_commit` has waited for it.
+    paused: Mutex<Option<Result<control::Controlled, ControlError>>>,
 }
 
-/// A one-connection pool for the engine whose acquisitions take half a second once `armed`:
-/// after the step at the chosen stage commits, the pause (already waiting on the row) commits
-/// before the engine's next step can begin. Nothing else depends on that timing.
-async fn slow_once_armed_pool(env: &TestEnv) -> (PgPool, Arc<AtomicBool>) {
-    let armed = Arc::new(AtomicBool::new(false));
-    let (a1, a2) = (armed.clone(), armed.clone());
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .before_acquire(move |_conn, _meta| {
-            let a = a1.clone();
-            Box::pin(async move {
-                if a.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Ok(true)
-            })
-        })
-        .after_connect(move |_conn, _meta| {
-            let a = a2.clone();
-            Box::pin(async move {
-                if a.load(Ordering::SeqCst) {
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Ok(())
-            })
-        })
-        .connect(&env.url)
-        .await
-        .unwrap();
-    (pool, armed)
+impl PauseDuring {
+    /// The pause's outcome: waited for between two steps, or (when the step at `stage` ended
+    /// the slice) now.
+    async fn outcome(&self) -> Result<control::Controlled, ControlError> {
+        if let Some(done) = self.paused.lock().unwrap().take() {
+            return done;
+        }
+        let pending = self.pause.lock().unwrap().take().expect("pause fired");
+        pending.await.unwrap()
+    }
 }
 
 #[async_trait::async_trait]
@@ -888,9 +869,16 @@ impl Handler for PauseDuring {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             assert!(waiting, "the pause never waited on the job row");
-            self.armed.store(true, Ordering::SeqCst);
         }
         self.inner.step(tx, ctx).await
+    }
+
+    async fn after_step_commit(&self, _job: &JobCtx) {
+        let pending = self.pause.lock().unwrap().take();
+        if let Some(pending) = pending {
+            let done = pending.await.unwrap();
+            *self.paused.lock().unwrap() = Some(done);
+        }
     }
 }
 
@@ -900,17 +888,16 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
     let s = seed(&env.pool).await;
     for stage in ["planning", "retrieving", "analyzing", "generating"] {
         let id = request(&env.pool, &req(&s, QUESTION)).await;
-        let (engine_pool, armed) = slow_once_armed_pool(&env).await;
         let pauser = Arc::new(PauseDuring {
             inner: extractive(),
             stage: stage.into(),
             pool: env.pool.clone(),
             fired: AtomicBool::new(false),
-            armed: armed.clone(),
             pause: Mutex::new(None),
+            paused: Mutex::new(None),
         });
         let e = Engine::new(
-            engine_pool.clone(),
+            env.pool.clone(),
             format!("w-pause-{stage}"),
             vec![pauser.clone() as Arc<dyn Handler>],
             ConsumerConfig::default(),
@@ -918,8 +905,7 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
         // Up to the stage: the walk goes queued → planning → ... in one slice, and the pause
         // lands between the step at `stage` and the next one.
         let handled = deliver(&env, &e).await.expect("a delivery");
-        let pause = pauser.pause.lock().unwrap().take().expect("pause fired");
-        let paused = pause.await.unwrap();
+        let paused = pauser.outcome().await;
         let next = research::walk::next_stage(research::Stage::parse(stage).unwrap()).unwrap();
         if next == research::Stage::Completed {
             // The step at generating completes the job in its own transaction: too late to pause.
@@ -973,7 +959,6 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
         // Nothing is due while paused.
         assert!(deliver(&env, &e).await.is_none());
 
-        armed.store(false, Ordering::SeqCst);
         let resumed = control::resume(&mut env.pool.acquire().await.unwrap(), id)
             .await
             .unwrap();

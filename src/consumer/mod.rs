@@ -427,6 +427,7 @@ impl Engine {
                     if let Next::Step(cp) = next {
                         job.checkpoint = cp;
                         job.row_version = advanced;
+                        handler.after_step_commit(&job).await;
                     }
                 }
                 Ok(Some("lease_lost")) => return Some(self.lease_lost(&job)),

@@ -400,6 +400,12 @@ pub trait Handler: Send + Sync + 'static {
     ) -> Result<(), sqlx::Error> {
         Ok(())
     }
+
+    /// Called after a step's checkpoint has committed and before the next step's fence, with
+    /// the job at its new checkpoint. Nothing is locked then: another writer (a pause, a
+    /// cancel) that was waiting on the job row gets it before the next step can. The default
+    /// does nothing.
+    async fn after_step_commit(&self, _job: &JobCtx) {}
 }
 
 #[cfg(test)]
