@@ -57,13 +57,20 @@ pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, s
 
 /// Makes the outbox rows of `jobs` due now, if they are still leased by a dead worker, so the
 /// relay publishes them again and a live worker takes over long before the lease would expire.
+/// Liveness is asked once per distinct holder, as in [`dead_leases`], not once per job.
 pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64, sqlx::Error> {
     let spec = kind.spec();
+    let running = running(kind);
     let sql = spec.sql(&format!(
-        "UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
+        "WITH dead AS MATERIALIZED ( \
+           SELECT w.worker_id FROM (SELECT DISTINCT j.worker_id FROM {{job}} j \
+             WHERE j.id = ANY($1) AND {running} OFFSET 0) w \
+           WHERE NOT kfs_worker_alive(w.worker_id) \
+         ) \
+         UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
          WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') \
-           AND o.available_at > {{now}} AND {} AND NOT kfs_worker_alive(j.worker_id)",
-        running(kind)
+           AND o.available_at > {{now}} AND {running} \
+           AND j.worker_id IN (SELECT worker_id FROM dead)"
     ));
     Ok(sqlx::query(&sql)
         .bind(jobs)
