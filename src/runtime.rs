@@ -122,6 +122,23 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             }
         }
     }
+    // Every worker's pool grows on demand, so too many of them for Postgres' connection limit
+    // show up only under load, as steps waiting for connections. Say so at start.
+    // The pool (the relay's listener keeps one of its connections) and the liveness lock.
+    let per_worker = pool_size + u32::from(lock.is_some());
+    match db::capacity(&pool, lock.is_some()).await {
+        Ok(cap) => {
+            if let Some(warning) = db::over_capacity(per_worker, cap) {
+                tracing::warn!(
+                    per_worker,
+                    workers = cap.workers,
+                    usable = cap.usable,
+                    "{warning}"
+                );
+            }
+        }
+        Err(e) => tracing::debug!(error = %e, "cannot read Postgres' connection limit"),
+    }
     if let Some(lock) = lock {
         tasks.spawn(liveness::hold(
             s.database_url.clone(),

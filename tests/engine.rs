@@ -230,3 +230,70 @@ async fn the_sweep_makes_a_dead_workers_jobs_due_and_leaves_a_live_workers_alone
     assert_eq!(running, 2);
     env.cleanup().await;
 }
+
+/// Worker pools grow on demand, so workers that together may open more connections than
+/// Postgres accepts would show it only under load, as steps waiting for a connection. A worker
+/// whose live peers and itself, each opening as many as it may, would pass the limit says so
+/// when it starts, with the numbers and what to change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than_postgres_accepts()
+{
+    let env = TestEnv::new().await;
+    let usable: i64 = sqlx::query_scalar(
+        "SELECT current_setting('max_connections')::bigint \
+           - current_setting('superuser_reserved_connections')::bigint",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    // At prefetch 60 the pool is capped at 64; with the liveness lock a worker may open 65
+    // connections. Enough workers that together they would pass the limit.
+    let per_worker = 65;
+    let needed = usable / per_worker + 1;
+    let mut workers = Vec::new();
+    let held = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::oid \
+               AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+        )
+        .bind(kfs_worker::liveness::LOCK_NAMESPACE)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap()
+    };
+    for i in 0..needed {
+        let id = format!("cap-{i}");
+        workers.push(env.spawn_worker(
+            &id,
+            &["run", "--kinds", "probe", "--worker-id", &id],
+            &[("KFS_PREFETCH", "60")],
+        ));
+        // Each starts once the one before it holds its liveness lock, so the last sees them all.
+        let want = i + 1;
+        assert!(
+            env.wait_until(Duration::from_secs(30), || async { held().await >= want })
+                .await,
+            "{}",
+            workers.last().unwrap().tail(20)
+        );
+    }
+    let last = workers.last().unwrap();
+    let warned = env
+        .wait_until(Duration::from_secs(10), || async {
+            last.log_text()
+                .contains("Postgres may run out of connections")
+        })
+        .await;
+    let log = last.log_text();
+    assert!(warned, "{}", last.tail(30));
+    assert!(
+        log.contains(&format!(
+            "{needed} worker process(es) at up to {per_worker} connections each"
+        )),
+        "{log}"
+    );
+    assert!(log.contains(&format!("Postgres accepts {usable}")), "{log}");
+    assert!(log.contains("Lower KFS_PREFETCH"), "{log}");
+    common::stop_cleanly(&mut workers, Duration::from_secs(30)).await;
+    env.cleanup().await;
+}

@@ -234,3 +234,89 @@ pub fn is_retryable(e: &sqlx::Error) -> bool {
         _ => false,
     }
 }
+
+/// What Postgres can give the workers, read when a worker starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacity {
+    /// `max_connections` less `superuser_reserved_connections`.
+    pub usable: i64,
+    /// Client sessions that are not kfs-worker's.
+    pub others: i64,
+    /// Live worker processes (holders of a liveness lock), this one included.
+    pub workers: i64,
+}
+
+/// Reads [`Capacity`]. `counted`: whether this process already holds its liveness lock.
+pub async fn capacity(pool: &PgPool, counted: bool) -> Result<Capacity, sqlx::Error> {
+    let (usable, others, workers): (i64, i64, i64) = sqlx::query_as(
+        "SELECT current_setting('max_connections')::bigint \
+                - current_setting('superuser_reserved_connections')::bigint, \
+           (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+              AND application_name NOT LIKE 'kfs-worker%'), \
+           (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::oid \
+              AND objsubid = 2 AND granted \
+              AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+    )
+    .bind(crate::liveness::LOCK_NAMESPACE)
+    .fetch_one(pool)
+    .await?;
+    Ok(Capacity {
+        usable,
+        others,
+        workers: workers + i64::from(!counted),
+    })
+}
+
+/// The warning to log when every live worker opening as many connections as this one may
+/// (`per_worker`) would need more than Postgres accepts. Past that point a delivery that needs
+/// a new connection is refused ("too many clients") and waits, up to the pool's acquire
+/// timeout, while connections it could use sit idle in other workers' pools.
+pub fn over_capacity(per_worker: u32, cap: Capacity) -> Option<String> {
+    let wanted = cap.others + cap.workers * i64::from(per_worker);
+    (wanted > cap.usable).then(|| {
+        format!(
+            "Postgres may run out of connections: {} worker process(es) at up to {per_worker} \
+             connections each, plus {} other sessions, need up to {wanted}, and Postgres accepts \
+             {}; a step that needs a new connection would then wait. Lower KFS_PREFETCH, raise \
+             max_connections, or put a pooler in front of Postgres",
+            cap.workers, cap.others, cap.usable
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn over_capacity_table() {
+        let cap = |usable, others, workers| Capacity {
+            usable,
+            others,
+            workers,
+        };
+        for (per_worker, c, warns) in [
+            // One worker at the default prefetch on a default Postgres.
+            (25, cap(97, 5, 1), false),
+            // Three fit, a fourth does not (the bench's scale-out at in flight 16).
+            (25, cap(97, 5, 3), false),
+            (25, cap(97, 5, 4), true),
+            // Exactly full is still enough.
+            (25, cap(100, 0, 4), false),
+            // Other clients count too.
+            (25, cap(97, 50, 2), true),
+        ] {
+            assert_eq!(
+                over_capacity(per_worker, c).is_some(),
+                warns,
+                "{per_worker} × {c:?}"
+            );
+        }
+        let text = over_capacity(25, cap(97, 5, 4)).unwrap();
+        assert!(
+            text.contains("4 worker process(es) at up to 25") && text.contains("need up to 105"),
+            "{text}"
+        );
+        assert!(text.contains("accepts 97"), "{text}");
+    }
+}
