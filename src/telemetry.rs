@@ -94,8 +94,10 @@ pub fn init(default_filter: &str) -> Guard {
             .with_filter(filter)
             .boxed()
     } else {
+        // Colours only on a terminal: a log file, journald or a container log gets plain text.
         fmt::layer()
             .compact()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .with_writer(std::io::stderr)
             .with_filter(filter)
             .boxed()

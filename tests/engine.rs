@@ -297,3 +297,29 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     common::stop_cleanly(&mut workers, Duration::from_secs(30)).await;
     env.cleanup().await;
 }
+
+/// A log read from a file, journald or a container runtime must be plain text: colour codes
+/// are for a terminal only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_logging_to_a_file_writes_no_colour_codes() {
+    let env = TestEnv::new().await;
+    let mut w = env.spawn_worker(
+        "plain",
+        &["run", "--kinds", "probe", "--worker-id", "plain"],
+        &[],
+    );
+    let started = env
+        .wait_until(Duration::from_secs(30), || async {
+            w.log_text().contains("kfs-worker running")
+        })
+        .await;
+    assert!(started, "{}", w.tail(20));
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    let log = w.log_text();
+    assert!(log.contains(" INFO "), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log file:\n{log}"
+    );
+    env.cleanup().await;
+}
