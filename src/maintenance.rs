@@ -40,17 +40,14 @@ impl Default for MaintenanceConfig {
 pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
     let spec = kind.spec();
     let running = running(kind);
-    // `OFFSET 0` keeps the liveness filter above the `DISTINCT` (one call per worker, not
-    // per job); `EXISTS (… dead)` gates the join, so no dead holder means no outbox scan.
+    // `EXISTS (… dead)` gates the join, so no dead holder means no outbox scan.
     let sql = spec.sql(&format!(
-        "WITH dead AS MATERIALIZED ( \
-           SELECT w.worker_id FROM (SELECT DISTINCT j.worker_id FROM {{job}} j WHERE {running} OFFSET 0) w \
-           WHERE NOT kfs_worker_alive(w.worker_id) \
-         ) \
+        "WITH {} \
          SELECT j.id FROM dead JOIN {{job}} j ON j.worker_id = dead.worker_id \
          JOIN {{outbox}} o ON o.{{fk}} = j.id \
          WHERE EXISTS (SELECT 1 FROM dead) AND {running} \
-           AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}"
+           AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
+        dead_holders(running)
     ));
     sqlx::query_scalar(&sql).fetch_all(pool).await
 }
@@ -62,15 +59,12 @@ pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64
     let spec = kind.spec();
     let running = running(kind);
     let sql = spec.sql(&format!(
-        "WITH dead AS MATERIALIZED ( \
-           SELECT w.worker_id FROM (SELECT DISTINCT j.worker_id FROM {{job}} j \
-             WHERE j.id = ANY($1) AND {running} OFFSET 0) w \
-           WHERE NOT kfs_worker_alive(w.worker_id) \
-         ) \
+        "WITH {} \
          UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
          WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') \
            AND o.available_at > {{now}} AND {running} \
-           AND j.worker_id IN (SELECT worker_id FROM dead)"
+           AND j.worker_id IN (SELECT worker_id FROM dead)",
+        dead_holders(&format!("j.id = ANY($1) AND {running}"))
     ));
     Ok(sqlx::query(&sql)
         .bind(jobs)
@@ -86,6 +80,18 @@ pub async fn sweep_once(pool: &PgPool, kind: Kind) -> Result<u64, sqlx::Error> {
         return Ok(0);
     }
     rearm(pool, kind, &jobs).await
+}
+
+/// The CTE `dead`: the distinct holders of the jobs `j` matching `jobs` that are not alive.
+/// `OFFSET 0` keeps the liveness filter above the `DISTINCT`, so each holder's liveness (a read
+/// of `pg_locks`) is asked once, not once per job.
+fn dead_holders(jobs: &str) -> String {
+    format!(
+        "dead AS MATERIALIZED ( \
+           SELECT w.worker_id FROM (SELECT DISTINCT j.worker_id FROM {{job}} j WHERE {jobs} OFFSET 0) w \
+           WHERE NOT kfs_worker_alive(w.worker_id) \
+         )"
+    )
 }
 
 fn running(kind: Kind) -> &'static str {
