@@ -37,6 +37,19 @@ pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, L
     }
 }
 
+/// How many worker processes are alive in this database: the sessions holding a liveness
+/// lock, matched as `kfs_worker_alive` matches one.
+pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::oid \
+           AND objsubid = 2 AND granted \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .bind(LOCK_NAMESPACE)
+    .fetch_one(pool)
+    .await
+}
+
 /// Holds the lock until shutdown; re-takes it after the session is lost.
 pub async fn hold(
     url: SecretUrl,

@@ -251,16 +251,7 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     let per_worker = 65;
     let needed = usable / per_worker + 1;
     let mut workers = Vec::new();
-    let held = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::oid \
-               AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .bind(kfs_worker::liveness::LOCK_NAMESPACE)
-        .fetch_one(&env.pool)
-        .await
-        .unwrap()
-    };
+    let held = || async { kfs_worker::liveness::count_live(&env.pool).await.unwrap() };
     for i in 0..needed {
         let id = format!("cap-{i}");
         workers.push(env.spawn_worker(

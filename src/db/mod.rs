@@ -248,18 +248,15 @@ pub struct Capacity {
 
 /// Reads [`Capacity`]. `counted`: whether this process already holds its liveness lock.
 pub async fn capacity(pool: &PgPool, counted: bool) -> Result<Capacity, sqlx::Error> {
-    let (usable, others, workers): (i64, i64, i64) = sqlx::query_as(
+    let (usable, others): (i64, i64) = sqlx::query_as(
         "SELECT current_setting('max_connections')::bigint \
                 - current_setting('superuser_reserved_connections')::bigint, \
            (SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
-              AND application_name NOT LIKE 'kfs-worker%'), \
-           (SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = $1::oid \
-              AND objsubid = 2 AND granted \
-              AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+              AND application_name NOT LIKE 'kfs-worker%')",
     )
-    .bind(crate::liveness::LOCK_NAMESPACE)
     .fetch_one(pool)
     .await?;
+    let workers = crate::liveness::count_live(pool).await?;
     Ok(Capacity {
         usable,
         others,
