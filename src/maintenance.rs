@@ -49,7 +49,8 @@ pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, s
            AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
         dead_holders(running)
     ));
-    sqlx::query_scalar(&sql).fetch_all(pool).await
+    let mut conn = crate::db::acquire(pool).await?;
+    sqlx::query_scalar(&sql).fetch_all(&mut *conn).await
 }
 
 /// Makes the outbox rows of `jobs` due now, if they are still leased by a dead worker, so the
@@ -66,9 +67,10 @@ pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64
            AND j.worker_id IN (SELECT worker_id FROM dead)",
         dead_holders(&format!("j.id = ANY($1) AND {running}"))
     ));
+    let mut conn = crate::db::acquire(pool).await?;
     Ok(sqlx::query(&sql)
         .bind(jobs)
-        .execute(pool)
+        .execute(&mut *conn)
         .await?
         .rows_affected())
 }
@@ -120,9 +122,10 @@ pub async fn release_own_leases(
          WHERE o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
         running(kind)
     ));
+    let mut conn = crate::db::acquire(pool).await?;
     Ok(sqlx::query(&sql)
         .bind(worker_id)
-        .execute(pool)
+        .execute(&mut *conn)
         .await?
         .rows_affected())
 }
@@ -142,10 +145,11 @@ pub async fn retention_once(
            LIMIT $2 FOR UPDATE SKIP LOCKED)",
     );
     let ms = -crate::consumer::lease::millis(older_than);
+    let mut conn = crate::db::acquire(pool).await?;
     Ok(sqlx::query(&sql)
         .bind(ms)
         .bind(batch)
-        .execute(pool)
+        .execute(&mut *conn)
         .await?
         .rows_affected())
 }

@@ -59,10 +59,31 @@ async fn nap(d: Duration, shutdown: &CancellationToken) -> bool {
     }
 }
 
+/// The most connections the process's pool may open. A consumer keeps one per delivery in
+/// flight (`prefetch` per kind), plus some for the relay's rounds and listener, heartbeats and
+/// maintenance. A relay-only process needs one per round in flight (`depth` per kind) and a
+/// few besides, and should not hold a consumer's share of Postgres' connection limit.
+fn pool_size(consumer: bool, prefetch: u16, kinds: usize, depth: usize) -> u32 {
+    let kinds = u32::try_from(kinds).unwrap_or(u32::MAX);
+    if consumer {
+        u32::from(prefetch)
+            .saturating_mul(kinds)
+            .saturating_add(8)
+            .clamp(8, 64)
+    } else {
+        let depth = u32::try_from(depth).unwrap_or(u32::MAX);
+        depth.saturating_mul(kinds).saturating_add(4).clamp(4, 64)
+    }
+}
+
 pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let s = &opts.services;
-    let pool_size =
-        (u32::from(opts.consumer_cfg.prefetch) * opts.kinds.len() as u32 + 8).clamp(8, 64);
+    let pool_size = pool_size(
+        opts.consumer,
+        opts.consumer_cfg.prefetch,
+        opts.kinds.len(),
+        opts.relay_cfg.depth,
+    );
     // The shortest lease of the kinds this process runs: a step idle in its transaction for
     // longer than that is as good as dead.
     let idle = opts
@@ -527,4 +548,31 @@ pub async fn signals(shutdown: CancellationToken) {
     let _ = tokio::signal::ctrl_c().await;
     tracing::info!("shutdown requested; finishing running slices");
     shutdown.cancel();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pool_size;
+
+    #[test]
+    fn pool_size_table() {
+        // (consumer, prefetch, kinds, depth) → connections
+        let table = [
+            ((true, 16, 1, 4), 24),
+            ((true, 16, 3, 4), 56),
+            ((true, 60, 3, 4), 64),
+            ((true, 1, 1, 4), 9),
+            ((false, 16, 3, 4), 16),
+            ((false, 16, 1, 4), 8),
+            ((false, 16, 1, 1), 5),
+            ((false, 16, 3, 100), 64),
+        ];
+        for ((consumer, prefetch, kinds, depth), want) in table {
+            assert_eq!(
+                pool_size(consumer, prefetch, kinds, depth),
+                want,
+                "consumer {consumer}, prefetch {prefetch}, kinds {kinds}, depth {depth}"
+            );
+        }
+    }
 }

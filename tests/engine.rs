@@ -289,6 +289,110 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     env.cleanup().await;
 }
 
+/// Past Postgres' connection limit every new session is refused. A worker whose pool may grow
+/// past it must go on with the connections it has: a delivery that finds none idle takes the
+/// next one its pool gets back, instead of retrying a refused connect until the acquire
+/// timeout (30 s) and logging a failed claim. The limit here is a role's `CONNECTION LIMIT`,
+/// so that the rest of the cluster, and the tests running beside this one, keep theirs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has() {
+    let role = DropRole(format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()));
+    let env = TestEnv::new().await;
+    let role = &role.0;
+    let limit: i64 = 8;
+    for sql in [
+        format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER CONNECTION LIMIT {limit}"),
+        format!("GRANT pg_read_all_data, pg_write_all_data TO \"{role}\""),
+    ] {
+        sqlx::query(&sql).execute(&env.pool).await.unwrap();
+    }
+    let mut url = url::Url::parse(&env.url).unwrap();
+    url.set_username(role).unwrap();
+    url.set_password(None).unwrap();
+    let jobs = 300;
+    probe::enqueue_many(
+        &env.pool,
+        jobs,
+        &ProbeSpec {
+            steps: 2,
+            step_sleep: Duration::from_millis(10),
+            ..ProbeSpec::default()
+        },
+    )
+    .await
+    .unwrap();
+    // Prefetch 16: the pool may open 24 sessions, three times what the role is allowed.
+    let mut w = env.spawn_worker(
+        "capped",
+        &["run", "--kinds", "probe", "--worker-id", "capped"],
+        &[("DATABASE_URL", url.as_str()), ("KFS_PREFETCH", "16")],
+    );
+    let peak = std::sync::atomic::AtomicI64::new(0);
+    let finished = env
+        .wait_until(Duration::from_secs(120), || async {
+            let sessions: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE usename = $1")
+                    .bind(role)
+                    .fetch_one(&env.pool)
+                    .await
+                    .unwrap();
+            peak.fetch_max(sessions, std::sync::atomic::Ordering::Relaxed);
+            let done: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
+            )
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+            done == jobs
+        })
+        .await;
+    assert!(finished, "{}", w.tail(30));
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    let log = w.log_text();
+    // The pool did reach the limit, so Postgres refused the sessions it tried to add.
+    assert_eq!(
+        peak.into_inner(),
+        limit,
+        "the worker never reached the role's connection limit"
+    );
+    assert!(
+        !log.contains("timed out") && !log.contains("claim failed"),
+        "a delivery waited for a refused connection:\n{}",
+        w.tail(40)
+    );
+    let retried: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE execution_attempts <> 1")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(retried, 0, "every job ran once");
+    common::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
+
+/// Drops a role created by a test when the test ends, passed or failed; after the test's
+/// database is gone, since the role holds privileges there.
+struct DropRole(String);
+
+impl Drop for DropRole {
+    fn drop(&mut self) {
+        let sql = format!("DROP ROLE IF EXISTS \"{}\"", self.0);
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            rt.block_on(async {
+                use sqlx::Connection;
+                let mut admin = sqlx::PgConnection::connect(&common::admin_url()).await?;
+                sqlx::query(&sql).execute(&mut admin).await?;
+                admin.close().await
+            })
+            .map_err(std::io::Error::other)
+        })
+        .join();
+    }
+}
+
 /// A log read from a file, journald or a container runtime must be plain text: colour codes
 /// are for a terminal only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -244,7 +244,7 @@ impl Engine {
         slot: &'a mut Slot,
     ) -> Result<&'a mut PgConnection, sqlx::Error> {
         if slot.is_none() {
-            *slot = Some(self.pool.acquire().await?);
+            *slot = Some(crate::db::acquire(&self.pool).await?);
         }
         Ok(&mut **slot.as_mut().expect("acquired above"))
     }
@@ -547,11 +547,15 @@ impl Engine {
         ));
         loop {
             type Row = (i32, String, Option<bool>, Option<bool>);
-            let row: Result<Option<Row>, _> = sqlx::query_as(&sql)
-                .bind(job.job_id)
-                .bind(job.lease_token)
-                .fetch_optional(&self.pool)
-                .await;
+            let row: Result<Option<Row>, _> = async {
+                let mut conn = crate::db::acquire(&self.pool).await?;
+                sqlx::query_as(&sql)
+                    .bind(job.job_id)
+                    .bind(job.lease_token)
+                    .fetch_optional(&mut *conn)
+                    .await
+            }
+            .await;
             match row {
                 Ok(Some((rv, cp, Some(true), _))) => {
                     return Resync::Ours {
@@ -618,7 +622,7 @@ impl HeartbeatGuard {
                     () = tokio::time::sleep(every) => {}
                 }
                 let beat = async {
-                    let mut conn = pool.acquire().await?;
+                    let mut conn = crate::db::acquire(&pool).await?;
                     lease::heartbeat(&mut conn, &statements, &job, policy.lease).await
                 };
                 match beat.await {

@@ -4,8 +4,9 @@
 use std::time::Duration;
 
 use sqlx::migrate::Migrator;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
+use sqlx::{ConnectOptions, PgPool, Postgres, Transaction};
 
 use crate::config::SecretUrl;
 
@@ -145,6 +146,47 @@ pub fn lazy_pool(options: PgConnectOptions, max_connections: u32, timeout: Durat
         .connect_lazy_with(options)
 }
 
+/// How long [`acquire`] waits as sqlx does before it also looks for the pool's own connections
+/// coming back, and how often it looks then: soon at first, less often the longer it waits (a
+/// Postgres that is down leaves nothing to find).
+const ACQUIRE_PATIENCE: Duration = Duration::from_millis(20);
+const LOOK_FIRST: Duration = Duration::from_millis(2);
+const LOOK_MAX: Duration = Duration::from_millis(50);
+
+/// A connection from `pool`, as `pool.acquire()` gives, except that it never sits out a
+/// refused connect while the pool's own connections come free.
+///
+/// With none idle and the pool below its size, sqlx opens a new connection, and retries a
+/// connect that Postgres refuses as full (SQLSTATE 53300) with backoff until the acquire
+/// timeout, while the other connections of the same pool are returned and taken by others.
+/// Past Postgres' connection limit that stalled a delivery for the whole timeout. After a short
+/// wait this also takes the first connection the pool gets back, and drops the connect.
+pub async fn acquire(pool: &PgPool) -> Result<PoolConnection<Postgres>, sqlx::Error> {
+    let acquire = pool.acquire();
+    tokio::pin!(acquire);
+    if let Ok(done) = tokio::time::timeout(ACQUIRE_PATIENCE, &mut acquire).await {
+        return done;
+    }
+    let mut look = LOOK_FIRST;
+    loop {
+        tokio::select! {
+            done = &mut acquire => return done,
+            () = tokio::time::sleep(look) => {
+                if let Some(conn) = pool.try_acquire() {
+                    return Ok(conn);
+                }
+                look = (look * 2).min(LOOK_MAX);
+            }
+        }
+    }
+}
+
+/// A transaction on a connection from [`acquire`].
+pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+    let conn = acquire(pool).await?;
+    Transaction::begin(conn, None).await
+}
+
 pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError {
     let endpoint = url.endpoint(5432);
     match e {
@@ -265,16 +307,17 @@ pub async fn capacity(pool: &PgPool, counted: bool) -> Result<Capacity, sqlx::Er
 }
 
 /// The warning to log when every live worker opening as many connections as this one may
-/// (`per_worker`) would need more than Postgres accepts. Past that point a delivery that needs
-/// a new connection is refused ("too many clients") and waits, up to the pool's acquire
-/// timeout, while connections it could use sit idle in other workers' pools.
+/// (`per_worker`) would need more than Postgres accepts. Past that point Postgres refuses new
+/// sessions ("too many clients"): each worker goes on with the connections it has (see
+/// [`acquire`]), its deliveries wait for one another, and connections idle in one worker's pool
+/// are of no use to another's.
 pub fn over_capacity(per_worker: u32, cap: Capacity) -> Option<String> {
     let wanted = cap.others + cap.workers * i64::from(per_worker);
     (wanted > cap.usable).then(|| {
         format!(
             "Postgres may run out of connections: {} worker process(es) at up to {per_worker} \
              connections each, plus {} other sessions, need up to {wanted}, and Postgres accepts \
-             {}; a step that needs a new connection would then wait. Lower KFS_PREFETCH, raise \
+             {}; deliveries would then wait for each other's connections. Lower KFS_PREFETCH, raise \
              max_connections, or put a pooler in front of Postgres",
             cap.workers, cap.others, cap.usable
         )

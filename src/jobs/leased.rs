@@ -173,7 +173,7 @@ pub async fn run_once(
     budget: Budget,
 ) -> Result<Option<(Lease, Outcome)>, sqlx::Error> {
     let claimed = {
-        let mut conn = pool.acquire().await?;
+        let mut conn = crate::db::acquire(pool).await?;
         kind.claim(&mut conn, worker_id).await?
     };
     let Some(job) = claimed else {
@@ -210,7 +210,7 @@ pub async fn run_slice(
                     () = lost.cancelled() => return,
                     () = tokio::time::sleep(lease / 3) => {}
                 }
-                let ok = match pool.acquire().await {
+                let ok = match crate::db::acquire(&pool).await {
                     Ok(mut c) => heartbeat(&mut c, table, &job, lease).await,
                     Err(e) => Err(e),
                 };
@@ -253,7 +253,7 @@ async fn steps(
         if lost.is_cancelled() {
             return Outcome::LeaseLost;
         }
-        let mut conn = match pool.acquire().await {
+        let mut conn = match crate::db::acquire(pool).await {
             Ok(c) => c,
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
@@ -364,7 +364,7 @@ async fn kind_loop(
     cfg: LeasedConfig,
     shutdown: CancellationToken,
 ) {
-    if let Ok(mut conn) = pool.acquire().await {
+    if let Ok(mut conn) = crate::db::acquire(&pool).await {
         match kind.release_own(&mut conn, &worker_id).await {
             Ok(n) if n > 0 => tracing::info!(
                 kind = kind.name(),
@@ -379,7 +379,7 @@ async fn kind_loop(
     while !shutdown.is_cancelled() {
         let mut claimed_any = false;
         while running.len() < cfg.concurrency.max(1) && !shutdown.is_cancelled() {
-            let claimed = match pool.acquire().await {
+            let claimed = match crate::db::acquire(&pool).await {
                 Ok(mut conn) => kind.claim(&mut conn, &worker_id).await,
                 Err(e) => Err(e),
             };

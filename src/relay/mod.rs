@@ -238,7 +238,7 @@ impl Relay {
     async fn index_planned(
         &self,
     ) -> Result<sqlx::Transaction<'static, sqlx::Postgres>, sqlx::Error> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::db::begin(&self.pool).await?;
         sqlx::query("SET LOCAL enable_bitmapscan = off")
             .execute(&mut *tx)
             .await?;
@@ -494,13 +494,14 @@ impl Relay {
                 retry.2.push(i32::from(f.refund));
             }
         }
+        let mut conn = crate::db::acquire(&self.pool).await?;
         let mut dead_count = 0;
         for (id, why) in &dead {
             let (d, _f): (i64, i64) = sqlx::query_as(&st.dead)
                 .bind([*id])
                 .bind(*why)
                 .bind(token)
-                .fetch_one(&self.pool)
+                .fetch_one(&mut *conn)
                 .await?;
             dead_count += usize::try_from(d).unwrap_or(0);
             if d == 0 {
@@ -520,7 +521,7 @@ impl Relay {
                 .bind(&reason)
                 .bind(&retry.1)
                 .bind(&retry.2)
-                .execute(&self.pool)
+                .execute(&mut *conn)
                 .await?
                 .rows_affected() as usize;
         }
