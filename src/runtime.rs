@@ -376,6 +376,10 @@ async fn consumers(
                 .declare(&ch, &kinds)
                 .await
                 .map_err(|e| e.to_string())?;
+            // Closed now, not dropped at the end of the session: see `consumer::consume`.
+            ch.close(200, "declared".into())
+                .await
+                .map_err(|e| e.to_string())?;
             let mut running = JoinSet::new();
             for &kind in &kinds {
                 let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
@@ -485,6 +489,7 @@ async fn relay_loop(
                 return Err(e.to_string());
             }
             // A connection the broker already dropped may never answer a close.
+            let _ = tokio::time::timeout(Duration::from_secs(3), ch.close(200, "bye".into())).await;
             let _ =
                 tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
             Ok::<(), String>(())

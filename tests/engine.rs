@@ -289,6 +289,39 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     env.cleanup().await;
 }
 
+/// A worker stopped by SIGTERM closes its channels and connections in order: an operator who
+/// reads the log of a clean rolling restart should find no error in it. Each consumer channel
+/// used to be closed in the background as it was dropped, racing the connection's close, and
+/// lapin logged the lost race as a connection error in most stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_stopped_by_sigterm_logs_no_error() {
+    let env = TestEnv::new().await;
+    probe::enqueue_many(&env.pool, 50, &ProbeSpec::default())
+        .await
+        .unwrap();
+    let mut w = env.spawn_worker(
+        "stop",
+        &["run", "--kinds", "probe", "--worker-id", "stop"],
+        &[],
+    );
+    let done = env
+        .wait_until(Duration::from_secs(60), || async {
+            common::probe_states(&env.pool).await == vec![("succeeded".to_owned(), 50)]
+        })
+        .await;
+    assert!(done, "{}", w.tail(20));
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    let log = w.log_text();
+    assert!(log.contains("shutdown requested"), "{}", w.tail(20));
+    let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
+    assert!(
+        errors.is_empty(),
+        "errors in a clean stop:\n{}",
+        errors.join("\n")
+    );
+    env.cleanup().await;
+}
+
 /// Past Postgres' connection limit every new session is refused. A worker whose pool may grow
 /// past it must go on with the connections it has: a delivery that finds none idle takes the
 /// next one its pool gets back, instead of retrying a refused connect until the acquire

@@ -727,5 +727,12 @@ pub async fn consume(
         tracing::warn!(kind = %kind, "slices still running after the shutdown grace period; leaving them to redelivery");
         running.abort_all();
     }
+    // Closed and answered before the connection closes: a channel merely dropped is closed in
+    // the background, and a connection closed meanwhile fails that close with an error log.
+    let _ = tokio::time::timeout(
+        Duration::from_secs(3),
+        channel.close(200, "consumer done".into()),
+    )
+    .await;
     result
 }
