@@ -1,7 +1,7 @@
 //! Outages in the middle of a run: RabbitMQ restarted, Postgres restarted. Workers keep running,
-//! back off, reconnect, and finish every job with each effect applied once. These tests restart
-//! the machine's own services, so they run one at a time and bring the services back even when
-//! they fail; where a service cannot be restarted from here they skip with a printed reason.
+//! back off, reconnect, and finish every job with each effect applied once. Some tests restart
+//! the machine's own services, so every test here runs alone, and those bring the services back
+//! even when they fail; where a service cannot be restarted from here they skip with a reason.
 //! A worker started while Postgres cannot be reached waits for it behind a TCP proxy that
 //! refuses connections (and stops cleanly on SIGTERM meanwhile), and one whose credentials are
 //! refused exits at once.
@@ -17,6 +17,8 @@ use std::time::{Duration, Instant};
 use common::TestEnv;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 
+/// Every test here takes it: those that restart a service, and those that only need both
+/// services up while they set up, which a restart beside them would refuse.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn run(cmd: &str, args: &[&str]) -> bool {
@@ -253,6 +255,7 @@ fn waiting_lines(log: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_the_jobs() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let jobs = 20;
     probe::enqueue_many(&env.pool, jobs, &ProbeSpec::default())
@@ -297,6 +300,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let (_pg, mut w) = behind_a_refusing_proxy(&env, "stops", "stops-waiting").await;
     let waiting = env
@@ -315,6 +319,7 @@ async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_postgres_role_is_refused_exits_at_once_instead_of_waiting() {
+    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let mut url = url::Url::parse(&env.url).unwrap();
     url.set_username("no_such_role").unwrap();
