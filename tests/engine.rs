@@ -451,3 +451,57 @@ async fn a_worker_logging_to_a_file_writes_no_colour_codes() {
     );
     env.cleanup().await;
 }
+
+/// `db::acquire` gives up on sqlx's own acquire when one of the pool's connections comes back
+/// first, and drops it, sometimes in the middle of a connect or a ping. Under contention that
+/// must leak nothing: afterwards every connection the pool counts is idle, and the pool closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn acquiring_past_the_patience_under_contention_leaks_no_connection() {
+    let env = TestEnv::new().await;
+    // As the tests' own pools are: a ping before each checkout, a few connections.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&env.url)
+        .await
+        .unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..24u64 {
+        let pool = pool.clone();
+        tasks.spawn(async move {
+            for j in 0..15u64 {
+                let mut conn = kfs_worker::db::acquire(&pool).await.expect("acquire");
+                sqlx::query("SELECT pg_sleep($1)")
+                    .bind(((i * 7 + j * 3) % 5) as f64 / 100.0)
+                    .execute(&mut *conn)
+                    .await
+                    .unwrap();
+            }
+        });
+    }
+    let all = tokio::time::timeout(Duration::from_secs(120), async {
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    })
+    .await;
+    assert!(all.is_ok(), "the tasks did not finish");
+    // Returned connections go back to the pool in the background.
+    let settled = env
+        .wait_until(Duration::from_secs(10), || async {
+            pool.num_idle() as u32 == pool.size()
+        })
+        .await;
+    assert!(
+        settled,
+        "{} connections counted, {} idle",
+        pool.size(),
+        pool.num_idle()
+    );
+    assert!(pool.size() <= 3);
+    let closed = tokio::time::timeout(Duration::from_secs(10), pool.close()).await;
+    assert!(
+        closed.is_ok(),
+        "the pool did not close: a connection was never returned"
+    );
+    env.cleanup().await;
+}

@@ -187,15 +187,34 @@ impl TestEnv {
     }
 }
 
+/// Each part is bounded: a test's clean-up must never hang the suite. The database is dropped
+/// with `FORCE` whatever the pool and the broker did.
 async fn cleanup(db_name: &str, topology: &Topology, pool: &PgPool) {
-    pool.close().await;
-    if let Ok(conn) =
-        lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await
+    if tokio::time::timeout(Duration::from_secs(10), pool.close())
+        .await
+        .is_err()
     {
-        if let Ok(ch) = conn.create_channel().await {
-            let _ = topology.delete(&ch, &ALL_KINDS).await;
+        eprintln!(
+            "clean-up of {db_name}: the pool did not close within 10 s ({} connections, {} idle)",
+            pool.size(),
+            pool.num_idle()
+        );
+    }
+    let queues = async {
+        if let Ok(conn) =
+            lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await
+        {
+            if let Ok(ch) = conn.create_channel().await {
+                let _ = topology.delete(&ch, &ALL_KINDS).await;
+            }
+            let _ = conn.close(200, "bye".into()).await;
         }
-        let _ = conn.close(200, "bye".into()).await;
+    };
+    if tokio::time::timeout(Duration::from_secs(15), queues)
+        .await
+        .is_err()
+    {
+        eprintln!("clean-up of {db_name}: RabbitMQ did not answer within 15 s");
     }
     if let Ok(mut admin) = PgConnection::connect(&admin_url()).await {
         let _ = sqlx::query(&format!(
