@@ -410,19 +410,13 @@ struct DropRole(String);
 impl Drop for DropRole {
     fn drop(&mut self) {
         let sql = format!("DROP ROLE IF EXISTS \"{}\"", self.0);
-        let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            rt.block_on(async {
-                use sqlx::Connection;
-                let mut admin = sqlx::PgConnection::connect(&common::admin_url()).await?;
-                sqlx::query(&sql).execute(&mut admin).await?;
-                admin.close().await
-            })
-            .map_err(std::io::Error::other)
-        })
-        .join();
+        common::block_on_aside(async move {
+            use sqlx::Connection;
+            if let Ok(mut admin) = sqlx::PgConnection::connect(&common::admin_url()).await {
+                let _ = sqlx::query(&sql).execute(&mut admin).await;
+                let _ = admin.close().await;
+            }
+        });
     }
 }
 

@@ -206,6 +206,8 @@ async fn cleanup(db_name: &str, topology: &Topology, pool: &PgPool) {
         {
             if let Ok(ch) = conn.create_channel().await {
                 let _ = topology.delete(&ch, &ALL_KINDS).await;
+                // Closed before the connection, as the worker does (`consumer::consume`).
+                let _ = ch.close(200, "bye".into()).await;
             }
             let _ = conn.close(200, "bye".into()).await;
         }
@@ -234,16 +236,25 @@ impl Drop for TestEnv {
         let db = self.db_name.clone();
         let topology = self.topology.clone();
         let pool = self.pool.clone();
-        let _ = std::thread::spawn(move || {
-            if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                rt.block_on(cleanup(&db, &topology, &pool));
-            }
-        })
-        .join();
+        block_on_aside(async move { cleanup(&db, &topology, &pool).await });
     }
+}
+
+/// Runs `work` to its end on a runtime of its own, on a thread of its own: for clean-ups in
+/// `Drop`, which may run inside a test's runtime, where blocking on it is not allowed.
+pub fn block_on_aside<F>(work: F)
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    let _ = std::thread::spawn(move || {
+        if let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            rt.block_on(work);
+        }
+    })
+    .join();
 }
 
 /// A `kfs-worker` child process.
