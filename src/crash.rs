@@ -1,6 +1,8 @@
-//! Kill points for crash tests. Invariant: without the `crash-points` feature this compiles to
-//! nothing; with it, `KFS_CRASH_AT=<point>[:<n>]` aborts the process at the n-th (default
-//! first) pass through that point, the way SIGKILL would: no destructor, no flush, no ack.
+//! Kill and stall points for crash tests. Invariant: without the `crash-points` feature this
+//! compiles to nothing; with it, `KFS_CRASH_AT=<point>[:<n>]` aborts the process at the n-th
+//! (default first) pass through that point, the way SIGKILL would: no destructor, no flush, no
+//! ack; and `KFS_STALL_AT=<point>` makes every pass through a stall point wait forever, the way
+//! a connect to a host that never answers does.
 
 /// The points the engine passes through.
 pub const POINTS: [&str; 5] = [
@@ -43,3 +45,18 @@ pub fn point(name: &'static str) {
 #[cfg(not(feature = "crash-points"))]
 #[inline(always)]
 pub fn point(_name: &'static str) {}
+
+/// The points that may stall.
+pub const STALL_POINTS: [&str; 1] = ["relay-listen"];
+
+#[cfg(feature = "crash-points")]
+pub async fn stall(name: &'static str) {
+    if std::env::var("KFS_STALL_AT").is_ok_and(|p| p == name) {
+        eprintln!("kfs-worker: stall point {name} reached, waiting forever");
+        std::future::pending::<()>().await;
+    }
+}
+
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub async fn stall(_name: &'static str) {}

@@ -449,7 +449,12 @@ async fn relay_loop(
             ch.confirm_select(ConfirmSelectOptions::default())
                 .await
                 .map_err(|e| e.to_string())?;
-            let mut listener = listen(relay_pool(&relay)).await;
+            // The listener is set up beside the rounds, never before them: its connection
+            // comes from the pool, which past Postgres' connection limit may wait for a
+            // session up to its acquire timeout, and polling publishes meanwhile.
+            let mut listener: Option<PgListener> = None;
+            let mut listen_backoff = reconnect_backoff();
+            let mut setup = Some(Box::pin(listen(relay_pool(&relay), Duration::ZERO)));
             health.set_relay(true);
             let mut rounds = Rounds::new(&relay, &ch, &kinds);
             loop {
@@ -479,6 +484,21 @@ async fn relay_loop(
                         })
                         .await;
                         break;
+                    }
+                    ready = async { setup.as_mut().expect("guarded").await }, if setup.is_some() => {
+                        setup = None;
+                        match ready {
+                            Ok(l) => {
+                                listener = Some(l);
+                                // What was notified before LISTEN took effect is lost: look.
+                                rounds.wake(kinds.clone());
+                            }
+                            Err(e) => {
+                                let delay = listen_backoff.next().unwrap_or(Duration::from_secs(10));
+                                tracing::warn!(error = %e, retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "relay cannot listen for outbox notifications; polling until it can");
+                                setup = Some(Box::pin(listen(relay_pool(&relay), delay)));
+                            }
+                        }
                     }
                     woken = wait_for_notification(&mut listener, relay.config().poll), if !rounds.has_failed() => {
                         rounds.wake(woken.unwrap_or_else(|| kinds.clone()));
@@ -510,10 +530,14 @@ fn relay_pool(relay: &Relay) -> PgPool {
     relay.pool()
 }
 
-async fn listen(pool: PgPool) -> Option<PgListener> {
-    let mut listener = PgListener::connect_with(&pool).await.ok()?;
-    listener.listen("kfs_outbox").await.ok()?;
-    Some(listener)
+/// Waits `after`, then listens on the outbox's notification channel with a connection of
+/// `pool`.
+async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error> {
+    tokio::time::sleep(after).await;
+    crate::crash::stall("relay-listen").await;
+    let mut listener = PgListener::connect_with(&pool).await?;
+    listener.listen("kfs_outbox").await?;
+    Ok(listener)
 }
 
 /// Returns the kinds notified, or `None` (every kind) when `poll` passed without a notification.

@@ -5,9 +5,10 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use serde::Serialize;
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
 use crate::broker::Topology;
+use crate::db;
 use crate::jobs::{Kind, States};
 
 /// One kind's numbers.
@@ -43,7 +44,7 @@ pub struct LeasedStatus {
 }
 
 /// Reads the leased kinds' numbers.
-pub async fn read_leased(pool: &PgPool) -> Result<Vec<LeasedStatus>, sqlx::Error> {
+async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx::Error> {
     let mut out = Vec::new();
     for (kind, table, checkpoint) in [
         ("bootstrap", crate::jobs::bootstrap::TABLE, true),
@@ -52,13 +53,13 @@ pub async fn read_leased(pool: &PgPool) -> Result<Vec<LeasedStatus>, sqlx::Error
         let jobs: Vec<(String, i64)> = sqlx::query_as(&format!(
             "SELECT run_state::text, count(*) FROM {table} GROUP BY 1"
         ))
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         let checkpoints: Vec<(String, i64)> = if checkpoint {
             sqlx::query_as(&format!(
                 "SELECT checkpoint::text, count(*) FROM {table} GROUP BY 1"
             ))
-            .fetch_all(pool)
+            .fetch_all(&mut *conn)
             .await?
         } else {
             Vec::new()
@@ -72,8 +73,11 @@ pub async fn read_leased(pool: &PgPool) -> Result<Vec<LeasedStatus>, sqlx::Error
     Ok(out)
 }
 
-/// Reads the numbers of `kinds` from Postgres.
+/// Reads the numbers of `kinds` from Postgres, on one connection taken by [`db::acquire`], so
+/// that `/metrics` still answers while the worker's pool is at Postgres' connection limit.
 pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> {
+    let mut conn = db::acquire(pool).await?;
+    let conn = &mut *conn;
     let mut out = Status::default();
     for &kind in kinds {
         let spec = kind.spec();
@@ -84,11 +88,11 @@ pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> 
         let jobs: Vec<(String, i64)> = sqlx::query_as(&spec.sql(&format!(
             "SELECT {state}::text, count(*) FROM {{job}} GROUP BY 1"
         )))
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         let outbox: Vec<(String, i64)> =
             sqlx::query_as(&spec.sql("SELECT status::text, count(*) FROM {outbox} GROUP BY 1"))
-                .fetch_all(pool)
+                .fetch_all(&mut *conn)
                 .await?;
         let age_expr = match spec.clock {
             crate::jobs::Clock::Timestamptz => {
@@ -101,7 +105,7 @@ pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> 
         let oldest: Option<f64> = sqlx::query_scalar(&spec.sql(&format!(
             "SELECT {age_expr} FROM {{outbox}} WHERE status = 'pending' AND available_at <= {{now}}"
         )))
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await?;
         out.kinds.push(KindStatus {
             kind: kind.name().to_owned(),
@@ -111,7 +115,7 @@ pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> 
             queued_messages: None,
         });
     }
-    out.leased = read_leased(pool).await?;
+    out.leased = read_leased(conn).await?;
     Ok(out)
 }
 

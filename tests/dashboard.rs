@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::space::SpaceFx;
-use common::TestEnv;
+use common::{free_port, TestEnv};
 use fantoccini::{ClientBuilder, Locator};
 use kfs_worker::jobs::compile::{self, RequestOptions};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
@@ -26,11 +26,6 @@ use uuid::Uuid;
 const TOKEN: &str = "dashboard-test-token-0123456789";
 const RESEARCHER: &str = "subject-dash";
 const GOOD: &[u8] = b"Otters juggle pebbles in the kelp forest. They sleep holding paws.";
-
-fn free_port() -> SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
-}
 
 fn http() -> reqwest::Client {
     reqwest::Client::builder()

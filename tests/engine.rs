@@ -322,13 +322,53 @@ async fn a_worker_stopped_by_sigterm_logs_no_error() {
     env.cleanup().await;
 }
 
+/// The relay's listener is set up beside its rounds, never before them. Its connection comes
+/// from the pool, and past Postgres' connection limit the pool may wait up to its acquire
+/// timeout for a session; meanwhile the relay must publish by polling. Here the listener's
+/// setup never ends at all (a stall point), and the jobs enqueued after it began must still run.
+#[cfg(feature = "crash-points")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_listener_never_comes_up_publishes_by_polling() {
+    let env = TestEnv::new().await;
+    let mut w = env.spawn_worker(
+        "deaf",
+        &["run", "--kinds", "probe", "--worker-id", "deaf"],
+        &[("KFS_STALL_AT", "relay-listen")],
+    );
+    let stalled = env
+        .wait_until(Duration::from_secs(30), || async {
+            w.log_text().contains("stall point relay-listen reached")
+        })
+        .await;
+    assert!(stalled, "the listener's setup never began:\n{}", w.tail(20));
+    probe::enqueue_many(&env.pool, 20, &ProbeSpec::default())
+        .await
+        .unwrap();
+    let done = env
+        .wait_until(Duration::from_secs(60), || async {
+            common::probe_states(&env.pool).await == vec![("succeeded".to_owned(), 20)]
+        })
+        .await;
+    assert!(
+        done,
+        "jobs stayed unpublished while the listener was stalled: {:?}\n{}",
+        common::probe_states(&env.pool).await,
+        w.tail(20)
+    );
+    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    common::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
+
 /// Past Postgres' connection limit every new session is refused. A worker whose pool may grow
 /// past it must go on with the connections it has: a delivery that finds none idle takes the
 /// next one its pool gets back, instead of retrying a refused connect until the acquire
-/// timeout (30 s) and logging a failed claim. The limit here is a role's `CONNECTION LIMIT`,
-/// so that the rest of the cluster, and the tests running beside this one, keep theirs.
+/// timeout (30 s) and logging a failed claim; and `/readyz`, asked meanwhile, must not call
+/// Postgres unreachable because no new session is to be had. The limit here is a role's
+/// `CONNECTION LIMIT`, so that the rest of the cluster, and the tests running beside this one,
+/// keep theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has() {
+async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_and_stays_ready() {
     let role = DropRole(format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()));
     let env = TestEnv::new().await;
     let role = &role.0;
@@ -355,14 +395,27 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has(
     .await
     .unwrap();
     // Prefetch 16: the pool may open 24 sessions, three times what the role is allowed.
+    let addr = common::free_port();
     let mut w = env.spawn_worker(
         "capped",
         &["run", "--kinds", "probe", "--worker-id", "capped"],
-        &[("DATABASE_URL", url.as_str()), ("KFS_PREFETCH", "16")],
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("KFS_PREFETCH", "16"),
+            ("KFS_HTTP_ADDR", &addr.to_string()),
+        ],
     );
     let peak = std::sync::atomic::AtomicI64::new(0);
+    let was_ready = std::sync::atomic::AtomicBool::new(false);
+    let unready = std::sync::Mutex::new(Vec::new());
     let finished = env
         .wait_until(Duration::from_secs(120), || async {
+            let (code, body) = common::http_get(addr, "/readyz").await;
+            if code == 200 {
+                was_ready.store(true, std::sync::atomic::Ordering::Relaxed);
+            } else if was_ready.load(std::sync::atomic::Ordering::Relaxed) {
+                unready.lock().unwrap().push(format!("{code}: {body}"));
+            }
             let sessions: i64 =
                 sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE usename = $1")
                     .bind(role)
@@ -399,6 +452,18 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has(
             .await
             .unwrap();
     assert_eq!(retried, 0, "every job ran once");
+    assert!(
+        was_ready.into_inner(),
+        "/readyz never answered 200:\n{}",
+        w.tail(30)
+    );
+    let unready = unready.into_inner().unwrap();
+    assert!(
+        unready.is_empty(),
+        "/readyz went unready {} times while the worker ran; first: {}",
+        unready.len(),
+        unready[0]
+    );
     common::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
 }

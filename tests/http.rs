@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::TestEnv;
+use common::{free_port, http_get as get, TestEnv};
 use kfs_worker::broker::OutboundMessage;
 use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
@@ -13,36 +13,7 @@ use kfs_worker::jobs::Kind;
 use kfs_worker::maintenance::MaintenanceConfig;
 use kfs_worker::relay::RelayConfig;
 use kfs_worker::runtime::{self, RunOptions};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
-
-async fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
-    let Ok(mut s) = tokio::net::TcpStream::connect(addr).await else {
-        return (0, String::new());
-    };
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.unwrap();
-    let code = buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = buf
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (code, body)
-}
-
-fn free_port() -> std::net::SocketAddr {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap()
-}
 
 /// The value of the first sample line of `metric` whose labels contain all of `labels`.
 fn sample(body: &str, metric: &str, labels: &[&str]) -> Option<f64> {

@@ -197,7 +197,7 @@ fn epoch(spec: &KindSpec, col: &str) -> String {
     }
 }
 
-async fn rates(pool: &sqlx::PgPool, kind: Kind) -> Result<(f64, f64), sqlx::Error> {
+async fn rates(conn: &mut sqlx::PgConnection, kind: Kind) -> Result<(f64, f64), sqlx::Error> {
     let spec = kind.spec();
     let state = state_column(spec);
     let (ok, failed): (i64, i64) = sqlx::query_as(&spec.sql(&format!(
@@ -206,7 +206,7 @@ async fn rates(pool: &sqlx::PgPool, kind: Kind) -> Result<(f64, f64), sqlx::Erro
     )))
     .bind(success_state(spec))
     .bind(-RATE_WINDOW_MINUTES * 60_000)
-    .fetch_one(pool)
+    .fetch_one(conn)
     .await?;
     let per = RATE_WINDOW_MINUTES as f64;
     Ok((ok as f64 / per, failed as f64 / per))
@@ -214,7 +214,7 @@ async fn rates(pool: &sqlx::PgPool, kind: Kind) -> Result<(f64, f64), sqlx::Erro
 
 /// Rows of `kind`'s jobs matching `filter` (a constant SQL condition on `{state}`), newest first.
 async fn job_rows(
-    pool: &sqlx::PgPool,
+    conn: &mut sqlx::PgConnection,
     kind: Kind,
     filter: &str,
     limit: i64,
@@ -230,7 +230,7 @@ async fn job_rows(
         epoch(spec, "j.updated_at")
     )))
     .bind(limit)
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await?;
     Ok(rows
         .into_iter()
@@ -292,11 +292,12 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
         let _ = conn.close(200, "dashboard".into()).await;
     }
     let leased = std::mem::take(&mut status.leased);
+    let mut conn = crate::db::acquire(&st.pool).await?;
     let mut kinds = Vec::new();
     let mut failures = Vec::new();
     let mut recent = Vec::new();
     for (ks, &kind) in status.kinds.into_iter().zip(&st.kinds) {
-        let (completed, failed) = rates(&st.pool, kind).await?;
+        let (completed, failed) = rates(&mut conn, kind).await?;
         kinds.push(KindOverview {
             status: ks,
             completed_per_minute: completed,
@@ -305,8 +306,8 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
             actions: kind_actions(kind),
         });
         failures
-            .extend(job_rows(&st.pool, kind, "j.{state} IN ('failed', 'retry_wait')", 20).await?);
-        recent.extend(job_rows(&st.pool, kind, "true", 20).await?);
+            .extend(job_rows(&mut conn, kind, "j.{state} IN ('failed', 'retry_wait')", 20).await?);
+        recent.extend(job_rows(&mut conn, kind, "true", 20).await?);
     }
     let newest_first = |a: &JobRow, b: &JobRow| b.updated_at.total_cmp(&a.updated_at);
     failures.sort_by(newest_first);
@@ -314,7 +315,7 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
     recent.sort_by(newest_first);
     recent.truncate(20);
     let generated_at: f64 = sqlx::query_scalar("SELECT extract(epoch from now())::float8")
-        .fetch_one(&st.pool)
+        .fetch_one(&mut *conn)
         .await?;
     Ok(Overview {
         generated_at,
@@ -406,10 +407,11 @@ pub async fn job_detail(
     id: Uuid,
 ) -> Result<Option<JobDetail>, sqlx::Error> {
     let spec = kind.spec();
+    let mut conn = crate::db::acquire(&st.pool).await?;
     let Some(job): Option<Value> =
         sqlx::query_scalar(&spec.sql("SELECT to_jsonb(j) FROM {job} j WHERE j.id = $1"))
             .bind(id)
-            .fetch_optional(&st.pool)
+            .fetch_optional(&mut *conn)
             .await?
     else {
         return Ok(None);
@@ -419,7 +421,7 @@ pub async fn job_detail(
          FROM {outbox} o WHERE o.{fk} = $1",
     ))
     .bind(id)
-    .fetch_one(&st.pool)
+    .fetch_one(&mut *conn)
     .await?;
     let mut history = Vec::new();
     for (title, q) in history_queries(kind) {
@@ -427,7 +429,7 @@ pub async fn job_detail(
             "SELECT coalesce(jsonb_agg(to_jsonb(x)), '[]'::jsonb) FROM ({q}) x"
         ))
         .bind(id)
-        .fetch_one(&st.pool)
+        .fetch_one(&mut *conn)
         .await?;
         history.push(Section {
             title,
@@ -727,7 +729,7 @@ async fn act(
             },
         ));
     }
-    let mut tx = st.pool.begin().await.map_err(failed)?;
+    let mut tx = crate::db::begin(&st.pool).await.map_err(failed)?;
     let message = match (kind, action) {
         (Kind::Compile, "retry") => {
             compile::request::retry(&mut tx, id).await.map_err(|e| {

@@ -81,10 +81,12 @@ pub fn router(state: AppState) -> Router {
 }
 
 async fn readyz(State(st): State<AppState>) -> impl IntoResponse {
-    let db = tokio::time::timeout(
-        Duration::from_secs(2),
-        sqlx::query("SELECT 1").execute(&st.pool),
-    )
+    // A connection by `db::acquire`: at Postgres' connection limit a worker whose connections
+    // are all busy is still ready, and answers as soon as one of them comes back.
+    let db = tokio::time::timeout(Duration::from_secs(2), async {
+        let mut conn = crate::db::acquire(&st.pool).await?;
+        sqlx::query("SELECT 1").execute(&mut *conn).await
+    })
     .await;
     let db_ok = matches!(db, Ok(Ok(_)));
     let broker_ok = st.health.broker_ready();
