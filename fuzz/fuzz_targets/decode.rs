@@ -95,7 +95,11 @@ fn run(data: &[u8]) -> Result<()> {
 
     let env = decode::envelope(&props, &body);
     let first = decode::decode(kind, &env);
-    assert_eq!(first, decode::decode(kind, &env), "decoding is deterministic");
+    assert_eq!(
+        first,
+        decode::decode(kind, &env),
+        "decoding is deterministic"
+    );
     if let Ok(d) = first {
         assert!(body.len() <= MAX_BODY);
         assert!(!d.delivery_id.is_empty() && d.delivery_id.len() <= 255);
