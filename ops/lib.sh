@@ -24,6 +24,11 @@ kfs_die() {
 }
 kfs_have() { command -v "$1" >/dev/null 2>&1; }
 
+# kfs_count FLAG VALUE: dies naming FLAG unless VALUE is a whole number ≥ 1.
+kfs_count() {
+    [[ $2 =~ ^[0-9]+$ && $2 -ge 1 ]] || kfs_die "$1 needs a whole number ≥ 1, got '$2'"
+}
+
 # kfs_tcp_probe HOST PORT: true when something accepts a TCP connection.
 kfs_tcp_probe() {
     # shellcheck disable=SC2016 # expanded by the inner bash

@@ -82,21 +82,7 @@ async fn jobs_flow_from_outbox_to_success_and_poison_goes_to_the_dead_letter_que
         .unwrap();
     }
 
-    let pool = env.pool.clone();
-    let done = env
-        .wait_until(Duration::from_secs(60), || {
-            let pool = pool.clone();
-            async move {
-                let n: i64 = sqlx::query_scalar(
-                    "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-                n == 200
-            }
-        })
-        .await;
+    let done = env.wait_probe_succeeded(200, Duration::from_secs(60)).await;
     assert!(done, "jobs: {:?}", common::probe_states(&env.pool).await);
     common::assert_probe_invariants(&env.pool).await;
 
@@ -304,11 +290,7 @@ async fn a_worker_stopped_by_sigterm_logs_no_error() {
         &["run", "--kinds", "probe", "--worker-id", "stop"],
         &[],
     );
-    let done = env
-        .wait_until(Duration::from_secs(60), || async {
-            common::probe_states(&env.pool).await == vec![("succeeded".to_owned(), 50)]
-        })
-        .await;
+    let done = env.wait_probe_succeeded(50, Duration::from_secs(60)).await;
     assert!(done, "{}", w.tail(20));
     common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
@@ -344,11 +326,7 @@ async fn a_relay_whose_listener_never_comes_up_publishes_by_polling() {
     probe::enqueue_many(&env.pool, 20, &ProbeSpec::default())
         .await
         .unwrap();
-    let done = env
-        .wait_until(Duration::from_secs(60), || async {
-            common::probe_states(&env.pool).await == vec![("succeeded".to_owned(), 20)]
-        })
-        .await;
+    let done = env.wait_probe_succeeded(20, Duration::from_secs(60)).await;
     assert!(
         done,
         "jobs stayed unpublished while the listener was stalled: {:?}\n{}",
@@ -423,13 +401,7 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
                     .await
                     .unwrap();
             peak.fetch_max(sessions, std::sync::atomic::Ordering::Relaxed);
-            let done: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
-            )
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-            done == jobs
+            common::probe_succeeded(&env.pool).await == jobs
         })
         .await;
     assert!(finished, "{}", w.tail(30));

@@ -84,21 +84,7 @@ async fn health_readiness_and_metrics_follow_the_work() {
     )
     .await
     .unwrap();
-    let pool = env.pool.clone();
-    let done = env
-        .wait_until(Duration::from_secs(30), || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                    == 20
-            }
-        })
-        .await;
+    let done = env.wait_probe_succeeded(20, Duration::from_secs(30)).await;
     assert!(done);
 
     let (code, after) = get(addr, "/metrics").await;

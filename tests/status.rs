@@ -74,24 +74,10 @@ async fn a_worker_logs_one_json_object_per_line_when_asked() {
         &["run", "--kinds", "probe", "--worker-id", "json-logs"],
         &[("KFS_LOG_FORMAT", "json"), ("RUST_LOG", "info")],
     );
-    let pool = env.pool.clone();
-    probe::enqueue_many(&pool, 2, &ProbeSpec::default())
+    probe::enqueue_many(&env.pool, 2, &ProbeSpec::default())
         .await
         .unwrap();
-    let done = env
-        .wait_until(Duration::from_secs(30), || {
-            let pool = pool.clone();
-            async move {
-                sqlx::query_scalar::<_, i64>(
-                    "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
-                )
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                    == 2
-            }
-        })
-        .await;
+    let done = env.wait_probe_succeeded(2, Duration::from_secs(30)).await;
     assert!(done);
     common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();

@@ -142,6 +142,12 @@ impl TestEnv {
         f().await
     }
 
+    /// Waits until `n` probe jobs succeeded, at most `timeout`. Returns whether they did.
+    pub async fn wait_probe_succeeded(&self, n: i64, timeout: Duration) -> bool {
+        self.wait_until(timeout, || async { probe_succeeded(&self.pool).await == n })
+            .await
+    }
+
     /// Environment for a worker process bound to this test's database and queues.
     pub fn worker_env(&self) -> Vec<(String, String)> {
         vec![
@@ -353,6 +359,14 @@ impl Drop for Worker {
             let _ = self.child.wait();
         }
     }
+}
+
+/// How many probe jobs succeeded.
+pub async fn probe_succeeded(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
 }
 
 /// Counts of probe jobs by run_state.
