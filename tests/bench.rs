@@ -95,7 +95,15 @@ async fn every_scenario_reports_all_its_work_done() {
         assert_eq!(found.len(), 1, "one result for {name} in: {out}");
         found[0]
     };
-    for name in ["limit", "relay", "engine", "latency", "kinds", "scaleout"] {
+    for name in [
+        "limit",
+        "relay",
+        "engine",
+        "statements",
+        "latency",
+        "kinds",
+        "scaleout",
+    ] {
         assert_run_complete(scenario(name), name);
     }
     assert_eq!(num(scenario("limit"), "n"), 200.0);
@@ -103,11 +111,18 @@ async fn every_scenario_reports_all_its_work_done() {
 
     let relay = scenario("relay");
     assert_run_complete(&relay["runs"][0], "raw publishes");
+    assert_run_complete(&relay["runs"][1], "relay statements alone");
+    assert_eq!(num(&relay["runs"][1], "n"), 200.0, "{relay}");
     assert!(num(relay, "ratio") > 0.0, "{relay}");
 
     let engine = scenario("engine");
     assert_eq!(engine["ratio_to"], "limit", "{engine}");
     assert!(num(engine, "ratio") > 0.0, "{engine}");
+
+    let statements = scenario("statements");
+    assert_eq!(num(statements, "n"), 200.0, "{statements}");
+    assert_eq!(statements["ratio_to"], "limit", "{statements}");
+    assert!(num(statements, "ratio") > 0.0, "{statements}");
 
     let latency = scenario("latency");
     assert_eq!(num(latency, "n"), 100.0, "2 s at 50 jobs/s");

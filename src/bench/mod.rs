@@ -30,8 +30,11 @@ pub struct BenchArgs {
     /// One JSON object per line (the machine, then each scenario) instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Scenarios to run: limit, relay, engine, latency, kinds, scaleout
-    #[arg(long, default_value = "limit,relay,engine,latency,kinds,scaleout")]
+    /// Scenarios to run: limit, relay, engine, statements, latency, kinds, scaleout
+    #[arg(
+        long,
+        default_value = "limit,relay,engine,statements,latency,kinds,scaleout"
+    )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
     #[arg(long, default_value_t = 30)]
@@ -49,16 +52,18 @@ pub enum Scenario {
     Limit,
     Relay,
     Engine,
+    Statements,
     Latency,
     Kinds,
     Scaleout,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 6] = [
+    pub const ALL: [Scenario; 7] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Engine,
+        Scenario::Statements,
         Scenario::Latency,
         Scenario::Kinds,
         Scenario::Scaleout,
@@ -69,6 +74,7 @@ impl Scenario {
             Scenario::Limit => "limit",
             Scenario::Relay => "relay",
             Scenario::Engine => "engine",
+            Scenario::Statements => "statements",
             Scenario::Latency => "latency",
             Scenario::Kinds => "kinds",
             Scenario::Scaleout => "scaleout",
@@ -84,7 +90,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, engine, latency, kinds or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, latency, kinds or scaleout")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -245,6 +251,7 @@ async fn one(
         Scenario::Limit => scenarios::limit(&env, p).await,
         Scenario::Relay => scenarios::relay(&env, p).await,
         Scenario::Engine => scenarios::engine(&env, p, limit).await,
+        Scenario::Statements => scenarios::statements(&env, p, limit).await,
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
         Scenario::Scaleout => unreachable!("handled above"),
@@ -264,7 +271,7 @@ mod tests {
             vec![Scenario::Limit, Scenario::Engine]
         );
         assert_eq!(
-            Scenario::parse_list("limit,relay,engine,latency,kinds,scaleout").unwrap(),
+            Scenario::parse_list("limit,relay,engine,statements,latency,kinds,scaleout").unwrap(),
             Scenario::ALL.to_vec()
         );
         assert!(Scenario::parse_list("fast")

@@ -25,7 +25,8 @@ use super::report::{Progress, Report, Run};
 use super::stats;
 use crate::broker::OutboundMessage;
 use crate::config::{self, Services};
-use crate::consumer::ConsumerConfig;
+use crate::consumer::lease::DeliveryRef;
+use crate::consumer::{ConsumerConfig, Engine};
 use crate::jobs::probe::{self, ProbeSpec};
 use crate::jobs::{compile, deletion, research, Kind};
 use crate::maintenance::MaintenanceConfig;
@@ -449,6 +450,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
 
     let raw_after = raw_run(env, &ch, n, batch as usize, p, &queue).await?;
     let _ = ch.close(200, "done".into()).await;
+    let alone = relay_statements(env, &relay, n, p).await?;
 
     let raw = if raw_after.rate >= raw_before.rate {
         raw_after.clone()
@@ -471,7 +473,49 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         label: "raw publishes (best of 2)".into(),
         ..raw
     });
+    r.runs.push(alone);
     Ok(r)
+}
+
+/// The relay's Postgres work alone, as a ceiling for the relay in this run: `n` more pending
+/// rows claimed and marked dispatched by the same statements, `depth` rounds at once, with
+/// nothing published. The relay does this and the publishing on the same cores.
+async fn relay_statements(
+    env: &BenchEnv,
+    relay: &Relay,
+    n: u64,
+    p: &Params,
+) -> Result<Run, String> {
+    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
+        .await
+        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
+    let cfg = relay.config();
+    let progress = Progress::new("relay statements", n, p.interactive);
+    let marked = AtomicU64::new(0);
+    let started = Instant::now();
+    let rounds = (0..cfg.depth.max(1)).map(|_| async {
+        loop {
+            let m = relay
+                .claim_and_mark_without_publishing(Kind::Probe)
+                .await
+                .map_err(|e| format!("relay statements: {e}"))?;
+            progress.set(marked.fetch_add(m as u64, Ordering::Relaxed) + m as u64);
+            if m < cfg.batch as usize {
+                return Ok::<(), String>(());
+            }
+        }
+    });
+    futures_util::future::try_join_all(rounds).await?;
+    let secs = started.elapsed().as_secs_f64();
+    let done = marked.load(Ordering::Relaxed);
+    progress.finish(done);
+    Ok(Run::new(
+        "relay statements alone (no broker)",
+        n,
+        done,
+        secs,
+        "rows/s",
+    ))
 }
 
 /// `n` raw confirmed publishes of the relay's messages, then a purge.
@@ -520,6 +564,117 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
         r.ratio_to = Some("limit".into());
     }
     Ok(r)
+}
+
+/// 3b. The engine's Postgres work alone, as a ceiling for the engine in this run. The same `n`
+///     one-step probe jobs are published by the real relay (its messages are then purged), and
+///     each is claimed and run through `Engine::process_ref`, the consumer's own code on its own
+///     connection, `inflight` at a time, with no broker in the loop. The engine does all of this
+///     plus the relay's statements and the broker's publish, delivery and ack on the same cores,
+///     so it cannot go faster than this; its ratio to `limit` bounds the engine's.
+pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Report, String> {
+    let n = p.jobs;
+    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
+        .await
+        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
+    let relay = Relay::new(
+        env.pool.clone(),
+        env.topology.clone(),
+        format!("bench-relay-{}", env.tag),
+        RelayConfig::default(),
+        &[Kind::Probe],
+    );
+    let ch = env.channel().await?;
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|e| e.to_string())?;
+    relay
+        .drain(&ch, Kind::Probe)
+        .await
+        .map_err(|e| format!("relay: {e}"))?;
+    ch.queue_purge(
+        env.topology.queue(Kind::Probe).as_str().into(),
+        QueuePurgeOptions::default(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let _ = ch.close(200, "done".into()).await;
+    // What each message would have carried: the job, its outbox row and the delivery id.
+    let refs: Vec<(Uuid, Uuid, String)> = sqlx::query_as(
+        "SELECT probe_job_id, id, queue_job_id FROM kfs_probe_outbox \
+         WHERE status = 'dispatched' ORDER BY available_at, id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .map_err(|e| e.to_string())?;
+
+    let size = engine_pool_size(p.inflight, 1);
+    let pool = db::connect(
+        &env.services.database_url,
+        "kfs-worker bench",
+        size,
+        env.services.connect_timeout,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let engine = Engine::new(
+        pool.clone(),
+        format!("bench-{}", env.tag),
+        vec![Arc::new(probe::ProbeHandler)],
+        ConsumerConfig {
+            prefetch: p.inflight,
+            ..ConsumerConfig::default()
+        },
+    );
+    let shutdown = CancellationToken::new();
+    let progress = Progress::new("statements", n, p.interactive);
+    let handled = AtomicU64::new(0);
+    let started = Instant::now();
+    futures_util::stream::iter(refs)
+        .for_each_concurrent(
+            usize::from(p.inflight),
+            |(job_id, outbox_id, delivery_id)| {
+                let (engine, shutdown, handled, progress) =
+                    (&engine, &shutdown, &handled, &progress);
+                async move {
+                    let d = DeliveryRef {
+                        kind: Kind::Probe,
+                        job_id,
+                        outbox_id,
+                        delivery_id,
+                    };
+                    engine.process_ref(&d, shutdown).await;
+                    progress.set(handled.fetch_add(1, Ordering::Relaxed) + 1);
+                }
+            },
+        )
+        .await;
+    let secs = started.elapsed().as_secs_f64();
+    pool.close().await;
+    // Counted from the rows, not from what the engine answered.
+    let done = probe_succeeded(&env.pool).await?;
+    progress.finish(done);
+    let mut r = Report::single(
+        "statements",
+        Run::new("statements", n, done, secs, "jobs/s"),
+        json!({"inflight": p.inflight, "pool": size}),
+    );
+    if let Some(l) = limit.filter(|l| *l > 0.0) {
+        r.ratio = Some(r.rate / l);
+        r.ratio_to = Some("limit".into());
+    }
+    Ok(r)
+}
+
+/// Probe jobs that succeeded.
+async fn probe_succeeded(pool: &PgPool) -> Result<u64, String> {
+    sqlx::query_scalar::<_, i64>(
+        "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
+    )
+    .fetch_one(pool)
+    .await
+    .map(|c| c as u64)
+    .map_err(|e| e.to_string())
 }
 
 /// 4. Jobs created one per commit at a steady rate; latency from the creating transaction to

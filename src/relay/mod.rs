@@ -260,31 +260,7 @@ impl Relay {
         let st = &self.statements[&kind];
         let started = std::time::Instant::now();
         let token = Uuid::new_v4();
-        let mut tx = self.index_planned().await?;
-        let rows: Vec<Claimed> = sqlx::query_as::<
-            _,
-            (Uuid, Uuid, serde_json::Value, Option<String>, i32, i32, i32),
-        >(&st.claim)
-        .bind(self.cfg.batch)
-        .bind(token)
-        .bind(&self.relay_id)
-        .bind(crate::consumer::lease::millis(self.cfg.lock_ttl))
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(
-            |(id, job_id, payload, q, dispatch_attempts, revision, schema_version)| Claimed {
-                id,
-                job_id,
-                payload,
-                queue_job_id: q.unwrap_or_default(),
-                dispatch_attempts,
-                revision,
-                schema_version,
-            },
-        )
-        .collect();
-        tx.commit().await?;
+        let rows = self.claim(st, token).await?;
         let mut round = Round {
             claimed: rows.len(),
             ..Round::default()
@@ -449,6 +425,47 @@ impl Relay {
             Some(e) => Err(e),
             None => Ok(total),
         }
+    }
+
+    /// Claims one batch under `token`, committed before anything is published.
+    async fn claim(&self, st: &Statements, token: Uuid) -> Result<Vec<Claimed>, sqlx::Error> {
+        let mut tx = self.index_planned().await?;
+        let rows: Vec<Claimed> = sqlx::query_as::<
+            _,
+            (Uuid, Uuid, serde_json::Value, Option<String>, i32, i32, i32),
+        >(&st.claim)
+        .bind(self.cfg.batch)
+        .bind(token)
+        .bind(&self.relay_id)
+        .bind(crate::consumer::lease::millis(self.cfg.lock_ttl))
+        .fetch_all(&mut *tx)
+        .await?
+        .into_iter()
+        .map(
+            |(id, job_id, payload, q, dispatch_attempts, revision, schema_version)| Claimed {
+                id,
+                job_id,
+                payload,
+                queue_job_id: q.unwrap_or_default(),
+                dispatch_attempts,
+                revision,
+                schema_version,
+            },
+        )
+        .collect();
+        tx.commit().await?;
+        Ok(rows)
+    }
+
+    /// The relay's Postgres work for one batch of `kind` with no broker: claim, then mark every
+    /// claimed row dispatched as if the broker had confirmed it. Returns the rows marked. Only
+    /// the bench uses it, to measure how fast the relay could go if publishing cost nothing;
+    /// the messages it "dispatches" are never sent.
+    pub async fn claim_and_mark_without_publishing(&self, kind: Kind) -> Result<usize, RelayError> {
+        let st = &self.statements[&kind];
+        let token = Uuid::new_v4();
+        let ids: Vec<Uuid> = self.claim(st, token).await?.iter().map(|r| r.id).collect();
+        Ok(self.mark(st, token, &ids).await?)
     }
 
     async fn mark(&self, st: &Statements, token: Uuid, ids: &[Uuid]) -> Result<usize, sqlx::Error> {
