@@ -114,6 +114,10 @@ async fn every_scenario_reports_all_its_work_done() {
     assert_run_complete(&relay["runs"][1], "relay statements alone");
     assert_eq!(num(&relay["runs"][1], "n"), 200.0, "{relay}");
     assert!(num(relay, "ratio") > 0.0, "{relay}");
+    // The ceiling comes from the CPU each part used: the relay's statements and the publishes.
+    assert!(num(&relay["runs"][1], "cpu_ms") > 0.0, "{relay}");
+    assert!(num(&relay["runs"][0], "cpu_ms") > 0.0, "{relay}");
+    assert!(num(relay, "ratio_ceiling") > 0.0, "{relay}");
 
     let engine = scenario("engine");
     assert_eq!(engine["ratio_to"], "limit", "{engine}");
@@ -123,6 +127,8 @@ async fn every_scenario_reports_all_its_work_done() {
     assert_eq!(num(statements, "n"), 200.0, "{statements}");
     assert_eq!(statements["ratio_to"], "limit", "{statements}");
     assert!(num(statements, "ratio") > 0.0, "{statements}");
+    assert!(num(statements, "cpu_ms") > 0.0, "{statements}");
+    assert!(num(engine, "cpu_ms") > 0.0, "{engine}");
 
     let latency = scenario("latency");
     assert_eq!(num(latency, "n"), 100.0, "2 s at 50 jobs/s");

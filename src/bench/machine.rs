@@ -62,6 +62,44 @@ pub async fn read(services: &Services, pool: &sqlx::PgPool) -> Machine {
     }
 }
 
+/// The CPU time the whole machine spent busy since it was started: what Postgres, RabbitMQ and
+/// this process (and anything else running) used together, which is what a scenario costs on
+/// cores they all share.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuMeter(Option<f64>);
+
+impl CpuMeter {
+    pub fn start() -> CpuMeter {
+        CpuMeter(cpu_busy_secs())
+    }
+
+    /// Busy CPU-seconds, summed over all cores, since [`CpuMeter::start`].
+    pub fn busy(&self) -> Option<f64> {
+        Some(cpu_busy_secs()? - self.0?).filter(|b| *b >= 0.0)
+    }
+}
+
+/// Busy CPU-seconds of all cores since boot, from `/proc/stat`; `None` where it cannot be read.
+fn cpu_busy_secs() -> Option<f64> {
+    parse_cpu_busy(&std::fs::read_to_string("/proc/stat").ok()?)
+}
+
+/// The `cpu` line of `/proc/stat` counts user, nice, system, idle, iowait, irq, softirq, steal,
+/// … in USER_HZ (100 per second on Linux). Busy is user + nice + system + irq + softirq: idle
+/// and I/O wait are not work, and time stolen by a hypervisor was not ours.
+fn parse_cpu_busy(stat: &str) -> Option<f64> {
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    if v.len() < 7 {
+        return None;
+    }
+    Some((v[0] + v[1] + v[2] + v[5] + v[6]) as f64 / 100.0)
+}
+
 /// The `version` of the broker's `connection.start` server properties: the broker says it to
 /// every client before the login, so this needs no credentials and no management plugin.
 async fn rabbitmq_version(services: &Services) -> Option<String> {
@@ -105,4 +143,23 @@ async fn rabbitmq_version(services: &Services) -> Option<String> {
         .await
         .ok()
         .flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_cpu_busy;
+
+    #[test]
+    fn busy_cpu_counts_work_not_idle_wait_or_steal() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let stat = "cpu  100 20 30 5000 400 5 15 700 0 0\ncpu0 50 10 15 2500 200 2 7 350 0 0\n";
+        assert_eq!(parse_cpu_busy(stat), Some(1.7));
+        assert_eq!(
+            parse_cpu_busy("cpu0 1 2 3 4 5 6 7\n"),
+            None,
+            "no total line"
+        );
+        assert_eq!(parse_cpu_busy("cpu  1 2 3\n"), None, "too few fields");
+        assert_eq!(parse_cpu_busy("cpu  1 2 x 4 5 6 7\n"), None, "not a number");
+    }
 }

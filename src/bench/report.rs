@@ -19,6 +19,9 @@ pub struct Run {
     pub secs: f64,
     pub rate: f64,
     pub unit: &'static str,
+    /// Busy CPU of the whole machine per item done, in milliseconds (all cores together).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
 }
 
 impl Run {
@@ -30,7 +33,16 @@ impl Run {
             secs,
             rate: if secs > 0.0 { done as f64 / secs } else { 0.0 },
             unit,
+            cpu_ms: None,
         }
+    }
+
+    /// This run with the machine's busy CPU-seconds over it, spread over the items done.
+    pub fn with_cpu(mut self, busy_secs: Option<f64>) -> Run {
+        self.cpu_ms = busy_secs
+            .filter(|_| self.done > 0)
+            .map(|b| b * 1000.0 / self.done as f64);
+        self
     }
 }
 
@@ -43,11 +55,16 @@ pub struct Report {
     pub secs: f64,
     pub rate: f64,
     pub unit: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_ms: Option<f64>,
     /// `rate / against`, when the scenario has a reference measured in the same run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_to: Option<String>,
+    /// The highest `ratio` the machine's cores allow, from CPU measured in the same run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_ceiling: Option<f64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<Run>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -91,22 +108,26 @@ impl Report {
             secs: run.secs,
             rate: run.rate,
             unit: run.unit,
+            cpu_ms: run.cpu_ms,
             settings,
             ..Report::default()
         }
     }
 
     /// Table rows: the scenario, then one indented row per extra run.
-    pub fn rows(&self) -> Vec<[String; 6]> {
-        let ratio = match (&self.ratio, &self.ratio_to) {
-            (Some(r), Some(to)) => format!("{r:.2} × {to}"),
+    pub fn rows(&self) -> Vec<[String; 7]> {
+        let ratio = match (&self.ratio, &self.ratio_to, &self.ratio_ceiling) {
+            (Some(r), Some(to), Some(c)) => format!("{r:.2} × {to} (cores allow ≤ {c:.2})"),
+            (Some(r), Some(to), None) => format!("{r:.2} × {to}"),
             _ => String::new(),
         };
+        let cpu = |ms: Option<f64>| ms.map(|ms| format!("{ms:.3} ms")).unwrap_or_default();
         let mut rows = vec![[
             self.scenario.to_owned(),
             format!("{}/{}", self.done, self.n),
             format!("{:.2}", self.secs),
             format!("{:.0} {}", self.rate, self.unit),
+            cpu(self.cpu_ms),
             ratio,
             self.latency_note(),
         ]];
@@ -116,6 +137,7 @@ impl Report {
                 format!("{}/{}", r.done, r.n),
                 format!("{:.2}", r.secs),
                 format!("{:.0} {}", r.rate, r.unit),
+                cpu(r.cpu_ms),
                 String::new(),
                 String::new(),
             ]);
@@ -141,17 +163,25 @@ impl Report {
     }
 }
 
-pub const HEADER: [&str; 6] = ["scenario", "done/asked", "secs", "rate", "ratio", "latency"];
+pub const HEADER: [&str; 7] = [
+    "scenario",
+    "done/asked",
+    "secs",
+    "rate",
+    "CPU per item",
+    "ratio",
+    "latency",
+];
 
 /// Renders rows under [`HEADER`] as a Markdown table, columns padded to line up.
-pub fn table(rows: &[[String; 6]]) -> String {
+pub fn table(rows: &[[String; 7]]) -> String {
     let mut width = HEADER.map(|h| h.chars().count());
     for r in rows {
         for (w, c) in width.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
         }
     }
-    let line = |cells: [&str; 6]| {
+    let line = |cells: [&str; 7]| {
         let padded: Vec<String> = cells
             .iter()
             .zip(width)
@@ -162,7 +192,7 @@ pub fn table(rows: &[[String; 6]]) -> String {
     let mut out = line(HEADER);
     out.push_str(&line(width.map(|_| "")).replace(' ', "-"));
     for r in rows {
-        out.push_str(&line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5]]));
+        out.push_str(&line([&r[0], &r[1], &r[2], &r[3], &r[4], &r[5], &r[6]]));
     }
     out
 }
@@ -247,6 +277,26 @@ mod tests {
         assert!(lines[2].contains("0.50 × limit"));
         let widths: Vec<usize> = lines.iter().map(|l| l.chars().count()).collect();
         assert!(widths.iter().all(|w| *w == widths[0]), "{t}");
+    }
+
+    #[test]
+    fn cpu_per_item_and_the_ceiling_show_when_measured() {
+        let run = Run::new("relay", 200, 200, 2.0, "rows/s").with_cpu(Some(0.1));
+        assert_eq!(run.cpu_ms, Some(0.5), "0.1 CPU-seconds over 200 rows");
+        assert_eq!(
+            Run::new("x", 10, 0, 1.0, "rows/s")
+                .with_cpu(Some(0.1))
+                .cpu_ms,
+            None,
+            "nothing done, nothing to spread the CPU over"
+        );
+        let mut r = Report::single("relay", run, serde_json::json!({}));
+        r.ratio = Some(0.48);
+        r.ratio_to = Some("raw".into());
+        r.ratio_ceiling = Some(0.5);
+        let t = table(&r.rows());
+        assert!(t.contains("CPU per item") && t.contains("0.500 ms"), "{t}");
+        assert!(t.contains("0.48 × raw (cores allow ≤ 0.50)"), "{t}");
     }
 
     #[test]

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::env::BenchEnv;
+use super::machine::CpuMeter;
 use super::report::{Progress, Report, Run};
 use super::stats;
 use crate::broker::OutboundMessage;
@@ -164,6 +165,7 @@ async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<
         .await
         .map_err(|e| format!("enqueue probe jobs: {e}"))?;
     let t0 = env.db_now().await?;
+    let cpu = CpuMeter::start();
     let progress = Progress::new(label, n, p.interactive);
     // The time comes from the jobs' own `completed_at`, not from this poll; polling once a
     // second keeps the observer's count over every job row from taking CPU from the run.
@@ -171,6 +173,7 @@ async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<
         probe_finished(&env.pool)
     })
     .await?;
+    let busy = cpu.busy();
     progress.finish(finished);
     let (done, secs): (i64, Option<f64>) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
@@ -186,7 +189,8 @@ async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<
         done as u64,
         secs.unwrap_or(0.0).max(0.0),
         "jobs/s",
-    ))
+    )
+    .with_cpu(busy))
 }
 
 /// 1. The bare loop: confirmed persistent publishes to a quorum queue, one autocommitted UPDATE
@@ -281,6 +285,7 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         .await
         .map_err(|e| e.to_string())?;
     let progress = Progress::new("limit", n, p.interactive);
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     let publishing = {
         let queue = queue.clone();
@@ -337,6 +342,7 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         }
     };
     let (published, elapsed) = tokio::join!(publishing, waiting);
+    let busy = cpu.busy();
     let published = published?;
     let done = acked.load(Ordering::Relaxed);
     progress.finish(done);
@@ -350,7 +356,7 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let done = done.min(updated as u64).min(published);
     Ok(Report::single(
         "limit",
-        Run::new("limit", n, done, elapsed.as_secs_f64(), "msg/s"),
+        Run::new("limit", n, done, elapsed.as_secs_f64(), "msg/s").with_cpu(busy),
         json!({"inflight": p.inflight, "pool": pool_size, "publish_batch": batch}),
     ))
 }
@@ -436,6 +442,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let raw_before = raw_run(env, &ch, n, batch as usize, p, &queue).await?;
 
     let progress = Progress::new("relay", n, p.interactive);
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     let dispatched = relay
         .drain(&ch, Kind::Probe)
@@ -443,6 +450,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         .map_err(|e| format!("relay: {e}"))?
         .dispatched as u64;
     let relay_secs = started.elapsed().as_secs_f64();
+    let relay_cpu = cpu.busy();
     progress.finish(dispatched);
     ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
         .await
@@ -459,7 +467,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     };
     let mut r = Report::single(
         "relay",
-        Run::new("relay", n, dispatched, relay_secs, "rows/s"),
+        Run::new("relay", n, dispatched, relay_secs, "rows/s").with_cpu(relay_cpu),
         json!({
             "batch": batch,
             "depth": RelayConfig::default().depth,
@@ -469,6 +477,9 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     );
     r.ratio = (raw.rate > 0.0).then(|| r.rate / raw.rate);
     r.ratio_to = Some("raw".into());
+    r.ratio_ceiling = cpu_ceiling(&[alone.cpu_ms, raw.cpu_ms])
+        .filter(|_| raw.rate > 0.0)
+        .map(|c| c / raw.rate);
     r.runs.push(Run {
         label: "raw publishes (best of 2)".into(),
         ..raw
@@ -492,6 +503,7 @@ async fn relay_statements(
     let cfg = relay.config();
     let progress = Progress::new("relay statements", n, p.interactive);
     let marked = AtomicU64::new(0);
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     let rounds = (0..cfg.depth.max(1)).map(|_| async {
         loop {
@@ -507,6 +519,7 @@ async fn relay_statements(
     });
     futures_util::future::try_join_all(rounds).await?;
     let secs = started.elapsed().as_secs_f64();
+    let busy = cpu.busy();
     let done = marked.load(Ordering::Relaxed);
     progress.finish(done);
     Ok(Run::new(
@@ -515,7 +528,8 @@ async fn relay_statements(
         done,
         secs,
         "rows/s",
-    ))
+    )
+    .with_cpu(busy))
 }
 
 /// `n` raw confirmed publishes of the relay's messages, then a purge.
@@ -528,20 +542,16 @@ async fn raw_run(
     queue: &str,
 ) -> Result<Run, String> {
     let progress = Progress::new("raw publishes", n, p.interactive);
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     let raw = raw_publishes(env, ch, n, batch, &progress).await?;
     let raw_secs = started.elapsed().as_secs_f64();
+    let busy = cpu.busy();
     progress.finish(raw);
     ch.queue_purge(queue.into(), QueuePurgeOptions::default())
         .await
         .map_err(|e| e.to_string())?;
-    Ok(Run::new(
-        "raw confirmed publishes",
-        n,
-        raw,
-        raw_secs,
-        "msg/s",
-    ))
+    Ok(Run::new("raw confirmed publishes", n, raw, raw_secs, "msg/s").with_cpu(busy))
 }
 
 /// 3. `n` one-step probe jobs through the whole protocol in one `run` runtime in this process.
@@ -629,6 +639,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     let shutdown = CancellationToken::new();
     let progress = Progress::new("statements", n, p.interactive);
     let handled = AtomicU64::new(0);
+    let cpu = CpuMeter::start();
     let started = Instant::now();
     futures_util::stream::iter(refs)
         .for_each_concurrent(
@@ -650,13 +661,14 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
         )
         .await;
     let secs = started.elapsed().as_secs_f64();
+    let busy = cpu.busy();
     pool.close().await;
     // Counted from the rows, not from what the engine answered.
     let done = probe_succeeded(&env.pool).await?;
     progress.finish(done);
     let mut r = Report::single(
         "statements",
-        Run::new("statements", n, done, secs, "jobs/s"),
+        Run::new("statements", n, done, secs, "jobs/s").with_cpu(busy),
         json!({"inflight": p.inflight, "pool": size}),
     );
     if let Some(l) = limit.filter(|l| *l > 0.0) {
@@ -664,6 +676,15 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
         r.ratio_to = Some("limit".into());
     }
     Ok(r)
+}
+
+/// The most items per second the machine's cores allow for work that needs each of `parts`
+/// (busy CPU milliseconds per item, measured in this run) done once per item: every core busy
+/// all the time, and no part any cheaper than when it ran on its own.
+fn cpu_ceiling(parts: &[Option<f64>]) -> Option<f64> {
+    let cores = std::thread::available_parallelism().ok()?.get() as f64;
+    let per_item_ms: f64 = parts.iter().copied().sum::<Option<f64>>()?;
+    (per_item_ms > 0.0).then(|| cores * 1000.0 / per_item_ms)
 }
 
 /// Probe jobs that succeeded.
@@ -1008,6 +1029,15 @@ pub async fn scaleout(base: &Services, p: &Params) -> Result<Report, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_cpu_ceiling_spreads_the_parts_over_every_core() {
+        let cores = std::thread::available_parallelism().unwrap().get() as f64;
+        // 0.5 ms + 1.5 ms of CPU per item: each core does 500 items a second.
+        assert_eq!(cpu_ceiling(&[Some(0.5), Some(1.5)]), Some(cores * 500.0));
+        assert_eq!(cpu_ceiling(&[Some(0.5), None]), None, "a part not measured");
+        assert_eq!(cpu_ceiling(&[Some(0.0)]), None, "no CPU measured");
+    }
 
     #[test]
     fn worker_counts_table() {
