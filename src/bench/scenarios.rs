@@ -146,15 +146,19 @@ async fn with_runtime<T>(
     }
 }
 
+/// Probe jobs in any of `states`.
+async fn probe_jobs_in(pool: &PgPool, states: &[&str]) -> Result<u64, String> {
+    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM kfs_probe_jobs WHERE run_state = ANY($1)")
+        .bind(states)
+        .fetch_one(pool)
+        .await
+        .map(|c| c as u64)
+        .map_err(|e| e.to_string())
+}
+
 /// Finished probe jobs (any terminal state).
 async fn probe_finished(pool: &PgPool) -> Result<u64, String> {
-    sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM kfs_probe_jobs WHERE run_state IN ('succeeded', 'failed', 'canceled')",
-    )
-    .fetch_one(pool)
-    .await
-    .map(|c| c as u64)
-    .map_err(|e| e.to_string())
+    probe_jobs_in(pool, &["succeeded", "failed", "canceled"]).await
 }
 
 /// Enqueues `n` one-step probe jobs in one commit and waits until they are finished by whatever
@@ -193,6 +197,20 @@ async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<
     .with_cpu(busy))
 }
 
+/// A pool of the size a one-kind worker gives itself at this in-flight count, and that size.
+async fn inflight_pool(env: &BenchEnv, p: &Params, name: &str) -> Result<(PgPool, u32), String> {
+    let size = engine_pool_size(p.inflight, 1);
+    let pool = db::connect(
+        &env.services.database_url,
+        name,
+        size,
+        env.services.connect_timeout,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok((pool, size))
+}
+
 /// 1. The bare loop: confirmed persistent publishes to a quorum queue, one autocommitted UPDATE
 ///    per delivery, then the ack; the same in-flight count and pool size as the engine.
 pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
@@ -209,15 +227,7 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         .execute(&env.pool)
         .await
         .map_err(|e| e.to_string())?;
-    let pool_size = engine_pool_size(p.inflight, 1);
-    let pool = db::connect(
-        &env.services.database_url,
-        "kfs-worker bench limit",
-        pool_size,
-        env.services.connect_timeout,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (pool, pool_size) = inflight_pool(env, p, "kfs-worker bench limit").await?;
     let queue = format!("{}.limit", env.topology.prefix);
     let ch = env.channel().await?;
     let mut args = FieldTable::default();
@@ -618,15 +628,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     .await
     .map_err(|e| e.to_string())?;
 
-    let size = engine_pool_size(p.inflight, 1);
-    let pool = db::connect(
-        &env.services.database_url,
-        "kfs-worker bench",
-        size,
-        env.services.connect_timeout,
-    )
-    .await
-    .map_err(|e| e.to_string())?;
+    let (pool, size) = inflight_pool(env, p, "kfs-worker bench statements").await?;
     let engine = Engine::new(
         pool.clone(),
         format!("bench-{}", env.tag),
@@ -664,7 +666,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     let busy = cpu.busy();
     pool.close().await;
     // Counted from the rows, not from what the engine answered.
-    let done = probe_succeeded(&env.pool).await?;
+    let done = probe_jobs_in(&env.pool, &["succeeded"]).await?;
     progress.finish(done);
     let mut r = Report::single(
         "statements",
@@ -685,17 +687,6 @@ fn cpu_ceiling(parts: &[Option<f64>]) -> Option<f64> {
     let cores = std::thread::available_parallelism().ok()?.get() as f64;
     let per_item_ms: f64 = parts.iter().copied().sum::<Option<f64>>()?;
     (per_item_ms > 0.0).then(|| cores * 1000.0 / per_item_ms)
-}
-
-/// Probe jobs that succeeded.
-async fn probe_succeeded(pool: &PgPool) -> Result<u64, String> {
-    sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'succeeded'",
-    )
-    .fetch_one(pool)
-    .await
-    .map(|c| c as u64)
-    .map_err(|e| e.to_string())
 }
 
 /// 4. Jobs created one per commit at a steady rate; latency from the creating transaction to
