@@ -86,6 +86,15 @@ impl BenchEnv {
         self.amqp.create_channel().await.map_err(|e| e.to_string())
     }
 
+    /// A channel in confirm mode, as the relay publishes on.
+    pub async fn confirm_channel(&self) -> Result<lapin::Channel, String> {
+        let ch = self.channel().await?;
+        ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(ch)
+    }
+
     /// Consumers attached to `queue`, from a passive declare.
     pub async fn consumers(&self, queue: &str) -> Result<u32, String> {
         let ch = self.channel().await?;

@@ -114,6 +114,15 @@ impl Report {
         }
     }
 
+    /// Compares this report's rate with `base`, a rate measured in the same run and named `to`;
+    /// nothing is compared against a base that measured nothing.
+    pub fn against(&mut self, base: f64, to: &str) {
+        if base > 0.0 {
+            self.ratio = Some(self.rate / base);
+            self.ratio_to = Some(to.into());
+        }
+    }
+
     /// Table rows: the scenario, then one indented row per extra run.
     pub fn rows(&self) -> Vec<[String; 7]> {
         let ratio = match (&self.ratio, &self.ratio_to, &self.ratio_ceiling) {
@@ -297,6 +306,22 @@ mod tests {
         let t = table(&r.rows());
         assert!(t.contains("CPU per item") && t.contains("0.500 ms"), "{t}");
         assert!(t.contains("0.48 × raw (cores allow ≤ 0.50)"), "{t}");
+    }
+
+    #[test]
+    fn a_ratio_needs_a_base_that_measured_something() {
+        let mut r = Report::single(
+            "engine",
+            Run::new("engine", 100, 100, 2.0, "jobs/s"),
+            serde_json::json!({}),
+        );
+        r.against(0.0, "limit");
+        assert_eq!((r.ratio, r.ratio_to.as_deref()), (None, None));
+        r.against(200.0, "limit");
+        assert_eq!(
+            (r.ratio, r.ratio_to.as_deref()),
+            (Some(0.25), Some("limit"))
+        );
     }
 
     #[test]

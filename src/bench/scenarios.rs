@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ConfirmSelectOptions, QueueDeclareOptions, QueuePurgeOptions,
+    QueueDeclareOptions, QueuePurgeOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
@@ -146,6 +146,25 @@ async fn with_runtime<T>(
     }
 }
 
+/// Enqueues `n` one-step probe jobs in one commit.
+async fn enqueue_probes(env: &BenchEnv, n: u64) -> Result<(), String> {
+    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("enqueue probe jobs: {e}"))
+}
+
+/// The real relay, with its default settings, over the probe kind of this scenario.
+fn probe_relay(env: &BenchEnv) -> Relay {
+    Relay::new(
+        env.pool.clone(),
+        env.topology.clone(),
+        format!("bench-relay-{}", env.tag),
+        RelayConfig::default(),
+        &[Kind::Probe],
+    )
+}
+
 /// Probe jobs in any of `states`.
 async fn probe_jobs_in(pool: &PgPool, states: &[&str]) -> Result<u64, String> {
     sqlx::query_scalar::<_, i64>("SELECT count(*) FROM kfs_probe_jobs WHERE run_state = ANY($1)")
@@ -165,9 +184,7 @@ async fn probe_finished(pool: &PgPool) -> Result<u64, String> {
 /// workers run. Time: from Postgres' clock right after the enqueue committed to the last
 /// job's `completed_at`.
 async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<Run, String> {
-    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
-        .await
-        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
+    enqueue_probes(env, n).await?;
     let t0 = env.db_now().await?;
     let cpu = CpuMeter::start();
     let progress = Progress::new(label, n, p.interactive);
@@ -289,11 +306,7 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         })
     };
 
-    let publisher = env.channel().await?;
-    publisher
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+    let publisher = env.confirm_channel().await?;
     let progress = Progress::new("limit", n, p.interactive);
     let cpu = CpuMeter::start();
     let started = Instant::now();
@@ -428,22 +441,10 @@ async fn raw_publishes(
 ///    shape and batch size on the same channel.
 pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let n = p.jobs;
-    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
-        .await
-        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
-    let cfg = RelayConfig::default();
-    let batch = cfg.batch;
-    let relay = Relay::new(
-        env.pool.clone(),
-        env.topology.clone(),
-        format!("bench-relay-{}", env.tag),
-        cfg,
-        &[Kind::Probe],
-    );
-    let ch = env.channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+    enqueue_probes(env, n).await?;
+    let relay = probe_relay(env);
+    let batch = relay.config().batch;
+    let ch = env.confirm_channel().await?;
     let queue = env.topology.queue(Kind::Probe);
 
     // The raw publisher runs before and after the relay, and the faster of the two is the
@@ -480,7 +481,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         Run::new("relay", n, dispatched, relay_secs, "rows/s").with_cpu(relay_cpu),
         json!({
             "batch": batch,
-            "depth": RelayConfig::default().depth,
+            "depth": relay.config().depth,
             "raw_before": raw_before.rate,
             "raw_after": raw_after.rate,
         }),
@@ -507,9 +508,7 @@ async fn relay_statements(
     n: u64,
     p: &Params,
 ) -> Result<Run, String> {
-    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
-        .await
-        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
+    enqueue_probes(env, n).await?;
     let cfg = relay.config();
     let progress = Progress::new("relay statements", n, p.interactive);
     let marked = AtomicU64::new(0);
@@ -579,10 +578,7 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
         run,
         json!({"inflight": p.inflight, "pool": engine_pool_size(p.inflight, 1), "relay_batch": RelayConfig::default().batch}),
     );
-    if let Some(l) = limit.filter(|l| *l > 0.0) {
-        r.ratio = Some(r.rate / l);
-        r.ratio_to = Some("limit".into());
-    }
+    r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
 }
 
@@ -594,20 +590,9 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
 ///     so it cannot go faster than this; its ratio to `limit` bounds the engine's.
 pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Report, String> {
     let n = p.jobs;
-    probe::enqueue_many(&env.pool, n as i64, &ProbeSpec::default())
-        .await
-        .map_err(|e| format!("enqueue probe jobs: {e}"))?;
-    let relay = Relay::new(
-        env.pool.clone(),
-        env.topology.clone(),
-        format!("bench-relay-{}", env.tag),
-        RelayConfig::default(),
-        &[Kind::Probe],
-    );
-    let ch = env.channel().await?;
-    ch.confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(|e| e.to_string())?;
+    enqueue_probes(env, n).await?;
+    let relay = probe_relay(env);
+    let ch = env.confirm_channel().await?;
     relay
         .drain(&ch, Kind::Probe)
         .await
@@ -673,10 +658,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
         Run::new("statements", n, done, secs, "jobs/s").with_cpu(busy),
         json!({"inflight": p.inflight, "pool": size}),
     );
-    if let Some(l) = limit.filter(|l| *l > 0.0) {
-        r.ratio = Some(r.rate / l);
-        r.ratio_to = Some("limit".into());
-    }
+    r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
 }
 
@@ -1007,9 +989,8 @@ pub async fn scaleout(base: &Services, p: &Params) -> Result<Report, String> {
         Run::new("scaleout", last.n, last.done, last.secs, "jobs/s"),
         json!({"inflight_per_worker": p.inflight, "workers": worker_counts(p.workers)}),
     );
-    if runs.len() > 1 && first > 0.0 {
-        r.ratio = Some(last.rate / first);
-        r.ratio_to = Some("1 worker".into());
+    if runs.len() > 1 {
+        r.against(first, "1 worker");
     }
     r.n = runs.iter().map(|x| x.n).sum();
     r.done = runs.iter().map(|x| x.done).sum();
