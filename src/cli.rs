@@ -314,6 +314,7 @@ impl RunArgs {
                 })?),
             },
             admin_token: config::AdminToken::parse(self.admin_token.as_deref())?,
+            embedder: crate::embed::embedder_config(|k| std::env::var(k).ok())?,
         })
     }
 }
@@ -411,26 +412,25 @@ async fn migrate(conn: &ConnArgs) -> Result<(), Failure> {
     let pool = db::connect(&url, "kfs-worker migrate", 2, timeout)
         .await
         .map_err(Failure::usage)?;
-    let before = applied_versions(&pool).await;
-    db::migrate(&pool)
-        .await
-        .map_err(|e| Failure::runtime(format!("migration failed: {e}")))?;
-    let after = applied_versions(&pool).await;
-    let new = after.saturating_sub(before);
+    let report = db::migrate(&pool).await.map_err(|e| match e {
+        db::MigrateError::Refused(_) => Failure::usage(format!("cannot migrate {url}: {e}")),
+        _ => Failure::runtime(format!("migration failed: {e}")),
+    })?;
+    if !report.newer_platform.is_empty() {
+        eprintln!(
+            "warning: the database also records the platform's migrations {}; kfs-worker builds \
+             and uses the platform's schema through {}",
+            report.newer_platform.join(", "),
+            db::migrate::PLATFORM_MIGRATIONS[db::migrate::PLATFORM_MIGRATIONS.len() - 1]
+        );
+    }
     println!(
-        "migrations: {} applied now, {} in total, database {} is up to date",
-        new,
-        db::MIGRATOR.iter().count(),
-        url
+        "migrations: {} applied now ({}), {} in total, database {url} is up to date",
+        report.applied.len(),
+        report.found,
+        report.total,
     );
     Ok(())
-}
-
-async fn applied_versions(pool: &sqlx::PgPool) -> usize {
-    sqlx::query_scalar::<_, i64>("SELECT count(*) FROM _sqlx_migrations WHERE success")
-        .fetch_one(pool)
-        .await
-        .map_or(0, |n| n as usize)
 }
 
 async fn status(conn: &ConnArgs, args: &StatusArgs) -> Result<(), Failure> {

@@ -67,6 +67,24 @@ impl fmt::Debug for SecretUrl {
     }
 }
 
+/// The HTTP client of an outbound model adapter configured by `var`: the whole request bounded
+/// by `timeout`, connecting by at most ten seconds of it.
+pub fn http_client(
+    var: &'static str,
+    timeout: std::time::Duration,
+) -> Result<reqwest::Client, ConfigError> {
+    reqwest::Client::builder()
+        .timeout(timeout)
+        .connect_timeout(timeout.min(std::time::Duration::from_secs(10)))
+        .build()
+        .map_err(|e| {
+            ConfigError::new(
+                var,
+                format!("cannot build the HTTP client: {}", e.without_url()),
+            )
+        })
+}
+
 /// The URL with its password replaced by `***`.
 pub fn redact(url: &Url) -> String {
     let mut shown = url.clone();

@@ -18,6 +18,8 @@ use crate::{db, platform, status, store::Store};
 
 pub const TENANT: &str = "kfs-demo";
 const SUBJECT: &str = "demo-user";
+/// The dimension of the demo space's embedding profile.
+const EMBEDDING_DIMENSION: usize = 64;
 
 /// The documents, written for this project.
 const DOCUMENTS: [(&str, &str, &str, &[u8]); 5] = [
@@ -122,6 +124,7 @@ impl Worker {
             .env("KFS_OBJECT_STORE", object_store)
             .env("KFS_HTTP_ADDR", http)
             .env("KFS_RELAY_POLL", "250ms")
+            .env("KFS_EMBEDDER", "offline")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -223,10 +226,18 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
             .acquire()
             .await
             .map_err(|e| fail("db")(e.to_string()))?;
-        let id =
-            compile::request::request(&mut c, *doc, compile::request::RequestOptions::default())
-                .await
-                .map_err(|e| fail("compile request")(e.to_string()))?;
+        // Requested by the demo user under its permission snapshot, as the platform's upload
+        // records the requester on the attempt.
+        let opts = compile::request::RequestOptions {
+            defer: false,
+            requester: Some(compile::request::Requester {
+                subject: SUBJECT.into(),
+                snapshot: seed.snapshot,
+            }),
+        };
+        let id = compile::request::request(&mut c, *doc, opts)
+            .await
+            .map_err(|e| fail("compile request")(e.to_string()))?;
         attempts.push((name.clone(), id));
     }
 
@@ -235,7 +246,7 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         .await
         .map_err(fail("kill"))?;
 
-    let mut compiled = 0;
+    let mut compiled = 0u64;
     let bar = crate::progress::Bar::new(attempts.len() as u64, "compiling");
     for (name, id) in &attempts {
         bar.set(compiled, format!("waiting for {name}"));
@@ -283,6 +294,15 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         research_results.push((q.to_string(), result));
     }
 
+    // Taken before the deletion: like the platform's, a deletion in a space removes the space's
+    // research tasks with the rest of its derived data.
+    let before = status::read(&pool, &[Kind::Compile, Kind::Research])
+        .await
+        .map_err(|e| fail("status")(e.to_string()))?;
+    let model = read_model(&pool, seed.space)
+        .await
+        .map_err(fail("read model"))?;
+
     p.say("deleting the source \"notes\" with its documents");
     let deletion = {
         let mut c = pool
@@ -318,12 +338,13 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         )));
     }
 
-    let st = status::read(&pool, &[Kind::Compile, Kind::Deletion, Kind::Research])
+    let after = status::read(&pool, &[Kind::Deletion])
         .await
         .map_err(|e| fail("status")(e.to_string()))?;
     print_summary(
-        &st,
-        compiled as usize,
+        &before,
+        &after,
+        &model,
         &research_results,
         &removed,
         &kill,
@@ -364,7 +385,22 @@ struct Seed {
 
 async fn seed(pool: &PgPool, store: &Store) -> Result<Seed, String> {
     let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
-    let space = platform::create_space(&mut tx, TENANT, "handbook", "Worker handbook")
+    let space = platform::create_space(&mut tx, TENANT, "handbook", "Worker handbook", SUBJECT)
+        .await
+        .map_err(|e| e.to_string())?;
+    // The space embeds with the offline embedder's vectors (the workers run KFS_EMBEDDER=offline),
+    // so every node gets a dense projection beside its full-text one.
+    platform::activate_embedding_profile(
+        &mut tx,
+        TENANT,
+        space,
+        "kfs-demo-embedding",
+        "offline",
+        EMBEDDING_DIMENSION,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    platform::activate_retrieval_profile(&mut tx, TENANT, space, "kfs-demo-extractive", "offline")
         .await
         .map_err(|e| e.to_string())?;
     let guides = platform::create_source(
@@ -372,7 +408,7 @@ async fn seed(pool: &PgPool, store: &Store) -> Result<Seed, String> {
         space,
         "guides",
         "upload",
-        Some("vault:kfs-demo/guides-token"),
+        Some(&platform::new_credential_ref()),
     )
     .await
     .map_err(|e| e.to_string())?;
@@ -381,7 +417,7 @@ async fn seed(pool: &PgPool, store: &Store) -> Result<Seed, String> {
         space,
         "notes",
         "upload",
-        Some("vault:kfs-demo/notes-token"),
+        Some(&platform::new_credential_ref()),
     )
     .await
     .map_err(|e| e.to_string())?;
@@ -437,6 +473,7 @@ async fn reset(pool: &PgPool, store: &Store) -> Result<(), String> {
         "DELETE FROM deletion_tombstones WHERE tenant_id = $1",
         "DELETE FROM deletion_retry_audits WHERE tenant_id = $1",
         "DELETE FROM research_task_jobs WHERE tenant_id = $1",
+        "DELETE FROM source_secret_lifecycle_refs WHERE tenant_id = $1",
         "DELETE FROM knowledge_spaces WHERE tenant_id = $1",
     ] {
         sqlx::query(sql)
@@ -533,6 +570,48 @@ async fn wait_research(
     }
 }
 
+/// What the compiled documents look like in the platform's read model.
+struct ReadModel {
+    head_revision: i32,
+    documents: i64,
+    nodes: i64,
+    fts: i64,
+    dense: i64,
+    dimension: Option<i32>,
+}
+
+/// Reads the read model the way the platform's retrieval does: through the head's publication
+/// and its members.
+async fn read_model(pool: &PgPool, space: Uuid) -> Result<ReadModel, String> {
+    let row: (i32, i64, i64, i64, i64, Option<i32>) = sqlx::query_as(
+        "SELECT h.head_revision, \
+           (SELECT count(DISTINCT m.document_asset_id) FROM projection_set_publication_members m \
+              WHERE m.publication_id = h.publication_id), \
+           (SELECT count(DISTINCT p.node_id) FROM projection_set_publication_members m \
+              JOIN index_projections p ON p.id = m.component_key WHERE m.publication_id = h.publication_id), \
+           (SELECT count(*) FROM projection_set_publication_members m JOIN index_projections p ON p.id = m.component_key \
+              WHERE m.publication_id = h.publication_id AND p.type = 'fts' AND p.status = 'ready'), \
+           (SELECT count(*) FROM projection_set_publication_members m JOIN index_projections p ON p.id = m.component_key \
+              WHERE m.publication_id = h.publication_id AND p.type = 'dense-vector' AND p.status = 'ready'), \
+           (SELECT max(vector_dims(p.dense_vector)) FROM projection_set_publication_members m \
+              JOIN index_projections p ON p.id = m.component_key WHERE m.publication_id = h.publication_id) \
+         FROM projection_set_publication_heads h WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2",
+    )
+    .bind(TENANT)
+    .bind(space)
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(ReadModel {
+        head_revision: row.0,
+        documents: row.1,
+        nodes: row.2,
+        fts: row.3,
+        dense: row.4,
+        dimension: row.5,
+    })
+}
+
 struct Removed {
     run_state: String,
     items: Vec<(String, i64, i64)>,
@@ -579,9 +658,11 @@ async fn wait_deletion(pool: &PgPool, job: Uuid, timeout: Duration) -> Result<Re
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn print_summary(
-    st: &status::Status,
-    compiled: usize,
+    before: &status::Status,
+    after: &status::Status,
+    model: &ReadModel,
     research: &[(String, serde_json::Value)],
     removed: &Removed,
     kill: &Kill,
@@ -590,18 +671,23 @@ fn print_summary(
 ) {
     println!("\n== Summary");
     println!("jobs by kind and final state:");
-    for k in &st.kinds {
+    let line = |k: &status::KindStatus, note: &str| {
         let states: Vec<String> = k.jobs.iter().map(|(s, n)| format!("{s}={n}")).collect();
-        let note = if k.kind == "compile" && compiled > k.jobs.values().sum::<i64>() as usize {
-            format!("  ({compiled} compiled; the attempts of deleted documents went with them)")
-        } else {
-            String::new()
-        };
         println!("  {:<9} {}{note}", k.kind, states.join("  "));
+    };
+    for k in &before.kinds {
+        line(
+            k,
+            "  (before the deletion, which removes them with the space's derived data)",
+        );
     }
-    let not_done: i64 = st
+    for k in &after.kinds {
+        line(k, "");
+    }
+    let not_done: i64 = before
         .kinds
         .iter()
+        .chain(&after.kinds)
         .flat_map(|k| k.jobs.iter())
         .filter(|(s, _)| !matches!(s.as_str(), "succeeded" | "completed"))
         .map(|(_, n)| n)
@@ -613,6 +699,16 @@ fn print_summary(
         } else {
             format!("{not_done} job(s) did not succeed")
         }
+    );
+    println!(
+        "read model: head revision {}, {} documents, {} nodes with {} ready fts and {} ready dense-vector \
+         projections{}",
+        model.head_revision,
+        model.documents,
+        model.nodes,
+        model.fts,
+        model.dense,
+        model.dimension.map(|d| format!(" (dimension {d})")).unwrap_or_default()
     );
     println!("research answers:");
     for (q, r) in research {

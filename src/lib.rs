@@ -4,6 +4,8 @@
 //! that commit happens here. Postgres is the source of truth, and a RabbitMQ message is only a
 //! wake-up call that names an outbox row.
 //!
+//! - [`canonical`] — the platform's canonical JSON, ids, full-text normalisation and terms.
+//! - [`access`] — the platform's revalidation of a permission snapshot.
 //! - [`config`] — settings from the environment, validated once, secrets redacted.
 //! - [`db`] — Postgres pools, migrations, error classification.
 //! - [`broker`] — RabbitMQ connections, topology and message shape.
@@ -12,6 +14,7 @@
 //! - [`relay`] — outbox rows to confirmed messages.
 //! - [`consumer`] — deliveries to fenced, checkpointed steps; ack after commit.
 //! - [`jobs`] — the job kinds, their policies and handlers.
+//! - [`embed`] — the embedding port: offline and OpenAI-compatible adapters.
 //! - [`store`] — the object store port (local directory, S3, GCS, Azure).
 //! - [`liveness`] — worker liveness for fast takeover.
 //! - [`maintenance`] — early takeover sweeps and outbox retention.
@@ -27,8 +30,10 @@
 //! - [`crash`] — kill points for crash tests.
 //!
 
+pub mod access;
 pub mod bench;
 pub mod broker;
+pub mod canonical;
 pub mod cli;
 pub mod config;
 pub mod consumer;
@@ -36,6 +41,7 @@ pub mod crash;
 pub mod db;
 pub mod demo;
 pub mod dlq;
+pub mod embed;
 pub mod http;
 pub mod jobs;
 pub mod liveness;

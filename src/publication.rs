@@ -1,106 +1,392 @@
-//! Publications: which document generations a knowledge space serves. Invariant: the space's
-//! one head (`projection_set_publication_heads`) only moves by compare-and-swap on its
-//! revision, to a publication row whose `metadata.members` lists, per document, the generation
-//! and version served. Readers see only nodes of member generations; writers never edit a
-//! publication that a head may point at, they make a new one.
+//! Publications: what a knowledge space serves, in the platform's own read model. A publication
+//! (`projection_set_publications`) lists its components in `projection_set_publication_members`
+//! (index projections, outlines, multimodal manifests, knowledge paths, graph rows, each of one
+//! generation); the space's one head (`projection_set_publication_heads`) names the publication
+//! readers use. Invariant: the head only moves by compare-and-swap on its revision (a first head
+//! has the space's id as its own id and revision 1), to a publication that is `published`, and
+//! the publication it replaces becomes `superseded` with the new fingerprint; a publication a
+//! head has pointed at is never given other members.
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
+use serde::Serialize;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// One document's served generation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Member {
-    pub generation: Uuid,
-    pub version: i32,
-}
+/// The `component_type` of a publication member.
+pub const INDEX_PROJECTION: &str = "index-projection";
+pub const DOCUMENT_OUTLINE: &str = "document-outline";
+pub const MULTIMODAL_MANIFEST: &str = "multimodal-manifest";
+pub const KNOWLEDGE_PATH: &str = "knowledge-path";
+pub const GRAPH_ENTITY: &str = "graph-entity";
+pub const GRAPH_RELATION: &str = "graph-relation";
 
-/// Document id → member. Ordered, so that fingerprints are stable.
-pub type Members = BTreeMap<Uuid, Member>;
-
-/// The space's current head.
+/// The space's current head and the publication it names.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Head {
     pub publication_id: Uuid,
     pub revision: i32,
-    pub members: Members,
+    pub fingerprint: String,
+    pub status: String,
+    pub projection_version: i32,
 }
 
-/// The fingerprint of a member set: hex SHA-256 over the sorted members.
-pub fn fingerprint(members: &Members) -> String {
-    let mut h = Sha256::new();
-    for (doc, m) in members {
-        h.update(doc.as_bytes());
-        h.update(m.generation.as_bytes());
-        h.update(m.version.to_be_bytes());
-    }
-    hex::encode(h.finalize())
+/// One member row of a publication.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+pub struct Member {
+    pub component_type: String,
+    pub component_key: Uuid,
+    pub generation_id: Uuid,
+    pub document_asset_id: Option<Uuid>,
 }
 
-/// Reads the head of a space (tenant-scoped), locking it when `for_update`.
+/// Reads the head of a space (tenant-scoped), locking the head row when `for_update`.
+///
+/// The lock is taken by a statement on the head table alone, and the head is then read by a
+/// statement of its own: a locking read that joins the publication would, after waiting for a
+/// concurrent publisher, see the moved head row but not the publication it now names (a
+/// read-committed re-check only re-reads the locked row), and find no head at all.
 pub async fn head(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
     for_update: bool,
 ) -> Result<Option<Head>, sqlx::Error> {
-    let sql = if for_update {
-        r#"SELECT h.publication_id, h.head_revision, p.metadata -> 'members'
-           FROM projection_set_publication_heads h
-           JOIN projection_set_publications p ON p.id = h.publication_id AND p.tenant_id = h.tenant_id
-           WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2
-           FOR UPDATE OF h"#
-    } else {
-        r#"SELECT h.publication_id, h.head_revision, p.metadata -> 'members'
-           FROM projection_set_publication_heads h
-           JOIN projection_set_publications p ON p.id = h.publication_id AND p.tenant_id = h.tenant_id
-           WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2"#
-    };
-    let row: Option<(Uuid, i32, Option<serde_json::Value>)> = sqlx::query_as(sql)
+    if for_update {
+        let locked: Option<i32> = sqlx::query_scalar(
+            "SELECT head_revision FROM projection_set_publication_heads \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
+        )
         .bind(tenant)
         .bind(space)
-        .fetch_optional(conn)
+        .fetch_optional(&mut *conn)
         .await?;
-    Ok(row.map(|(publication_id, revision, members)| Head {
-        publication_id,
-        revision,
-        members: members
-            .and_then(|m| serde_json::from_value(m).ok())
-            .unwrap_or_default(),
-    }))
+        if locked.is_none() {
+            return Ok(None);
+        }
+    }
+    let row: Option<(Uuid, i32, String, String, i32)> = sqlx::query_as(
+        "SELECT h.publication_id, h.head_revision, p.fingerprint::text, p.status::text, p.projection_version \
+         FROM projection_set_publication_heads h \
+         JOIN projection_set_publications p ON p.id = h.publication_id AND p.tenant_id = h.tenant_id \
+           AND p.knowledge_space_id = h.knowledge_space_id \
+         WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2",
+    )
+    .bind(tenant)
+    .bind(space)
+    .fetch_optional(conn)
+    .await?;
+    Ok(row.map(
+        |(publication_id, revision, fingerprint, status, projection_version)| Head {
+            publication_id,
+            revision,
+            fingerprint,
+            status,
+            projection_version,
+        },
+    ))
 }
 
-/// A new publication row (status `candidate` until a head points at it).
-pub async fn create(
+/// The members of a publication, in the platform's order (component type, then key).
+pub async fn members(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
-    members: &Members,
-    metadata_extra: serde_json::Value,
-) -> Result<(Uuid, String), sqlx::Error> {
-    let id = Uuid::now_v7();
-    let fp = fingerprint(members);
-    let mut metadata = serde_json::json!({ "members": members });
-    if let (Some(m), serde_json::Value::Object(extra)) = (metadata.as_object_mut(), metadata_extra)
-    {
-        m.extend(extra);
+    publication: Uuid,
+) -> Result<Vec<Member>, sqlx::Error> {
+    let rows: Vec<(String, Uuid, Uuid, Option<Uuid>)> = sqlx::query_as(
+        "SELECT component_type::text, component_key, generation_id, document_asset_id \
+         FROM projection_set_publication_members \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
+         ORDER BY component_type, component_key",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(publication)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(
+            |(component_type, component_key, generation_id, document_asset_id)| Member {
+                component_type,
+                component_key,
+                generation_id,
+                document_asset_id,
+            },
+        )
+        .collect())
+}
+
+/// What a publication serves of one document: the generation of its outline member and the
+/// document version that outline was built from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Served {
+    pub generation: Uuid,
+    pub version: i32,
+}
+
+/// Document id → what the publication serves of it.
+pub type Documents = BTreeMap<Uuid, Served>;
+
+/// The documents a publication serves.
+pub async fn documents(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    publication: Uuid,
+) -> Result<Documents, sqlx::Error> {
+    let rows: Vec<(Uuid, Uuid, i32)> = sqlx::query_as(
+        "SELECT m.document_asset_id, m.generation_id, o.version FROM projection_set_publication_members m \
+         JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = m.knowledge_space_id \
+           AND o.publication_generation_id = m.generation_id AND o.document_asset_id = m.document_asset_id \
+         WHERE m.tenant_id = $1 AND m.knowledge_space_id = $2 AND m.publication_id = $3 \
+           AND m.component_type = 'document-outline'",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(publication)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(doc, generation, version)| {
+            (
+                doc,
+                Served {
+                    generation,
+                    version,
+                },
+            )
+        })
+        .collect())
+}
+
+/// Whether a publication has any member of one of `documents`.
+pub async fn serves_any(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    publication: Uuid,
+    documents: &[Uuid],
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM projection_set_publication_members \
+           WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
+             AND document_asset_id = ANY($4))",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(publication)
+    .bind(documents)
+    .fetch_one(conn)
+    .await
+}
+
+/// The fingerprint of the publication a deletion job makes when it takes a target out of the
+/// head `from`: the platform's formula.
+pub fn deletion_fingerprint(job: Uuid, from: Uuid) -> String {
+    let mut material = b"durable-deletion-publication-v1\0".to_vec();
+    material.extend_from_slice(job.to_string().as_bytes());
+    material.push(0);
+    material.extend_from_slice(from.to_string().as_bytes());
+    format!(
+        "projection-set-sha256:{}",
+        crate::canonical::sha256_hex(&material)
+    )
+}
+
+/// Moves the head to a new `published` publication with the head's members except those of
+/// `excluded` documents (every member when `excluded` is `None`), as a deletion does. Returns
+/// `Ok(None)` when there is no head or nothing to exclude.
+pub async fn publish_excluding(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    deletion_job: Uuid,
+    excluded: Option<&[Uuid]>,
+    metadata: &serde_json::Value,
+) -> Result<Option<Result<i32, Moved>>, sqlx::Error> {
+    let Some(h) = head(conn, tenant, space, true).await? else {
+        return Ok(None);
+    };
+    let affected = match excluded {
+        None => !members(conn, tenant, space, h.publication_id)
+            .await?
+            .is_empty(),
+        Some(docs) => serves_any(conn, tenant, space, h.publication_id, docs).await?,
+    };
+    if !affected {
+        return Ok(None);
     }
-    sqlx::query(
-        r#"INSERT INTO projection_set_publications
-             (id, tenant_id, knowledge_space_id, fingerprint, projection_version, status, metadata, created_at, updated_at)
-           VALUES ($1, $2, $3, $4, 1, 'candidate', $5, now(), now())"#,
+    let id = Uuid::new_v4();
+    let fingerprint = deletion_fingerprint(deletion_job, h.publication_id);
+    insert(
+        conn,
+        id,
+        tenant,
+        space,
+        &fingerprint,
+        h.projection_version,
+        "published",
+        metadata,
+    )
+    .await?;
+    if let Some(docs) = excluded {
+        sqlx::query(
+            "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+               component_type, component_key, generation_id, document_asset_id, created_at) \
+             SELECT s.tenant_id, s.knowledge_space_id, $3, s.component_type, s.component_key, s.generation_id, \
+               s.document_asset_id, s.created_at \
+             FROM projection_set_publication_members s \
+             WHERE s.tenant_id = $1 AND s.knowledge_space_id = $2 AND s.publication_id = $4 \
+               AND (s.document_asset_id IS NULL OR s.document_asset_id <> ALL($5))",
+        )
+        .bind(tenant)
+        .bind(space)
+        .bind(id)
+        .bind(h.publication_id)
+        .bind(docs)
+        .execute(&mut *conn)
+        .await?;
+    }
+    transition(
+        conn,
+        tenant,
+        space,
+        h.publication_id,
+        "published",
+        "superseded",
+        Some(&fingerprint),
+    )
+    .await?;
+    Ok(Some(swap_head(conn, tenant, space, h.revision, id).await?))
+}
+
+/// A new publication row, `status` as given (`candidate` for a compile, `published` for a row
+/// that a head moves to at once). Returns false when a row with this id or this fingerprint
+/// already exists.
+#[allow(clippy::too_many_arguments)]
+pub async fn insert(
+    conn: &mut PgConnection,
+    id: Uuid,
+    tenant: &str,
+    space: Uuid,
+    fingerprint: &str,
+    projection_version: i32,
+    status: &str,
+    metadata: &serde_json::Value,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "INSERT INTO projection_set_publications (id, tenant_id, knowledge_space_id, fingerprint, projection_version, \
+           status, superseded_by_fingerprint, metadata, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, NULL, $7, now(), now()) \
+         ON CONFLICT DO NOTHING",
     )
     .bind(id)
     .bind(tenant)
     .bind(space)
-    .bind(&fp)
+    .bind(fingerprint)
+    .bind(projection_version)
+    .bind(status)
     .bind(metadata)
     .execute(conn)
     .await?;
-    Ok((id, fp))
+    Ok(done.rows_affected() == 1)
+}
+
+/// Sets a publication's members: its old members go, then the members of `inherit` (another
+/// publication of the space) are copied except those of `except_document`, then `own` is added.
+/// Returns how many members the publication has.
+pub async fn set_members(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    publication: Uuid,
+    inherit: Option<Uuid>,
+    except_document: Option<Uuid>,
+    own: &[Member],
+) -> Result<u64, sqlx::Error> {
+    sqlx::query(
+        "DELETE FROM projection_set_publication_members \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(publication)
+    .execute(&mut *conn)
+    .await?;
+    let mut total = 0;
+    if let Some(from) = inherit {
+        total += sqlx::query(
+            "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+               component_type, component_key, generation_id, document_asset_id, created_at) \
+             SELECT s.tenant_id, s.knowledge_space_id, $3, s.component_type, s.component_key, s.generation_id, \
+               s.document_asset_id, now() \
+             FROM projection_set_publication_members s \
+             WHERE s.tenant_id = $1 AND s.knowledge_space_id = $2 AND s.publication_id = $4 \
+               AND (s.document_asset_id IS NULL OR s.document_asset_id IS DISTINCT FROM $5) \
+             ON CONFLICT (publication_id, component_type, component_key) DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(space)
+        .bind(publication)
+        .bind(from)
+        .bind(except_document)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+    }
+    for chunk in own.chunks(1000) {
+        let types: Vec<&str> = chunk.iter().map(|m| m.component_type.as_str()).collect();
+        let keys: Vec<Uuid> = chunk.iter().map(|m| m.component_key).collect();
+        let gens: Vec<Uuid> = chunk.iter().map(|m| m.generation_id).collect();
+        let docs: Vec<Option<Uuid>> = chunk.iter().map(|m| m.document_asset_id).collect();
+        total += sqlx::query(
+            "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+               component_type, component_key, generation_id, document_asset_id, created_at) \
+             SELECT $1, $2, $3, t.ty, t.key, t.gen, t.doc, now() \
+             FROM unnest($4::varchar[], $5::uuid[], $6::uuid[], $7::uuid[]) AS t(ty, key, gen, doc) \
+             ON CONFLICT (publication_id, component_type, component_key) DO NOTHING",
+        )
+        .bind(tenant)
+        .bind(space)
+        .bind(publication)
+        .bind(&types)
+        .bind(&keys)
+        .bind(&gens)
+        .bind(&docs)
+        .execute(&mut *conn)
+        .await?
+        .rows_affected();
+    }
+    Ok(total)
+}
+
+/// Moves a publication from status `from` to `to` (with `superseded_by` as its
+/// `superseded_by_fingerprint`). Returns whether it was in `from`.
+pub async fn transition(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    id: Uuid,
+    from: &str,
+    to: &str,
+    superseded_by: Option<&str>,
+) -> Result<bool, sqlx::Error> {
+    let done = sqlx::query(
+        "UPDATE projection_set_publications SET status = $5, superseded_by_fingerprint = $6, updated_at = now() \
+         WHERE id = $3 AND tenant_id = $1 AND knowledge_space_id = $2 AND status = $4",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(id)
+    .bind(from)
+    .bind(to)
+    .bind(superseded_by)
+    .execute(conn)
+    .await?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// The head moved (or appeared) since the expected revision.
@@ -109,137 +395,189 @@ pub struct Moved {
     pub current: i32,
 }
 
-/// Points the head at `publication_id` if it is still at `expected` (0: no head yet). Marks the
-/// publication `published` and the one it replaces `superseded`. Returns the new revision.
+/// Points the head at `publication` if it is still at revision `expected` (0: no head yet; the
+/// first head has the space's id as its id and revision 1). Only the head row changes here; the
+/// publications' statuses are the caller's, in the same transaction. Returns the new revision.
 pub async fn swap_head(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
     expected: i32,
-    publication_id: Uuid,
+    publication: Uuid,
 ) -> Result<Result<i32, Moved>, sqlx::Error> {
-    let previous: Option<(Uuid, i32)> = if expected == 0 {
-        let inserted: Option<i32> = sqlx::query_scalar(
-            r#"INSERT INTO projection_set_publication_heads
-                 (id, tenant_id, knowledge_space_id, publication_id, head_revision, created_at, updated_at)
-               VALUES (gen_random_uuid(), $1, $2, $3, 1, now(), now())
-               ON CONFLICT (tenant_id, knowledge_space_id) DO NOTHING
-               RETURNING head_revision"#,
+    let revision: Option<i32> = if expected == 0 {
+        sqlx::query_scalar(
+            "INSERT INTO projection_set_publication_heads \
+               (id, tenant_id, knowledge_space_id, publication_id, head_revision, created_at, updated_at) \
+             VALUES ($2, $1, $2, $3, 1, now(), now()) \
+             ON CONFLICT (tenant_id, knowledge_space_id) DO NOTHING \
+             RETURNING head_revision",
         )
         .bind(tenant)
         .bind(space)
-        .bind(publication_id)
+        .bind(publication)
         .fetch_optional(&mut *conn)
-        .await?;
-        if inserted.is_none() {
-            return Ok(Err(Moved {
-                current: current_revision(conn, tenant, space).await?,
-            }));
-        }
-        None
+        .await?
     } else {
-        let row: Option<(Uuid, i32)> = sqlx::query_as(
-            r#"WITH old AS (
-                 SELECT publication_id FROM projection_set_publication_heads
-                 WHERE tenant_id = $1 AND knowledge_space_id = $2 AND head_revision = $3 FOR UPDATE
-               )
-               UPDATE projection_set_publication_heads h
-               SET publication_id = $4, head_revision = h.head_revision + 1, updated_at = now()
-               FROM old
-               WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND h.head_revision = $3
-               RETURNING old.publication_id, h.head_revision"#,
+        sqlx::query_scalar(
+            "UPDATE projection_set_publication_heads SET publication_id = $3, head_revision = $4 + 1, \
+               updated_at = now() \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 AND head_revision = $4 \
+             RETURNING head_revision",
         )
         .bind(tenant)
         .bind(space)
+        .bind(publication)
         .bind(expected)
-        .bind(publication_id)
         .fetch_optional(&mut *conn)
-        .await?;
-        match row {
-            Some(r) => Some(r),
-            None => {
-                return Ok(Err(Moved {
-                    current: current_revision(conn, tenant, space).await?,
-                }))
-            }
-        }
+        .await?
     };
-    let fp: String = sqlx::query_scalar(
-        "UPDATE projection_set_publications SET status = 'published', updated_at = now() \
-         WHERE id = $1 AND tenant_id = $2 AND knowledge_space_id = $3 RETURNING fingerprint",
-    )
-    .bind(publication_id)
-    .bind(tenant)
-    .bind(space)
-    .fetch_one(&mut *conn)
-    .await?;
-    let revision = match previous {
-        Some((old, rev)) => {
-            sqlx::query(
-                "UPDATE projection_set_publications SET status = 'superseded', superseded_by_fingerprint = $4, \
-                   updated_at = now() WHERE id = $1 AND tenant_id = $2 AND knowledge_space_id = $3 AND id <> $5",
-            )
-            .bind(old)
-            .bind(tenant)
-            .bind(space)
-            .bind(&fp)
-            .bind(publication_id)
-            .execute(&mut *conn)
-            .await?;
-            rev
-        }
-        None => 1,
-    };
-    Ok(Ok(revision))
+    match revision {
+        Some(r) => Ok(Ok(r)),
+        None => Ok(Err(Moved {
+            current: head(conn, tenant, space, false)
+                .await?
+                .map_or(0, |h| h.revision),
+        })),
+    }
 }
 
-async fn current_revision(
+/// Publishes `publication` in place of the space's head at revision `expected`: the publication
+/// goes `from` → `published` (through `validating` when it was a candidate), the old head's
+/// publication becomes `superseded` by its fingerprint, and the head moves by compare-and-swap.
+/// On `Err(Moved)` nothing was written that the caller's transaction should keep.
+pub async fn publish(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
-) -> Result<i32, sqlx::Error> {
-    Ok(sqlx::query_scalar(
-        "SELECT head_revision FROM projection_set_publication_heads WHERE tenant_id = $1 AND knowledge_space_id = $2",
+    expected: i32,
+    publication: Uuid,
+    fingerprint: &str,
+) -> Result<Result<i32, Moved>, sqlx::Error> {
+    let old = head(conn, tenant, space, true).await?;
+    let current = old.as_ref().map_or(0, |h| h.revision);
+    if current != expected {
+        return Ok(Err(Moved { current }));
+    }
+    let status: Option<String> = sqlx::query_scalar(
+        "SELECT status::text FROM projection_set_publications \
+         WHERE id = $3 AND tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
     )
     .bind(tenant)
     .bind(space)
-    .fetch_optional(conn)
-    .await?
-    .unwrap_or(0))
-}
-
-/// SQL condition that keeps only nodes (alias `n`) served by the space's current head, for
-/// tenant `$1` and space `$2`. Use inside a query over `knowledge_nodes n`.
-pub const PUBLISHED_NODE_FILTER: &str = r#"n.tenant_id = $1 AND n.knowledge_space_id = $2 AND EXISTS (
-    SELECT 1 FROM projection_set_publication_heads h
-    JOIN projection_set_publications p ON p.id = h.publication_id AND p.tenant_id = h.tenant_id
-    WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2
-      AND (p.metadata -> 'members' -> (n.document_asset_id::text) ->> 'generation')::uuid = n.publication_generation_id)"#;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fingerprint_depends_on_members_not_order_of_insertion() {
-        let (a, b) = (Uuid::from_u128(1), Uuid::from_u128(2));
-        let m1 = Member {
-            generation: Uuid::from_u128(10),
-            version: 1,
-        };
-        let m2 = Member {
-            generation: Uuid::from_u128(20),
-            version: 3,
-        };
-        let mut x = Members::new();
-        x.insert(a, m1);
-        x.insert(b, m2);
-        let mut y = Members::new();
-        y.insert(b, m2);
-        y.insert(a, m1);
-        assert_eq!(fingerprint(&x), fingerprint(&y));
-        assert_eq!(fingerprint(&x).len(), 64);
-        y.insert(b, Member { version: 4, ..m2 });
-        assert_ne!(fingerprint(&x), fingerprint(&y));
+    .bind(publication)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if status.as_deref() == Some("candidate") {
+        transition(
+            conn,
+            tenant,
+            space,
+            publication,
+            "candidate",
+            "validating",
+            None,
+        )
+        .await?;
     }
+    if let Some(h) = &old {
+        if h.publication_id != publication {
+            transition(
+                conn,
+                tenant,
+                space,
+                h.publication_id,
+                "published",
+                "superseded",
+                Some(fingerprint),
+            )
+            .await?;
+        }
+    }
+    transition(
+        conn,
+        tenant,
+        space,
+        publication,
+        "validating",
+        "published",
+        None,
+    )
+    .await?;
+    swap_head(conn, tenant, space, expected, publication).await
 }
+
+/// The read paths' shared parts: the selected columns, the joins from a projection to its
+/// node, artifact, document and the publication member that serves it, and the filter that
+/// keeps only parsed, active documents whose source is not being deleted.
+macro_rules! read_columns {
+    () => {
+        "SELECT p.id AS projection_id, n.id AS node_id, n.document_asset_id, pa.version AS document_version,
+       n.text, n.source_location, da.filename,\n"
+    };
+}
+macro_rules! read_joins {
+    () => {
+        r#"FROM index_projections p
+JOIN knowledge_nodes n ON n.id = p.node_id AND n.knowledge_space_id = p.knowledge_space_id
+     AND n.publication_generation_id IS NOT DISTINCT FROM p.publication_generation_id
+JOIN parse_artifacts pa ON pa.id = n.parse_artifact_id AND pa.document_asset_id = n.document_asset_id
+     AND pa.artifact_hash = n.artifact_hash
+JOIN document_assets da ON da.id = n.document_asset_id AND da.knowledge_space_id = n.knowledge_space_id
+JOIN projection_set_publications retrieval_pub ON retrieval_pub.tenant_id = $3
+     AND retrieval_pub.knowledge_space_id = p.knowledge_space_id AND retrieval_pub.id = $4
+     AND retrieval_pub.status IN ('published', 'superseded')
+JOIN projection_set_publication_members pm ON pm.tenant_id = retrieval_pub.tenant_id
+     AND pm.knowledge_space_id = retrieval_pub.knowledge_space_id AND pm.publication_id = retrieval_pub.id
+     AND pm.component_type = 'index-projection' AND pm.component_key = p.id
+     AND pm.generation_id = p.publication_generation_id AND pm.document_asset_id = n.document_asset_id
+"#
+    };
+}
+macro_rules! read_live_documents {
+    () => {
+        r#"  AND da.parser_status = 'parsed' AND da.lifecycle_state = 'active'
+  AND (da.source_id IS NULL OR EXISTS (SELECT 1 FROM sources s WHERE s.id = da.source_id
+       AND s.knowledge_space_id = da.knowledge_space_id AND s.status <> 'deleting' AND s.deletion_job_id IS NULL))
+"#
+    };
+}
+
+/// The platform's full-text read path, as its retrieval runs it: from the named publication
+/// (`$4`, which must be `published` or `superseded`) through its `index-projection` members to
+/// `ready` `fts` projections and their nodes, of parsed, active documents whose source (if any)
+/// is not being deleted, and only nodes whose permission scope the reader's scopes (`$5`, a
+/// JSON array) cover. `$1` space, `$2` normalised query text, `$3` tenant. Rows: projection id,
+/// node id, document id, document version, node text, node source location, score.
+pub const FTS_READ_SQL: &str = concat!(
+    "\n",
+    read_columns!(),
+    r#"       ts_rank(p.fts_document, plainto_tsquery('simple', $2))::float8 AS score
+"#,
+    read_joins!(),
+    r#"WHERE p.knowledge_space_id = $1 AND p.type = 'fts' AND p.status = 'ready'
+  AND p.fts_document @@ plainto_tsquery('simple', $2)
+"#,
+    read_live_documents!(),
+    r#"  AND (jsonb_array_length(n.permission_scope) = 0 OR $5::jsonb @> n.permission_scope)
+ORDER BY score DESC, n.id
+"#
+);
+
+/// The platform's dense read path over the same publication: `ready` `dense-vector`
+/// projections of vector space `$6` and dimension `$5`, nearest to `$2` (the query vector as
+/// JSON text) first. `$1` space, `$3` tenant, `$4` publication, `$7` reader scopes.
+pub const DENSE_READ_SQL: &str = concat!(
+    "\n",
+    read_columns!(),
+    r#"       (1 - (p.dense_vector <=> $2::vector))::float8 AS score
+"#,
+    read_joins!(),
+    r#"WHERE p.knowledge_space_id = $1 AND p.type = 'dense-vector' AND p.status = 'ready'
+  AND p.model = $6 AND p.dense_vector IS NOT NULL AND vector_dims(p.dense_vector) = $5
+"#,
+    read_live_documents!(),
+    r#"  AND (jsonb_array_length(n.permission_scope) = 0 OR $7::jsonb @> n.permission_scope)
+ORDER BY p.dense_vector <=> $2::vector, n.id
+"#
+);

@@ -39,6 +39,8 @@ pub struct RunOptions {
     pub http_addr: Option<std::net::SocketAddr>,
     /// Authorises the dashboard's actions; `None` refuses them all.
     pub admin_token: Option<crate::config::AdminToken>,
+    /// The embedding port compile and research use for spaces with an embedding profile.
+    pub embedder: crate::embed::EmbedderConfig,
 }
 
 /// Reconnect delays: 100 ms doubling to 10 s, with jitter, forever.
@@ -180,6 +182,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     if opts.consumer {
         let deps = jobs::Deps {
             store: crate::store::Store::open(&opts.object_store)?,
+            embedder: crate::embed::build(&opts.embedder)?,
         };
         let handlers: Vec<Arc<dyn Handler>> = jobs::handlers(&deps)?
             .into_iter()

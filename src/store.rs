@@ -140,6 +140,41 @@ impl Store {
         }
     }
 
+    /// Up to `limit` keys under the folder `prefix` (`a/b` lists `a/b/...`, never `a/bc`) that
+    /// sort after `after`, in byte order. A folder that does not exist lists nothing.
+    pub async fn list(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<String>, StoreError> {
+        use futures_util::TryStreamExt;
+        let path = self.path(prefix.trim_end_matches('/'))?;
+        let root: Vec<String> = self.root.parts().map(|p| p.as_ref().to_owned()).collect();
+        // Listing past `after` lets stores that list in key order skip what was listed already.
+        let listing = match after {
+            Some(a) => self.inner.list_with_offset(Some(&path), &self.path(a)?),
+            None => self.inner.list(Some(&path)),
+        };
+        let metas: Vec<object_store::ObjectMeta> = match listing.try_collect().await {
+            Ok(m) => m,
+            Err(object_store::Error::NotFound { .. }) => Vec::new(),
+            Err(e) => return Err(map_err(prefix, e)),
+        };
+        let mut keys: Vec<String> = metas
+            .into_iter()
+            .map(|m| {
+                let parts: Vec<String> =
+                    m.location.parts().map(|p| p.as_ref().to_owned()).collect();
+                parts[root.len().min(parts.len())..].join("/")
+            })
+            .filter(|k| after.is_none_or(|a| k.as_str() > a))
+            .collect();
+        keys.sort();
+        keys.truncate(limit);
+        Ok(keys)
+    }
+
     pub async fn exists(&self, key: &str) -> Result<bool, StoreError> {
         let path = self.path(key)?;
         match self.inner.head(&path).await {
@@ -173,6 +208,27 @@ mod tests {
             s.get("a/b.md").await,
             Err(StoreError::NotFound(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn lists_a_folder_in_pages() {
+        let s = Store::memory();
+        for k in ["t/s/a/2", "t/s/a/1", "t/s/ab/x", "t/s/b/1"] {
+            s.put(k, Bytes::from_static(b"x")).await.unwrap();
+        }
+        assert_eq!(
+            s.list("t/s/a", None, 10).await.unwrap(),
+            vec!["t/s/a/1", "t/s/a/2"]
+        );
+        assert_eq!(
+            s.list("t/s/a/", Some("t/s/a/1"), 10).await.unwrap(),
+            vec!["t/s/a/2"]
+        );
+        assert_eq!(
+            s.list("t/s", None, 2).await.unwrap(),
+            vec!["t/s/a/1", "t/s/a/2"]
+        );
+        assert!(s.list("t/none", None, 10).await.unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -151,6 +151,11 @@ fn bad_run_settings_are_refused_before_connecting() {
         ),
         ("KFS_QUEUE_PREFIX", "has space", "KFS_QUEUE_PREFIX: must be"),
         (
+            "KFS_EMBEDDER",
+            "magic",
+            "KFS_EMBEDDER: must be offline or openai",
+        ),
+        (
             "KFS_SLICE_TIME",
             "soon",
             "KFS_SLICE_TIME: must be a duration",

@@ -10,25 +10,23 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::space::SpaceFx;
-use kfs_worker::consumer::lease::DeliveryRef;
-use kfs_worker::consumer::slice::Budget;
-use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
-use kfs_worker::jobs::compile::parse::{self, MAX_CHUNK_CHARS};
+use kfs_worker::consumer::Handled;
+use kfs_worker::jobs::compile::artifact;
+use kfs_worker::jobs::compile::chunk::{self, MAX_CHUNK_GRAPHEMES};
+use kfs_worker::jobs::compile::parse;
 use kfs_worker::jobs::compile::{
-    self, AttemptStatus, CompileError, CompileHandler, RequestOptions,
+    self, AttemptStatus, CompileError, CompileHandler, RequestOptions, Requester,
 };
 use kfs_worker::jobs::{Deps, Kind};
-use kfs_worker::publication::{self, PUBLISHED_NODE_FILTER};
+use kfs_worker::platform;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-const HANG: Duration = Duration::from_secs(60);
 const TENANT: &str = "tenant-compile";
 
 const GUIDE_MD: &[u8] = include_bytes!("fixtures/compile/guide.md");
@@ -45,116 +43,20 @@ impl Fx {
         Fx(SpaceFx::new(TENANT, "compile", "Compile tests").await)
     }
 
-    async fn request(&self, doc: Uuid, defer: bool) -> Result<Uuid, CompileError> {
-        let mut tx = self.pool().begin().await.unwrap();
-        let r = compile::request(&mut tx, doc, RequestOptions { defer }).await;
-        tx.commit().await.unwrap();
-        r
-    }
-
-    fn engine(&self, worker: &str, max_steps: u32) -> Engine {
-        let handler = CompileHandler::new(Deps {
-            store: self.store.clone(),
-        })
-        .unwrap();
-        Engine::new(
-            self.pool().clone(),
-            worker,
-            vec![Arc::new(handler)],
-            ConsumerConfig {
-                budget: Budget {
-                    max_steps,
-                    max_time: Duration::from_secs(30),
-                },
-                ..ConsumerConfig::default()
-            },
-        )
-    }
-
-    async fn status(&self, attempt: Uuid) -> AttemptStatus {
-        let mut conn = self.pool().acquire().await.unwrap();
-        compile::show(&mut conn, attempt).await.unwrap()
-    }
-
-    /// Puts the attempt's outbox row out for delivery as the relay's mark leaves it.
-    async fn dispatch(&self, attempt: Uuid) -> DeliveryRef {
-        let (outbox, delivery_id): (Uuid, String) = sqlx::query_as(
-            "UPDATE document_compilation_outbox SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
-               dispatch_attempts = dispatch_attempts + 1, available_at = now() + interval '5 minutes', \
-               lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = now() \
-             WHERE attempt_id = $1 RETURNING id, queue_job_id",
-        )
-        .bind(attempt)
-        .fetch_one(self.pool())
-        .await
-        .unwrap();
-        DeliveryRef {
-            kind: Kind::Compile,
-            job_id: attempt,
-            outbox_id: outbox,
-            delivery_id,
-        }
-    }
-
-    /// One delivery, one slice.
-    async fn slice(&self, engine: &Engine, attempt: Uuid) -> Handled {
-        let d = self.dispatch(attempt).await;
-        tokio::time::timeout(HANG, engine.process_ref(&d, &CancellationToken::new()))
-            .await
-            .expect("process_ref hung")
-    }
-
-    /// Slices until the attempt ends.
-    async fn drive(&self, engine: &Engine, attempt: Uuid) -> AttemptStatus {
-        for _ in 0..40 {
-            let s = self.status(attempt).await;
-            if s.is_terminal() {
-                return s;
-            }
-            self.slice(engine, attempt).await;
-        }
-        panic!(
-            "attempt {attempt} did not end: {:?}",
-            self.status(attempt).await
-        );
-    }
-
-    /// Slices (of one step each with a one-step engine) until the attempt reaches `cp`.
-    async fn drive_to(&self, engine: &Engine, attempt: Uuid, cp: &str) {
-        for _ in 0..20 {
-            let s = self.status(attempt).await;
-            if s.checkpoint == cp {
-                return;
-            }
-            assert!(!s.is_terminal(), "ended before {cp}: {s:?}");
-            self.slice(engine, attempt).await;
-        }
-        panic!("attempt {attempt} never reached {cp}");
-    }
-
-    /// Nodes of `doc` that the space's head serves.
+    /// Nodes of `doc` reachable from the head's publication through its projection members.
     async fn served_nodes(&self, doc: Uuid) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM knowledge_nodes n WHERE {PUBLISHED_NODE_FILTER} AND n.document_asset_id = $3"
-        ))
+        sqlx::query_scalar(
+            "SELECT count(DISTINCT n.id) FROM projection_set_publication_heads h \
+             JOIN projection_set_publication_members m ON m.tenant_id = h.tenant_id \
+               AND m.knowledge_space_id = h.knowledge_space_id AND m.publication_id = h.publication_id \
+               AND m.component_type = 'index-projection' \
+             JOIN index_projections p ON p.id = m.component_key AND p.publication_generation_id = m.generation_id \
+             JOIN knowledge_nodes n ON n.id = p.node_id AND n.publication_generation_id = p.publication_generation_id \
+             WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND n.document_asset_id = $3",
+        )
         .bind(TENANT)
         .bind(self.space)
         .bind(doc)
-        .fetch_one(self.pool())
-        .await
-        .unwrap()
-    }
-
-    /// Served nodes of `doc` whose generation is not `generation`.
-    async fn served_from_other_generations(&self, doc: Uuid, generation: Uuid) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM knowledge_nodes n WHERE {PUBLISHED_NODE_FILTER} AND n.document_asset_id = $3 \
-               AND n.publication_generation_id <> $4"
-        ))
-        .bind(TENANT)
-        .bind(self.space)
-        .bind(doc)
-        .bind(generation)
         .fetch_one(self.pool())
         .await
         .unwrap()
@@ -162,9 +64,8 @@ impl Fx {
 
     async fn rows_of_generation(&self, table: &str, generation: Uuid) -> i64 {
         sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {table} WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_generation_id = $3"
+            "SELECT count(*) FROM {table} WHERE knowledge_space_id = $1 AND publication_generation_id = $2"
         ))
-        .bind(TENANT)
         .bind(self.space)
         .bind(generation)
         .fetch_one(self.pool())
@@ -172,29 +73,21 @@ impl Fx {
         .unwrap()
     }
 
-    async fn search(&self, query: &str) -> Vec<compile::Hit> {
-        let mut conn = self.pool().acquire().await.unwrap();
-        compile::search_published(&mut conn, TENANT, self.space, query, 50)
-            .await
-            .unwrap()
-    }
-
-    async fn head(&self) -> Option<publication::Head> {
-        let mut conn = self.pool().acquire().await.unwrap();
-        publication::head(&mut conn, TENANT, self.space, false)
-            .await
-            .unwrap()
-    }
-
     async fn cleanup(self) {
         self.0.cleanup().await;
     }
 }
 
-/// The nodes a document must produce.
+/// The nodes a document must produce: the platform's chunker over its parse's elements (plain
+/// text is parsed as Markdown).
 fn expected_nodes(mime: &str, filename: &str, bytes: &[u8]) -> i64 {
-    let f = parse::detect(mime, filename).unwrap();
-    parse::chunks(&parse::parse(f, bytes).unwrap(), MAX_CHUNK_CHARS).len() as i64
+    let f = match parse::detect(mime, filename).unwrap() {
+        parse::Format::Text => parse::Format::Markdown,
+        f => f,
+    };
+    let id = Uuid::new_v4();
+    let els = artifact::elements(id, &parse::parse(f, bytes).unwrap());
+    chunk::chunk(&els, id, "h").len() as i64
 }
 
 fn assert_succeeded(s: &AttemptStatus) {
@@ -288,13 +181,15 @@ async fn each_format_is_compiled_published_and_searchable() {
         revision += 1;
         let head = fx.head().await.unwrap();
         assert_eq!(head.revision, revision);
+        assert_eq!(head.status, "published");
         assert_eq!(
-            head.members[&doc],
-            publication::Member {
-                generation: done.publication_generation_id,
-                version: 1
-            }
+            Some(head.publication_id),
+            done.candidate_publication_id,
+            "the attempt's own candidate is what the head publishes"
         );
+        let served = fx.served().await;
+        assert_eq!(served[&doc].generation, done.publication_generation_id);
+        assert_eq!(served[&doc].version, 1);
 
         let expected = expected_nodes(mime, name, bytes);
         assert!(expected >= 1, "{name}");
@@ -303,24 +198,54 @@ async fn each_format_is_compiled_published_and_searchable() {
         assert_eq!(fx.rows_of_generation("knowledge_nodes", g).await, expected);
         assert_eq!(
             fx.rows_of_generation("index_projections", g).await,
-            expected
+            expected,
+            "one fts projection per node, no dense one without an embedding profile"
         );
         assert_eq!(fx.rows_of_generation("document_outlines", g).await, 1);
-        let longest: i32 = sqlx::query_scalar(
-            "SELECT max(char_length(content)) FROM knowledge_nodes WHERE publication_generation_id = $1",
+        assert_eq!(
+            fx.rows_of_generation("document_multimodal_manifests", g)
+                .await,
+            1
+        );
+        assert!(fx.rows_of_generation("knowledge_paths", g).await >= 3);
+        let (ready, building): (i64, i64) = sqlx::query_as(
+            "SELECT count(*) FILTER (WHERE status = 'ready'), count(*) FILTER (WHERE status <> 'ready') \
+             FROM index_projections WHERE publication_generation_id = $1 AND type = 'fts' \
+               AND model = 'database-fts@1' AND projection_version = 1 AND fts_document IS NOT NULL",
         )
         .bind(g)
         .fetch_one(fx.pool())
         .await
         .unwrap();
-        assert!(longest as usize <= MAX_CHUNK_CHARS);
-        let parser_status: String =
-            sqlx::query_scalar("SELECT parser_status FROM document_assets WHERE id = $1")
-                .bind(doc)
-                .fetch_one(fx.pool())
-                .await
-                .unwrap();
-        assert_eq!(parser_status, "parsed");
+        assert_eq!((ready, building), (expected, 0), "promoted at publish");
+        let (status, nodes, terms, actual_nodes): (String, i32, i32, i64) = sqlx::query_as(
+            "SELECT m.status, m.node_count, m.term_count, (SELECT count(*) FROM page_index_nodes n WHERE n.manifest_id = m.id) \
+             FROM page_index_manifests m WHERE m.publication_generation_id = $1",
+        )
+        .bind(g)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+        assert_eq!(status, "ready");
+        assert!(nodes > 0 && terms > 0);
+        assert_eq!(i64::from(nodes), actual_nodes);
+        let longest: i32 = sqlx::query_scalar(
+            "SELECT max(char_length(text)) FROM knowledge_nodes WHERE publication_generation_id = $1",
+        )
+        .bind(g)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+        assert!(longest as usize <= MAX_CHUNK_GRAPHEMES);
+        let (parser_status, artifacts): (String, i64) = sqlx::query_as(
+            "SELECT d.parser_status, (SELECT count(*) FROM parse_artifacts a WHERE a.document_asset_id = d.id AND a.version = 1) \
+             FROM document_assets d WHERE d.id = $1",
+        )
+        .bind(doc)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+        assert_eq!((parser_status.as_str(), artifacts), ("parsed", 1));
 
         for q in [query, word] {
             let hits = fx.search(q).await;
@@ -331,40 +256,34 @@ async fn each_format_is_compiled_published_and_searchable() {
             );
         }
     }
-    // Markdown: the long section was split, headings made the outline, front matter and code
-    // fences kept their place.
-    let outline: serde_json::Value = sqlx::query_scalar(
-        "SELECT o.outline FROM document_outlines o JOIN document_assets d ON d.id = o.document_asset_id \
+    // Markdown: headings made the outline tree, the long section was split, front matter and
+    // code fences kept their place.
+    let nodes: serde_json::Value = sqlx::query_scalar(
+        "SELECT o.nodes FROM document_outlines o JOIN document_assets d ON d.id = o.document_asset_id \
          WHERE d.filename = 'guide.md'",
     )
     .fetch_one(fx.pool())
     .await
     .unwrap();
-    assert_eq!(outline["headings"][0]["text"], "Zeppelin Field Guide");
-    let h2: Vec<&str> = outline["headings"][0]["children"]
+    assert_eq!(nodes[0]["title"], "Zeppelin Field Guide");
+    assert_eq!(nodes[0]["tocSource"], "parser-heading");
+    let h2: Vec<&str> = nodes[0]["children"]
         .as_array()
         .unwrap()
         .iter()
-        .map(|c| c["text"].as_str().unwrap())
+        .map(|c| c["title"].as_str().unwrap())
         .collect();
     assert_eq!(h2, ["Mooring", "Ballast", "Navigation"]);
-    assert_eq!(
-        outline["headings"][0]["children"][1]["children"][0]["text"],
-        "Weigh-off"
-    );
+    assert_eq!(nodes[0]["children"][1]["children"][0]["title"], "Weigh-off");
     let weigh = fx.search("static heaviness").await;
     assert_eq!(weigh.len(), 1);
     assert_eq!(
-        weigh[0].heading_path,
+        weigh[0].source_location["sectionPath"],
         serde_json::json!(["Zeppelin Field Guide", "Ballast", "Weigh-off"])
     );
     // HTML: scripts and styles are not content.
     assert!(fx.search("telemetry indexed").await.is_empty());
-    assert_eq!(
-        fx.head().await.unwrap().members.len(),
-        3,
-        "every document is a member"
-    );
+    assert_eq!(fx.served().await.len(), 3, "every document is a member");
     fx.cleanup().await;
 }
 
@@ -440,7 +359,7 @@ async fn bad_input_fails_with_a_clear_code_frees_the_slot_and_publishes_nothing(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_head_that_moved_during_publish_is_rebased_and_the_candidate_stays() {
+async fn a_head_that_moved_during_publish_is_rebased_onto_a_new_candidate() {
     let fx = Fx::new().await;
     let engine = fx.engine("w-interleave", 1);
     let a_doc = fx
@@ -479,7 +398,7 @@ async fn a_head_that_moved_during_publish_is_rebased_and_the_candidate_stays() {
     }
     let (sa, sb) = (fx.status(a).await, fx.status(b).await);
     assert_eq!((sa.base_head_revision, sb.base_head_revision), (0, 0));
-    let b_candidate = sb.candidate_publication_id.unwrap();
+    let b_first = sb.candidate_publication_id.unwrap();
 
     // A publishes first; B then finds the head moved from 0 to 1.
     assert_succeeded(&fx.drive(&engine, a).await);
@@ -487,56 +406,671 @@ async fn a_head_that_moved_during_publish_is_rebased_and_the_candidate_stays() {
     let sb = fx.drive(&engine, b).await;
     assert_succeeded(&sb);
     assert_eq!(sb.base_head_revision, 1, "rebased on the moved head");
-    assert_eq!(
-        sb.candidate_publication_id,
-        Some(b_candidate),
-        "the bound candidate never changes"
-    );
+    let b_rebased = sb.candidate_publication_id.unwrap();
+    assert_ne!(b_rebased, b_first, "bound to the rebased candidate");
     let head = fx.head().await.unwrap();
     assert_eq!(head.revision, 2);
-    assert_ne!(head.publication_id, b_candidate);
+    assert_eq!(head.publication_id, b_rebased);
     assert_eq!(
-        head.members.keys().copied().collect::<Vec<_>>(),
-        {
-            let mut v = vec![a_doc, b_doc];
-            v.sort();
-            v
-        },
-        "the rebased publication keeps A and adds B"
+        sb.candidate_fingerprint.as_deref(),
+        Some(head.fingerprint.as_str())
     );
-    let candidate_members: serde_json::Value = sqlx::query_scalar(
-        "SELECT metadata -> 'members' FROM projection_set_publications WHERE id = $1 AND tenant_id = $2",
-    )
-    .bind(b_candidate)
-    .bind(TENANT)
-    .fetch_one(fx.pool())
-    .await
-    .unwrap();
-    assert_eq!(
-        candidate_members.as_object().unwrap().len(),
-        1,
-        "the candidate itself is untouched"
-    );
+    let mut served: Vec<Uuid> = fx.served().await.keys().copied().collect();
+    served.sort();
+    let mut both = vec![a_doc, b_doc];
+    both.sort();
+    assert_eq!(served, both, "the rebased publication keeps A and adds B");
     assert_eq!(fx.search("albatross").await.len(), 1);
     assert_eq!(fx.search("buffalo").await.len(), 1);
-    let states: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT status::text, count(*) FROM projection_set_publications WHERE tenant_id = $1 AND knowledge_space_id = $2 \
-         GROUP BY 1 ORDER BY 1",
+    let states: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
+        "SELECT id, status::text, superseded_by_fingerprint::text FROM projection_set_publications \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2",
     )
     .bind(TENANT)
     .bind(fx.space)
     .fetch_all(fx.pool())
     .await
     .unwrap();
-    // A's candidate (superseded by the rebase), B's candidate (never served), the rebase (served).
+    let status_of = |id: Uuid| states.iter().find(|s| s.0 == id).unwrap().clone();
     assert_eq!(
-        states,
-        vec![
-            ("candidate".to_owned(), 1),
-            ("published".to_owned(), 1),
-            ("superseded".to_owned(), 1)
-        ]
+        status_of(b_first).1,
+        "inactive",
+        "B's first candidate was given up"
     );
+    assert_eq!(status_of(b_rebased).1, "published");
+    let a_pub = status_of(sa.candidate_publication_id.unwrap());
+    assert_eq!(
+        (a_pub.1.as_str(), a_pub.2.as_deref()),
+        ("superseded", Some(head.fingerprint.as_str())),
+        "A's publication is superseded by B's fingerprint"
+    );
+    assert_eq!(states.len(), 3);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_compiled_document_is_found_through_the_platforms_read_path_and_a_second_compile_supersedes_the_first(
+) {
+    let fx = Fx::new().await;
+    let first = fx
+        .add(
+            "kelp.md",
+            "text/markdown",
+            b"# Kelp\n\nKelp forests shelter sea otters.",
+        )
+        .await;
+    let one = fx.compile(first).await;
+    let head1 = fx.head().await.unwrap();
+    assert_eq!(head1.revision, 1);
+    assert_eq!(head1.publication_id, one.candidate_publication_id.unwrap());
+    // The first head takes the space's id as its own.
+    let head_id: Uuid = sqlx::query_scalar(
+        "SELECT id FROM projection_set_publication_heads WHERE tenant_id = $1 AND knowledge_space_id = $2",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(head_id, fx.space);
+
+    // The platform's retrieval, written out step by step: the head's publication, its
+    // index-projection members, a node of a published generation and its ready fts projection.
+    let found: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT n.id, n.text FROM projection_set_publication_heads h \
+         JOIN projection_set_publications p ON p.id = h.publication_id AND p.tenant_id = h.tenant_id \
+           AND p.knowledge_space_id = h.knowledge_space_id AND p.status = 'published' \
+         JOIN projection_set_publication_members m ON m.tenant_id = p.tenant_id \
+           AND m.knowledge_space_id = p.knowledge_space_id AND m.publication_id = p.id \
+           AND m.component_type = 'index-projection' \
+         JOIN index_projections ip ON ip.id = m.component_key AND ip.publication_generation_id = m.generation_id \
+           AND ip.type = 'fts' AND ip.status = 'ready' \
+         JOIN knowledge_nodes n ON n.id = ip.node_id AND n.publication_generation_id = m.generation_id \
+         WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 \
+           AND ip.fts_document @@ plainto_tsquery('simple', 'otters')",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .fetch_all(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert!(found[0].1.contains("sea otters"));
+    assert_eq!(
+        fx.search("otters").await.len(),
+        1,
+        "the read path of publication.rs agrees"
+    );
+
+    let second = fx
+        .add(
+            "reef.md",
+            "text/markdown",
+            b"# Reef\n\nCoral reefs host parrotfish.",
+        )
+        .await;
+    let two = fx.compile(second).await;
+    let head2 = fx.head().await.unwrap();
+    assert_eq!(head2.revision, 2);
+    assert_eq!(head2.publication_id, two.candidate_publication_id.unwrap());
+    let (status, by): (String, Option<String>) = sqlx::query_as(
+        "SELECT status::text, superseded_by_fingerprint::text FROM projection_set_publications WHERE id = $1",
+    )
+    .bind(head1.publication_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(status, "superseded");
+    assert_eq!(by.as_deref(), Some(head2.fingerprint.as_str()));
+    assert_eq!(head2.fingerprint.len(), 86);
+    assert!(head2.fingerprint.starts_with("projection-set-sha256:"));
+    // The new publication inherits the first document's members unchanged.
+    let inherited: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM projection_set_publication_members a JOIN projection_set_publication_members b \
+           ON b.component_type = a.component_type AND b.component_key = a.component_key \
+          AND b.generation_id = a.generation_id \
+         WHERE a.publication_id = $1 AND b.publication_id = $2 AND a.document_asset_id = $3",
+    )
+    .bind(head1.publication_id)
+    .bind(head2.publication_id)
+    .bind(first)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    let of_first: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM projection_set_publication_members WHERE publication_id = $1",
+    )
+    .bind(head1.publication_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(inherited, of_first);
+    assert_eq!(fx.search("otters").await.len(), 1);
+    assert_eq!(fx.search("parrotfish").await.len(), 1);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn with_an_embedding_profile_every_node_has_a_dense_projection_of_its_vector_space() {
+    let fx = Fx::new().await;
+    let profile = {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(
+            &mut conn,
+            TENANT,
+            fx.space,
+            "text-embedding-3-small",
+            "openai",
+            48,
+        )
+        .await
+        .unwrap()
+    };
+    let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
+    let done = fx.compile(doc).await;
+    let g = done.publication_generation_id;
+    let nodes = fx.rows_of_generation("knowledge_nodes", g).await;
+    let (dense, dims, models, ready): (i64, Vec<i32>, Vec<String>, i64) = sqlx::query_as(
+        "SELECT count(*), array_agg(DISTINCT vector_dims(dense_vector)), array_agg(DISTINCT model::text), \
+           count(*) FILTER (WHERE status = 'ready') \
+         FROM index_projections WHERE publication_generation_id = $1 AND type = 'dense-vector'",
+    )
+    .bind(g)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(dense, nodes, "one dense projection per node");
+    assert_eq!(dims, [48], "the profile's dimension");
+    assert_eq!(models, std::slice::from_ref(&profile.vector_space_id));
+    assert_eq!(ready, nodes);
+    let meta: serde_json::Value = sqlx::query_scalar(
+        "SELECT metadata FROM index_projections WHERE publication_generation_id = $1 AND type = 'dense-vector' LIMIT 1",
+    )
+    .bind(g)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(meta["vectorSpaceId"], profile.vector_space_id.as_str());
+    assert_eq!(meta["dimension"], 48);
+    assert_eq!(meta["embeddingProfile"]["revision"], 1);
+    // The platform's dense read path finds the node of the query's words first.
+    let query = kfs_worker::embed::Offline::vector("static heaviness weigh-off", 48);
+    let head = fx.head().await.unwrap();
+    let best: (Uuid, String, f64) = sqlx::query_as(&format!(
+        "SELECT x.node_id, x.text, x.score FROM ({}) x LIMIT 1",
+        kfs_worker::publication::DENSE_READ_SQL
+    ))
+    .bind(fx.space)
+    .bind(serde_json::to_string(&query).unwrap())
+    .bind(TENANT)
+    .bind(head.publication_id)
+    .bind(48)
+    .bind(&profile.vector_space_id)
+    .bind(serde_json::json!([]))
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert!(best.1.contains("static heaviness"), "{best:?}");
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_requester_binding_is_recorded_whole_and_checked_at_publish() {
+    let fx = Fx::new().await;
+    let engine = fx.engine("w-binding", 64);
+    let snap = fx.snapshot("editor-1").await;
+    let doc = fx
+        .add(
+            "b.md",
+            "text/markdown",
+            b"# Binding\n\nWalruses haul out on ice.",
+        )
+        .await;
+    let mut tx = fx.pool().begin().await.unwrap();
+    let attempt = compile::request(
+        &mut tx,
+        doc,
+        RequestOptions {
+            defer: false,
+            requester: Some(Requester {
+                subject: "editor-1".into(),
+                snapshot: snap,
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let s = fx.status(attempt).await;
+    assert_eq!(
+        (
+            s.requested_by_subject_id.as_deref(),
+            s.permission_snapshot_id,
+            s.permission_snapshot_revision,
+            s.access_channel.as_deref()
+        ),
+        (Some("editor-1"), Some(snap), Some(1), Some("interactive"))
+    );
+    assert_succeeded(&fx.drive(&engine, attempt).await);
+
+    // Refused before anything is written: a snapshot of another subject, or a revoked one.
+    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    let other = fx
+        .add("o.md", "text/markdown", b"# Other\n\nNarwhals.")
+        .await;
+    let mut tx = fx.pool().begin().await.unwrap();
+    let e = compile::request(
+        &mut tx,
+        other,
+        RequestOptions {
+            defer: false,
+            requester: Some(Requester {
+                subject: "someone-else".into(),
+                snapshot: snap,
+            }),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(e, CompileError::Snapshot { .. }) && e.is_refusal(),
+        "{e}"
+    );
+    tx.commit().await.unwrap();
+    // A snapshot revoked after the request: the publish refuses, nothing is served.
+    let late = fx
+        .add("l.md", "text/markdown", b"# Late\n\nBelugas sing.")
+        .await;
+    let mut tx = fx.pool().begin().await.unwrap();
+    let attempt = compile::request(
+        &mut tx,
+        late,
+        RequestOptions {
+            defer: false,
+            requester: Some(Requester {
+                subject: "editor-1".into(),
+                snapshot: snap,
+            }),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    assert_eq!(after, before + 1, "the refused request wrote nothing");
+    let one_step = fx.engine("w-binding-1", 1);
+    fx.drive_to(&one_step, attempt, "smoke_eval_passed").await;
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::revoke_permission_snapshot(&mut conn, TENANT, snap)
+            .await
+            .unwrap();
+    }
+    let s = fx.drive(&engine, attempt).await;
+    assert_failed(&s, "permission_snapshot_invalid");
+    assert!(fx.search("belugas").await.is_empty());
+    let cand: String =
+        sqlx::query_scalar("SELECT status::text FROM projection_set_publications WHERE id = $1")
+            .bind(s.candidate_publication_id.unwrap())
+            .fetch_one(fx.pool())
+            .await
+            .unwrap();
+    assert_eq!(cand, "inactive", "the candidate is given up");
+
+    // The command line records the binding too, and refuses half of it.
+    let fresh = fx.snapshot("editor-2").await;
+    let doc3 = fx
+        .add("c.md", "text/markdown", b"# CLI\n\nManatees graze.")
+        .await;
+    let out = kfs(
+        &fx,
+        &[
+            "compile",
+            &doc3.to_string(),
+            "--as",
+            "editor-2",
+            "--snapshot",
+            &fresh.to_string(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let attempt: Uuid = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    let s = fx.status(attempt).await;
+    assert_eq!(s.permission_snapshot_id, Some(fresh));
+    assert_eq!(s.requested_by_subject_id.as_deref(), Some("editor-2"));
+    let out = kfs(&fx, &["compile", &doc3.to_string(), "--as", "editor-2"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publish_over_a_document_being_deleted_waits_for_the_deletion_and_then_publishes() {
+    use kfs_worker::jobs::deletion::request::{self as del, DeletionRequest, Target};
+    let fx = Fx::new().await;
+    let gone = fx
+        .add(
+            "gone.md",
+            "text/markdown",
+            b"# Gone\n\nGannets dive for fish.",
+        )
+        .await;
+    fx.compile(gone).await;
+    let kept = fx
+        .add(
+            "kept.md",
+            "text/markdown",
+            b"# Kept\n\nKittiwakes nest on cliffs.",
+        )
+        .await;
+    let one_step = fx.engine("w-fence", 1);
+    let attempt = fx.request(kept, false).await.unwrap();
+    fx.drive_to(&one_step, attempt, "smoke_eval_passed").await;
+    // The document the candidate inherits is being deleted (tombstone written, head not yet
+    // changed): the publish waits, using no attempt, and publishes nothing.
+    let owner = fx.snapshot(common::space::OWNER).await;
+    let mut tx = fx.pool().begin().await.unwrap();
+    let job = del::request_deletion(
+        &mut tx,
+        &DeletionRequest {
+            tenant_id: TENANT.into(),
+            knowledge_space_id: fx.space,
+            target: Target::Document { id: gone },
+            expected_revision: None,
+            requested_by_subject_id: common::space::OWNER.into(),
+            permission_snapshot_id: owner,
+            access_channel: "interactive".into(),
+            idempotency_key: "fence-test".into(),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let before = fx.status(attempt).await;
+    assert_eq!(
+        fx.slice(&one_step, attempt).await,
+        Handled::Ack {
+            claim: "claimed",
+            end: Some("wait")
+        }
+    );
+    let waited = fx.status(attempt).await;
+    assert_eq!(waited.run_state, "retry_wait", "{waited:?}");
+    assert_eq!(
+        waited.execution_attempts, before.execution_attempts,
+        "no attempt used"
+    );
+    assert_eq!(fx.head().await.unwrap().revision, 1, "nothing published");
+    // The deletion takes its target out of the head; the attempt then publishes over it.
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        kfs_worker::publication::publish_excluding(
+            &mut conn,
+            TENANT,
+            fx.space,
+            job.job_id,
+            Some(&[gone][..]),
+            &serde_json::json!({}),
+        )
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    }
+    sqlx::query("UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1")
+        .bind(attempt)
+        .execute(fx.pool())
+        .await
+        .unwrap();
+    let done = fx.drive(&one_step, attempt).await;
+    assert_succeeded(&done);
+    let served = fx.served().await;
+    assert!(
+        served.contains_key(&kept) && !served.contains_key(&gone),
+        "{served:?}"
+    );
+    assert_eq!(fx.head().await.unwrap().revision, 3);
+    fx.cleanup().await;
+}
+
+/// An OpenAI-compatible `/embeddings` stand-in on 127.0.0.1: answers the n-th request with the
+/// n-th status (the last from then on), `dimension`-wide vectors made from each input's length,
+/// and records each request's authorization and body.
+async fn embedding_stand_in(
+    statuses: Vec<u16>,
+    dimension: usize,
+) -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(Option<String>, serde_json::Value)>>>,
+) {
+    use axum::http::{HeaderMap, StatusCode};
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    let app = axum::Router::new().route(
+        "/v1/embeddings",
+        axum::routing::post(move |headers: HeaderMap, body: String| {
+            let seen = seen2.clone();
+            let statuses = statuses.clone();
+            async move {
+                let body: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let auth = headers
+                    .get("authorization")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let n = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push((auth, body.clone()));
+                    seen.len()
+                };
+                let status = statuses[(n - 1).min(statuses.len() - 1)];
+                let inputs = body["input"].as_array().cloned().unwrap_or_default();
+                // Reversed on purpose: the adapter must order by `index`.
+                let data: Vec<serde_json::Value> = inputs
+                    .iter()
+                    .enumerate()
+                    .rev()
+                    .map(|(i, t)| {
+                        let len = t.as_str().unwrap_or("").len() as f32;
+                        let v: Vec<f32> = (0..dimension).map(|d| len + d as f32).collect();
+                        serde_json::json!({"object": "embedding", "index": i, "embedding": v})
+                    })
+                    .collect();
+                (
+                    StatusCode::from_u16(status).unwrap(),
+                    serde_json::json!({"object": "list", "data": data, "model": body["model"]})
+                        .to_string(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (format!("http://{addr}/v1"), seen)
+}
+
+fn http_engine(fx: &Fx, base: &str, key: &str) -> kfs_worker::consumer::Engine {
+    use kfs_worker::embed::{OpenAiCompatible, OpenAiConfig};
+    let embedder = OpenAiCompatible::new(OpenAiConfig {
+        base_url: url::Url::parse(base).unwrap(),
+        api_key: Some(kfs_worker::jobs::research::generator::ApiKey::new(key)),
+        model: None,
+        timeout: Duration::from_secs(10),
+        batch: 2,
+    })
+    .unwrap();
+    let handler = CompileHandler::new(Deps {
+        store: fx.store.clone(),
+        embedder: std::sync::Arc::new(embedder),
+    })
+    .unwrap();
+    kfs_worker::consumer::Engine::new(
+        fx.pool().clone(),
+        "w-http-embedder",
+        vec![std::sync::Arc::new(handler)],
+        kfs_worker::consumer::ConsumerConfig::default(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_http_embedder_sends_the_profiles_model_and_stores_its_vectors() {
+    const KEY: &str = "sk-embedding-secret-42";
+    let fx = Fx::new().await;
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(
+            &mut conn,
+            TENANT,
+            fx.space,
+            "embed-small",
+            "openai",
+            4,
+        )
+        .await
+        .unwrap();
+    }
+    let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
+    let (base, seen) = embedding_stand_in(vec![503, 200], 4).await;
+    let engine = http_engine(&fx, &base, KEY);
+    let attempt = fx.request(doc, false).await.unwrap();
+    // The service is down at first: a retryable failure, then the next slice embeds.
+    let mut retried = false;
+    for _ in 0..20 {
+        let s = fx.status(attempt).await;
+        if s.is_terminal() {
+            break;
+        }
+        if s.run_state == "retry_wait" {
+            assert_eq!(s.last_error_code.as_deref(), Some("embedder_unavailable"));
+            assert!(!s.last_error_message.unwrap_or_default().contains(KEY));
+            retried = true;
+            sqlx::query("UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1")
+                .bind(attempt)
+                .execute(fx.pool())
+                .await
+                .unwrap();
+        }
+        fx.slice(&engine, attempt).await;
+    }
+    assert!(retried, "the 503 was retried");
+    let done = fx.status(attempt).await;
+    assert_succeeded(&done);
+    let requests = seen.lock().unwrap().clone();
+    let nodes = fx
+        .rows_of_generation("knowledge_nodes", done.publication_generation_id)
+        .await;
+    assert!(requests.len() >= 2);
+    for (auth, body) in &requests {
+        assert_eq!(auth.as_deref(), Some(format!("Bearer {KEY}").as_str()));
+        assert_eq!(body["model"], "embed-small", "the profile's model");
+        assert!(body["input"].as_array().unwrap().len() <= 2, "batches of 2");
+    }
+    // Every node's dense vector is the one the service returned for its text, in order.
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT p.dense_vector::text, p.metadata ->> 'embeddingProvider' FROM index_projections p \
+         WHERE p.publication_generation_id = $1 AND p.type = 'dense-vector'",
+    )
+    .bind(done.publication_generation_id)
+    .fetch_all(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows.len() as i64, nodes);
+    let sent: Vec<String> = requests
+        .iter()
+        .skip(1)
+        .flat_map(|(_, b)| {
+            b["input"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t.as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for (v, provider) in &rows {
+        assert_eq!(provider, "openai-compatible");
+        let first: f32 = v
+            .trim_start_matches('[')
+            .split(',')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            sent.iter().any(|t| t.len() as f32 == first),
+            "{v} matches no input"
+        );
+    }
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_embedder_answering_the_wrong_dimension_fails_the_attempt_with_a_clear_code() {
+    let fx = Fx::new().await;
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(
+            &mut conn,
+            TENANT,
+            fx.space,
+            "embed-small",
+            "openai",
+            8,
+        )
+        .await
+        .unwrap();
+    }
+    let doc = fx
+        .add("n.md", "text/markdown", b"# N\n\nNautilus shells.")
+        .await;
+    let (base, _) = embedding_stand_in(vec![200], 3).await;
+    let engine = http_engine(&fx, &base, "sk-other-secret");
+    let attempt = fx.request(doc, false).await.unwrap();
+    let s = fx.drive(&engine, attempt).await;
+    assert_failed(&s, "embedder_rejected");
+    let msg = s.last_error_message.unwrap_or_default();
+    assert!(
+        msg.contains("dimension 3") && msg.contains("has 8"),
+        "{msg}"
+    );
+    assert!(!msg.contains("sk-other-secret"));
+    assert!(fx.head().await.is_none());
+    // Without any embedder configured, a space with a profile is refused the same way.
+    let unconfigured = CompileHandler::new(Deps {
+        store: fx.store.clone(),
+        embedder: std::sync::Arc::new(kfs_worker::embed::Unconfigured),
+    })
+    .unwrap();
+    let engine = kfs_worker::consumer::Engine::new(
+        fx.pool().clone(),
+        "w-none",
+        vec![std::sync::Arc::new(unconfigured)],
+        kfs_worker::consumer::ConsumerConfig::default(),
+    );
+    let doc = fx.add("m.md", "text/markdown", b"# M\n\nMarlins.").await;
+    let attempt = fx.request(doc, false).await.unwrap();
+    let s = fx.drive(&engine, attempt).await;
+    assert_failed(&s, "embedder_rejected");
+    assert!(s
+        .last_error_message
+        .unwrap_or_default()
+        .contains("KFS_EMBEDDER"));
     fx.cleanup().await;
 }
 
@@ -587,12 +1121,14 @@ async fn an_older_attempt_is_superseded_by_a_later_publication_of_its_version() 
     assert_eq!(so.checkpoint, "smoke_eval_passed", "it never published");
     let head = fx.head().await.unwrap();
     assert_eq!(head.revision, 1, "the head did not move");
-    assert_eq!(head.members[&doc].generation, sn.publication_generation_id);
     assert_eq!(
-        fx.served_from_other_generations(doc, sn.publication_generation_id)
-            .await,
-        0
+        fx.served().await[&doc].generation,
+        sn.publication_generation_id
     );
+    // Both attempts built the same content, so they share one fingerprint: the newer attempt
+    // took over the candidate the old one had left, and published it.
+    assert_eq!(so.candidate_publication_id, Some(head.publication_id));
+    assert_eq!(sn.candidate_publication_id, Some(head.publication_id));
     assert_eq!(fx.search("basking").await.len(), 1);
     fx.cleanup().await;
 }
@@ -863,10 +1399,7 @@ async fn repeating_every_step_yields_the_same_rows_once() {
     let fx = Fx::new().await;
     let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
     let attempt = fx.request(doc, false).await.unwrap();
-    let handler = CompileHandler::new(Deps {
-        store: fx.store.clone(),
-    })
-    .unwrap();
+    let handler = CompileHandler::new(Deps::offline(fx.store.clone())).unwrap();
     let mut cp = "queued".to_owned();
     let mut steps = 0;
     loop {
@@ -887,7 +1420,7 @@ async fn repeating_every_step_yields_the_same_rows_once() {
         tx.rollback().await.unwrap();
         let mut tx = fx.pool().begin().await.unwrap();
         let second = handler.step(&mut tx, &ctx).await.unwrap();
-        // Run the committed step twice too: the second run replaces the first one's rows.
+        // Run the committed step twice too: the second run finds its rows and adds none.
         let third = handler.step(&mut tx, &ctx).await.unwrap();
         assert_eq!(first, second);
         assert_eq!(second, third);
@@ -924,7 +1457,27 @@ async fn repeating_every_step_yields_the_same_rows_once() {
         expected
     );
     assert_eq!(fx.rows_of_generation("document_outlines", g).await, 1);
+    assert_eq!(fx.rows_of_generation("page_index_manifests", g).await, 1);
+    assert_eq!(
+        fx.rows_of_generation("document_multimodal_manifests", g)
+            .await,
+        1
+    );
     assert_eq!(fx.served_nodes(doc).await, expected);
+    let members: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM projection_set_publication_members WHERE tenant_id = $1 AND knowledge_space_id = $2",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    let paths = fx.rows_of_generation("knowledge_paths", g).await;
+    assert_eq!(
+        members,
+        expected + 2 + paths,
+        "projections, outline, manifest and paths, once each"
+    );
     let candidates: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM projection_set_publications WHERE tenant_id = $1 AND knowledge_space_id = $2",
     )
@@ -1098,13 +1651,13 @@ async fn states(pool: &PgPool) -> Vec<(String, String, Option<String>, i64)> {
 /// Every attempt succeeded, each document serves exactly its own generation's nodes, and those
 /// are the nodes its bytes produce, once.
 async fn assert_all_published(fx: &Fx, docs: &[(Uuid, Uuid, i64, String)]) {
-    let head = fx.head().await.expect("a head");
+    let served = fx.served().await;
     for (doc, attempt, expected, marker) in docs {
         let s = fx.status(*attempt).await;
         assert_succeeded(&s);
         let g = s.publication_generation_id;
         assert_eq!(
-            head.members[doc].generation, g,
+            served[doc].generation, g,
             "head serves the attempt's generation"
         );
         assert_eq!(
@@ -1112,7 +1665,6 @@ async fn assert_all_published(fx: &Fx, docs: &[(Uuid, Uuid, i64, String)]) {
             *expected,
             "served nodes of {doc}"
         );
-        assert_eq!(fx.served_from_other_generations(*doc, g).await, 0);
         assert_eq!(
             fx.rows_of_generation("knowledge_nodes", g).await,
             *expected,
@@ -1123,9 +1675,8 @@ async fn assert_all_published(fx: &Fx, docs: &[(Uuid, Uuid, i64, String)]) {
             *expected
         );
         let all: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM knowledge_nodes WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3",
+            "SELECT count(*) FROM knowledge_nodes WHERE knowledge_space_id = $1 AND document_asset_id = $2",
         )
-        .bind(TENANT)
         .bind(fx.space)
         .bind(doc)
         .fetch_one(fx.pool())
@@ -1202,7 +1753,7 @@ async fn two_hundred_documents_across_two_worker_processes() {
         requested.as_secs_f64()
     );
     assert_all_published(&fx, &docs).await;
-    assert_eq!(fx.head().await.unwrap().members.len(), DOCS);
+    assert_eq!(fx.served().await.len(), DOCS);
     common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     fx.cleanup().await;
 }

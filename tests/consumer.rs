@@ -1360,19 +1360,18 @@ async fn a_step_whose_checkpoint_write_breaks_a_constraint_fails_the_job_instead
 
 const TENANT: &str = "tenant-consumer";
 
-/// Writes a knowledge space; returns its id.
+/// Writes a knowledge space (owned by `user-1`); returns its id.
 async fn space(pool: &PgPool) -> Uuid {
-    let id = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO knowledge_spaces (id, tenant_id, slug, name, description, created_at, updated_at) \
-         VALUES ($1, $2, 'space-' || $1::text, 'Consumer space', NULL, now(), now())",
+    let mut conn = pool.acquire().await.unwrap();
+    kfs_worker::platform::create_space(
+        &mut conn,
+        TENANT,
+        &format!("space-{}", Uuid::new_v4()),
+        "Consumer space",
+        "user-1",
     )
-    .bind(id)
-    .bind(TENANT)
-    .execute(pool)
     .await
-    .unwrap();
-    id
+    .unwrap()
 }
 
 /// Writes a document (version 1) in a space; returns its id.
@@ -1380,8 +1379,9 @@ async fn document(pool: &PgPool, space: Uuid) -> Uuid {
     let id = Uuid::new_v4();
     sqlx::query(
         "INSERT INTO document_assets (id, knowledge_space_id, source_id, filename, mime_type, object_key, sha256, \
-           size_bytes, version, parser_status, metadata, created_at, updated_at) \
-         VALUES ($1, $2, NULL, 'a.pdf', 'application/pdf', 'objects/' || $1::text, repeat('0', 64), 10, 1, 'pending', '{}', now(), now())",
+           size_bytes, version, parser_status, metadata, created_at) \
+         VALUES ($1, $2, NULL, 'a.pdf', 'application/pdf', 'objects/' || $1::text, repeat('0', 64), 10, 1, 'pending', \
+           '{\"permissionScope\": []}', now())",
     )
     .bind(id)
     .bind(space)
@@ -1464,12 +1464,22 @@ async fn insert_deletion(pool: &PgPool, space: Uuid) -> (Uuid, Uuid, Uuid) {
 /// A research task: its permission snapshot, the job, the `started` progress event and the
 /// outbox row (revision 1). Returns (job, outbox).
 async fn insert_research(pool: &PgPool, space: Uuid) -> (Uuid, Uuid) {
-    let (job, outbox, snapshot) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let (job, outbox) = (Uuid::new_v4(), Uuid::new_v4());
+    let snapshot = {
+        let mut conn = pool.acquire().await.unwrap();
+        kfs_worker::platform::create_permission_snapshot(
+            &mut conn,
+            TENANT,
+            space,
+            "user-1",
+            "interactive",
+            None,
+        )
+        .await
+        .unwrap()
+    };
     let mut tx = pool.begin().await.unwrap();
     for sql in [
-        "INSERT INTO knowledge_space_permission_snapshots (id, tenant_id, knowledge_space_id, subject_id, access_channel, \
-           revision, status, expires_at, revoked_at, scopes, created_at) \
-         VALUES ($3, $4, $5, 'user-1', 'interactive', 1, 'active', NULL, NULL, '[\"read\"]', now())",
         "INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, \
            permission_snapshot_revision, access_channel, query, limits, metadata, cost, stage, row_version, \
            execution_attempts, max_execution_attempts, created_at, updated_at) \

@@ -1,354 +1,706 @@
-//! deletion.job end to end against real Postgres, RabbitMQ and a local object directory: every
-//! target and mode, idempotent and refused requests, lease drains, item retries and dead items,
-//! redaction, residue, manual retries under both authorities, tenant and space fences, crashed
+//! deletion.job end to end against real Postgres, RabbitMQ and a local object directory, on the
+//! platform's schema: every target and mode, idempotent and refused requests, draining writers
+//! and leases, item retries and dead items, redaction, residue, manual retries under both
+//! authorities, tenant and space isolation checked over every table of the schema, crashed
 //! workers, and a 10,000-document space in bounded pages.
 //!
-//! Jobs are driven in-process: a real relay round publishes the due outbox rows, the test takes
-//! the messages off the queue and hands them to an `Engine`, as a consumer would. Waiting time is
-//! skipped with SQL (retry_at and item next_attempt_at moved to now), never slept through.
+//! Documents are compiled by the real compile handler (`SpaceFx::compile`), so their read model
+//! is the one the worker writes; the tables compile does not write are seeded with the platform's
+//! columns. Jobs are driven in-process: a real relay round publishes the due outbox rows, the test
+//! takes the messages off the queue and hands them to an `Engine`, as a consumer would. Waiting
+//! time is skipped with SQL (retry_at and item next_attempt_at moved to now), never slept through.
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::TestEnv;
+use common::space::{SpaceFx, OWNER};
 use futures_util::StreamExt;
 use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine};
+use kfs_worker::jobs::compile::{self, RequestOptions, Requester};
 use kfs_worker::jobs::deletion::{
-    request_deletion, retry_deletion, DeletionConfig, DeletionHandler, DeletionRequest,
-    ObjectEraser, PortError, RequestError, RetrievalCache, RetryAuthority, RetryRequest,
+    request_deletion, retry_deletion, CachePage, DeletionConfig, DeletionHandler, DeletionRequest,
+    ObjectEraser, PortError, RequestError, RetrievalCache, RetryAuthority, RetryRequest, SecretRef,
     SecretStore, SourceMode, Target,
 };
 use kfs_worker::jobs::{Deps, Handler, JobCtx, JobError, Kind, Step};
-use kfs_worker::publication::{self, Member, Members};
+use kfs_worker::platform;
+use kfs_worker::publication::{self, Member};
 use kfs_worker::relay::{Relay, RelayConfig};
 use kfs_worker::store::Store;
-use kfs_worker::{config, platform};
 use lapin::options::BasicGetOptions;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 // ---------------------------------------------------------------------------------------------
-// Fixtures
+// Spaces: compiled documents plus every table compile does not write
 
-struct Objects {
-    store: Store,
-    dir: PathBuf,
-}
-
-impl Objects {
-    fn new() -> Objects {
-        let dir = std::env::temp_dir().join(format!("kfs-deletion-{}", Uuid::new_v4().simple()));
-        let url = config::object_store(&format!("file://{}", dir.display())).unwrap();
-        Objects {
-            store: Store::open(&url).unwrap(),
-            dir,
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("file://{}", self.dir.display())
-    }
-
-    /// Files under `spaces/<space>/`.
-    fn count(&self, space: Uuid) -> usize {
-        fn walk(p: &Path) -> usize {
-            let Ok(rd) = std::fs::read_dir(p) else {
-                return 0;
-            };
-            rd.flatten()
-                .map(|e| {
-                    let p = e.path();
-                    if p.is_dir() {
-                        walk(&p)
-                    } else {
-                        1
-                    }
-                })
-                .sum()
-        }
-        walk(&self.dir.join("spaces").join(space.to_string()))
-    }
-}
-
-impl Drop for Objects {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// One seeded space.
+/// One seeded space of the fixture's database.
 #[derive(Clone, Debug)]
 struct Space {
     tenant: String,
     id: Uuid,
     name: String,
+    prefix: String,
+    /// An interactive snapshot of the owner (role owner).
     owner_snapshot: Uuid,
     docs: Vec<Uuid>,
     sources: Vec<Uuid>,
+    credentials: Vec<String>,
+}
+
+fn note(i: usize, slug: &str) -> String {
+    format!(
+        "# Note {i} of {slug}\n\nFencing keeps a paused worker harmless; note {i} explains how the lease \
+         token and the row version decide who may write.\n\n## Retries\n\nA failed step backs off and \
+         tries again, {i} times at most.\n"
+    )
 }
 
 async fn conn(pool: &PgPool) -> sqlx::pool::PoolConnection<sqlx::Postgres> {
     pool.acquire().await.unwrap()
 }
 
-/// A snapshot for `subject` with `scopes` (JSON array text).
-async fn snapshot(
-    pool: &PgPool,
-    tenant: &str,
-    space: Uuid,
-    subject: &str,
-    channel: &str,
-    scopes: &str,
-) -> Uuid {
-    let id = Uuid::now_v7();
-    sqlx::query(
-        "INSERT INTO knowledge_space_permission_snapshots (id, tenant_id, knowledge_space_id, subject_id, access_channel, \
-           revision, status, expires_at, revoked_at, scopes, created_at) \
-         VALUES ($1, $2, $3, $4, $5, 1, 'active', NULL, NULL, $6::jsonb, now())",
-    )
-    .bind(id)
-    .bind(tenant)
-    .bind(space)
-    .bind(subject)
-    .bind(channel)
-    .bind(scopes)
-    .execute(pool)
-    .await
-    .unwrap();
-    id
-}
-
-/// A space with `sources` sources (each with a credential) and `docs` documents spread over
-/// them (plus one loose document when `loose`), every document with derived rows, and the
-/// space-level rows a deletion must erase. `filename` is shared across spaces on purpose.
+/// A space with `sources` credentialed sources and `docs` compiled documents spread over them
+/// (every document of a source when there are sources), and the rows compile does not write.
 async fn seed(
-    pool: &PgPool,
-    objects: &Objects,
+    fx: &SpaceFx,
     tenant: &str,
     slug: &str,
+    name: &str,
     sources: usize,
     docs: usize,
 ) -> Space {
+    let pool = fx.pool();
     let mut c = conn(pool).await;
-    let name = format!("Space {slug}");
-    let id = platform::create_space(&mut c, tenant, slug, &name)
-        .await
-        .unwrap();
-    let owner_snapshot = snapshot(
-        pool,
-        tenant,
-        id,
-        "alice",
-        "interactive",
-        r#"["read","write","delete","owner"]"#,
-    )
-    .await;
+    let fixture_slug: String =
+        sqlx::query_scalar("SELECT slug FROM knowledge_spaces WHERE id = $1")
+            .bind(fx.space)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    let id = if tenant == fx.tenant && slug == fixture_slug {
+        fx.space
+    } else {
+        platform::create_space(&mut c, tenant, slug, name, OWNER)
+            .await
+            .unwrap()
+    };
+    let owner_snapshot =
+        platform::create_permission_snapshot(&mut c, tenant, id, OWNER, "interactive", None)
+            .await
+            .unwrap();
     let mut source_ids = Vec::new();
+    let mut credentials = Vec::new();
     for i in 0..sources {
-        let s = platform::create_source(
-            &mut c,
-            id,
-            &format!("src-{i}"),
-            "web",
-            Some(&format!("vault://{tenant}/{slug}/{i}")),
-        )
-        .await
-        .unwrap();
+        let cred = platform::new_credential_ref();
+        let s = platform::create_source(&mut c, id, &format!("src-{i}"), "web", Some(&cred))
+            .await
+            .unwrap();
         source_ids.push(s);
+        credentials.push(cred);
     }
     let mut doc_ids = Vec::new();
     for i in 0..docs {
-        let source = if source_ids.is_empty() {
-            None
-        } else {
-            Some(source_ids[i % source_ids.len()])
-        };
+        let source = (!source_ids.is_empty()).then(|| source_ids[i % source_ids.len()]);
         let d = platform::add_document(
             &mut c,
-            &objects.store,
+            &fx.store,
             id,
             source,
             &format!("shared-{i}.md"),
             "text/markdown",
-            Bytes::from(format!("# doc {i} of {slug}")),
+            Bytes::from(note(i, slug)),
         )
         .await
         .unwrap();
         doc_ids.push(d);
-        derived_rows(pool, tenant, id, d).await;
     }
-    space_rows(pool, tenant, id, owner_snapshot).await;
-    // A published head serving every document.
-    let mut members = Members::new();
+    drop(c);
     for d in &doc_ids {
-        members.insert(
-            *d,
-            Member {
-                generation: gen(*d),
-                version: 1,
-            },
-        );
+        fx.compile(*d).await;
     }
-    let (p, _) = publication::create(&mut c, tenant, id, &members, serde_json::json!({}))
-        .await
-        .unwrap();
-    publication::swap_head(&mut c, tenant, id, 0, p)
-        .await
-        .unwrap()
-        .unwrap();
-    Space {
+    let space = Space {
         tenant: tenant.into(),
         id,
-        name,
+        name: name.into(),
+        prefix: platform::object_key_prefix(tenant, id),
         owner_snapshot,
         docs: doc_ids,
         sources: source_ids,
-    }
+        credentials,
+    };
+    extras(fx, &space).await;
+    space
 }
 
-/// The generation id of a document's derived rows (the same value in every space: a collision).
-fn gen(_doc: Uuid) -> Uuid {
-    Uuid::from_u128(0x6e6e)
+/// The nodes of a document, with their generation.
+async fn nodes_of(pool: &PgPool, doc: Uuid) -> Vec<(Uuid, Uuid)> {
+    sqlx::query_as(
+        "SELECT id, publication_generation_id FROM knowledge_nodes WHERE document_asset_id = $1 ORDER BY id",
+    )
+    .bind(doc)
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
-async fn derived_rows(pool: &PgPool, tenant: &str, space: Uuid, doc: Uuid) {
-    let g = gen(doc);
-    let sql = format!(
-        r#"
-        INSERT INTO knowledge_nodes (id, tenant_id, knowledge_space_id, document_asset_id, document_version,
-          publication_generation_id, ordinal, heading_path, content, content_sha256, token_count, metadata, created_at)
-        VALUES ('{n}', '{tenant}', '{space}', '{doc}', 1, '{g}', 0, '[]', 'same content everywhere', 'x', 3, '{{}}', now());
-        INSERT INTO index_projections (id, tenant_id, knowledge_space_id, document_asset_id, publication_generation_id,
-          node_id, search_vector, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{doc}', '{g}', '{n}', to_tsvector('simple', 'same'), now());
-        INSERT INTO document_outlines (id, tenant_id, knowledge_space_id, document_asset_id, document_version,
-          publication_generation_id, outline, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{doc}', 1, '{g}', '{{}}', now());
-        INSERT INTO document_multimodal_manifests (id, tenant_id, knowledge_space_id, document_asset_id, document_version,
-          publication_generation_id, manifest, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{doc}', 1, '{g}', '{{}}', now());
-        INSERT INTO page_index_manifests (id, tenant_id, knowledge_space_id, document_asset_id, document_version,
-          publication_generation_id, manifest, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{doc}', 1, '{g}', '{{}}', now());
-        INSERT INTO knowledge_paths (id, tenant_id, knowledge_space_id, document_asset_id, publication_generation_id,
-          path, metadata, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{doc}', '{g}', '/shared.md', '{{}}', now());
-        "#,
-        n = Uuid::now_v7(),
+/// Graph rows built from `doc`'s nodes, published in the head as graph members (a new
+/// publication inheriting the head, moved in by compare-and-swap). Returns the graph row ids.
+async fn publish_graph(fx: &SpaceFx, s: &Space, doc: Uuid) -> Vec<Uuid> {
+    let pool = fx.pool();
+    let nodes = nodes_of(pool, doc).await;
+    let (n0, generation) = nodes[0];
+    let n1 = nodes.get(1).map_or(n0, |n| n.0);
+    let (e1, e2, r) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    sqlx::raw_sql(&format!(
+        r#"INSERT INTO graph_entities (id, knowledge_space_id, publication_generation_id, canonical_key, name, type,
+             aliases, confidence, source_node_ids, permission_scope, extraction_version, metadata, created_at, updated_at)
+           VALUES ('{e1}', '{sp}', '{generation}', 'lease-{doc}', 'Lease', 'concept', '[]', 0.9, '["{n0}"]', '[]', 1, '{{}}', now(), now()),
+                  ('{e2}', '{sp}', '{generation}', 'fence-{doc}', 'Fence', 'concept', '[]', 0.8, '["{n1}"]', '[]', 1, '{{}}', now(), now());
+           INSERT INTO graph_relations (id, knowledge_space_id, publication_generation_id, subject_entity_id, object_entity_id,
+             type, confidence, source_node_ids, permission_scope, extraction_version, metadata, created_at, updated_at)
+           VALUES ('{r}', '{sp}', '{generation}', '{e1}', '{e2}', 'guards', 0.7, '["{n0}"]', '[]', 1, '{{}}', now(), now());"#,
+        sp = s.id
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let member = |ty: &str, key: Uuid| Member {
+        component_type: ty.into(),
+        component_key: key,
+        generation_id: generation,
+        document_asset_id: Some(doc),
+    };
+    publish_members(
+        pool,
+        s,
+        &[
+            member(publication::GRAPH_ENTITY, e1),
+            member(publication::GRAPH_ENTITY, e2),
+            member(publication::GRAPH_RELATION, r),
+        ],
+    )
+    .await;
+    vec![e1, e2, r]
+}
+
+/// Publishes the head's members plus `own` (a new publication moved in by compare-and-swap).
+async fn publish_members(pool: &PgPool, s: &Space, own: &[Member]) {
+    let mut c = conn(pool).await;
+    let head = publication::head(&mut c, &s.tenant, s.id, false)
+        .await
+        .unwrap()
+        .unwrap();
+    let new = Uuid::new_v4();
+    let fp = format!(
+        "projection-set-sha256:{}",
+        platform::sha256_hex(new.as_bytes())
     );
-    sqlx::raw_sql(&sql).execute(pool).await.unwrap();
+    assert!(publication::insert(
+        &mut c,
+        new,
+        &s.tenant,
+        s.id,
+        &fp,
+        head.projection_version,
+        "candidate",
+        &serde_json::json!({ "graph": true }),
+    )
+    .await
+    .unwrap());
+    publication::set_members(
+        &mut c,
+        &s.tenant,
+        s.id,
+        new,
+        Some(head.publication_id),
+        None,
+        own,
+    )
+    .await
+    .unwrap();
+    publication::publish(&mut c, &s.tenant, s.id, head.revision, new, &fp)
+        .await
+        .unwrap()
+        .unwrap();
 }
 
-async fn space_rows(pool: &PgPool, tenant: &str, space: Uuid, snap: Uuid) {
-    let (e1, e2, job, bundle) = (
-        Uuid::now_v7(),
-        Uuid::now_v7(),
-        Uuid::now_v7(),
-        Uuid::now_v7(),
+/// A graph entity of `owner`'s generation built from `owner`'s first node and `from`'s first
+/// node, published as a member of `owner`: its closure fails once `from` is gone.
+async fn publish_cross_entity(pool: &PgPool, s: &Space, owner: Uuid, from: Uuid) -> Uuid {
+    let (n_owner, generation) = nodes_of(pool, owner).await[0];
+    let (n_from, _) = nodes_of(pool, from).await[0];
+    let e = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO graph_entities (id, knowledge_space_id, publication_generation_id, canonical_key, name, type, \
+           aliases, confidence, source_node_ids, permission_scope, extraction_version, metadata, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, 'Cross', 'concept', '[]', 0.5, $5, '[]', 1, '{}', now(), now())",
+    )
+    .bind(e)
+    .bind(s.id)
+    .bind(generation)
+    .bind(format!("cross-{e}"))
+    .bind(serde_json::json!([n_owner.to_string(), n_from.to_string()]))
+    .execute(pool)
+    .await
+    .unwrap();
+    publish_members(
+        pool,
+        s,
+        &[Member {
+            component_type: publication::GRAPH_ENTITY.into(),
+            component_key: e,
+            generation_id: generation,
+            document_asset_id: Some(owner),
+        }],
+    )
+    .await;
+    e
+}
+
+/// The rows of every table compile does not write, with the platform's columns: graph rows
+/// (published for the first document), traces with steps, evidence and failed queries, golden
+/// questions, KnowledgeFS sessions and leases, workspaces, retrieval leases, research residue,
+/// artifact segments and multimodal assets with their objects, postings, API keys, policy
+/// members, credential and index backfills, a legacy bootstrap, profiles.
+async fn extras(fx: &SpaceFx, s: &Space) {
+    let pool = fx.pool();
+    let Some(&d0) = s.docs.first() else {
+        return;
+    };
+    publish_graph(fx, s, d0).await;
+    let (n0, _) = nodes_of(pool, d0).await[0];
+    let (t, sp, snap) = (&s.tenant, s.id, s.owner_snapshot);
+    let (bundle, trace, session, research) = (
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
     );
-    let sql = format!(
+    let items = format!(
+        r#"[{{"nodeId": "{n0}", "citations": [{{"documentAssetId": "{d0}"}}], "text": "x"}}]"#
+    );
+    let prefix = &s.prefix;
+    let ms = "(extract(epoch from now()) * 1000)::bigint";
+    let head = fx_head(pool, s).await;
+    sqlx::raw_sql(&format!(
         r#"
-        INSERT INTO graph_entities (id, tenant_id, knowledge_space_id, publication_generation_id, name, entity_type, properties, created_at)
-        VALUES ('{e1}', '{tenant}', '{space}', NULL, 'Same Name', 'thing', '{{}}', now()),
-               ('{e2}', '{tenant}', '{space}', NULL, 'Other', 'thing', '{{}}', now());
-        INSERT INTO graph_relations (id, tenant_id, knowledge_space_id, publication_generation_id, source_entity_id,
-          target_entity_id, relation_type, properties, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', NULL, '{e1}', '{e2}', 'rel', '{{}}', now());
-        INSERT INTO evidence_bundles (id, trace_id, payload, created_at, tenant_id, knowledge_space_id)
-        VALUES ('{bundle}', NULL, '{{}}', now(), '{tenant}', '{space}');
-        INSERT INTO answer_traces (id, knowledge_space_id, evidence_bundle_id, query, answer, metadata, created_at,
-          subject_id, permission_snapshot_id, permission_snapshot_revision, access_channel)
-        VALUES (gen_random_uuid(), '{space}', '{bundle}', 'q', 'a', '{{}}', now(), 'alice', '{snap}', 1, 'interactive');
+        INSERT INTO evidence_bundles (id, tenant_id, knowledge_space_id, trace_id, query, state, items, missing_evidence, created_at)
+        VALUES ('{bundle}', '{t}', '{sp}', NULL, 'who writes?', 'answerable', '{items}', '[]', now());
+        INSERT INTO answer_traces (id, knowledge_space_id, evidence_bundle_id, query, mode, completed, created_at, subject_id,
+          permission_snapshot_id, permission_snapshot_revision, access_channel)
+        VALUES ('{trace}', '{sp}', '{bundle}', 'who writes?', 'fast', true, now(), '{OWNER}', '{snap}', 1, 'interactive');
+        INSERT INTO answer_trace_steps (id, trace_id, name, status, started_at, ended_at, metadata)
+        VALUES (gen_random_uuid(), '{trace}', 'retrieve', 'completed', now(), now(), '{{}}');
+        INSERT INTO failed_queries (id, knowledge_space_id, answer_trace_id, query, mode, status, trigger, metadata, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{sp}', '{trace}', 'who writes?', 'fast', 'open', 'low-confidence', '{{}}', now(), now());
+        INSERT INTO golden_questions (id, knowledge_space_id, question, expected_evidence_ids, tags, metadata, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{sp}', 'about the first note', '["{d0}"]', '[]', '{{}}', now(), now()),
+               (gen_random_uuid(), '{sp}', 'about nothing in particular', '[]', '[]', '{{}}', now(), now());
+        INSERT INTO knowledge_fs_sessions (id, tenant_id, knowledge_space_id, subject, permission_snapshot, client_kind,
+          client_version, consistency_class, metadata, created_at, updated_at, heartbeat_at, expires_at)
+        VALUES ('{session}', '{t}', '{sp}', '{{"subjectId": "{OWNER}"}}', '{{"id": "{snap}"}}', 'cli', '1.0.0',
+          'path-consistent', '{{}}', now(), now(), now(), now() + interval '1 hour');
+        INSERT INTO knowledge_fs_leases (id, tenant_id, knowledge_space_id, session_id, lease_type, target_type, target_id,
+          target_version, virtual_path, status, metadata, acquired_at, heartbeat_at, expires_at, updated_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{session}', 'read', 'document-asset', '{d0}', 1,
+          '/sources/documents/{d0}', 'released', '{{}}', now() - interval '1 hour', now() - interval '1 hour',
+          now() - interval '30 minutes', now());
+        INSERT INTO agent_workspace_snapshots (id, tenant_id, knowledge_space_id, subject_id, access_channel,
+          permission_snapshot_id, permission_snapshot_revision, permission_scopes, fingerprint, payload, created_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{OWNER}', 'interactive', '{snap}', 1, '[]', 'same-fp', '{{}}', now());
+        INSERT INTO retrieval_execution_leases (id, tenant_id, knowledge_space_id, subject_id, trace_id, lease_token,
+          status, row_version, acquired_at, heartbeat_at, expires_at, updated_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{OWNER}', '{trace}', 'tok', 'released', 1, now() - interval '1 hour',
+          now() - interval '1 hour', now() - interval '30 minutes', now());
+        INSERT INTO resource_mounts (id, tenant_id, knowledge_space_id, mount_path, resource_type, provider, source_pointer,
+          mode, capabilities, permission_scope, permission_snapshot_version, freshness_policy, cache_policy, metadata, created_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '/mnt/wiki', 'source', 'web', 'https://wiki.example', 'read-only',
+          '["read"]', '[]', 1, '{{}}', '{{}}', '{{}}', now());
         INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id,
           permission_snapshot_revision, access_channel, query, limits, metadata, cost, stage, row_version,
           execution_attempts, max_execution_attempts, created_at, updated_at, completed_at)
-        VALUES ('{job}', '{tenant}', '{space}', 'alice', '{snap}', 1, 'interactive', 'q', '{{}}', '{{}}', '{{}}',
-          'completed', 1, 0, 5, 1, 1, 1);
+        VALUES ('{research}', '{t}', '{sp}', '{OWNER}', '{snap}', 1, 'interactive', 'who writes?', '{{}}', '{{}}',
+          '{{"entries": [], "totalUsd": 0}}', 'completed', 3, 1, 5, {ms}, {ms}, {ms});
+        INSERT INTO research_task_outbox (id, research_task_job_id, delivery_revision, event_type, schema_version,
+          idempotency_key, payload, status, available_at, dispatch_attempts, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{research}', 1, 'research.task', 1, 'research.task:{t}:{sp}:{research}:1',
+          '{{"researchTaskJobId": "{research}"}}', 'completed', {ms}, 1, {ms}, {ms});
         INSERT INTO research_task_partial_results (id, tenant_id, knowledge_space_id, research_task_job_id, sequence,
           idempotency_key, evidence_bundle, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{job}', 1, 'k1', '{{}}', 1);
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{research}', 1, 'research-task:{research}:final-evidence',
+          '{{"id": "{bundle}", "items": {items}}}', {ms});
         INSERT INTO research_task_progress_events (id, tenant_id, knowledge_space_id, research_task_job_id, sequence,
           idempotency_key, event_type, stage, payload, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', '{job}', 1, 'k1', 'research_task.started', 'queued', '{{}}', 1);
-        INSERT INTO agent_workspace_snapshots (id, tenant_id, knowledge_space_id, subject_id, access_channel,
-          permission_snapshot_id, permission_snapshot_revision, permission_scopes, fingerprint, payload, created_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', 'alice', 'interactive', '{snap}', 1, '[]', 'same-fp', '{{}}', now());
-        INSERT INTO knowledge_space_manifests (id, tenant_id, knowledge_space_id, version, manifest, created_at, updated_at)
-        VALUES (gen_random_uuid(), '{tenant}', '{space}', 1, '{{}}', now(), now());
-        "#
-    );
-    sqlx::raw_sql(&sql).execute(pool).await.unwrap();
-}
-
-/// Row counts per table for one space (tenant-scoped where the table has a tenant).
-async fn footprint(pool: &PgPool, tenant: &str, space: Uuid) -> BTreeMap<&'static str, i64> {
-    let tenanted = [
-        "knowledge_nodes",
-        "index_projections",
-        "document_outlines",
-        "document_multimodal_manifests",
-        "page_index_manifests",
-        "knowledge_paths",
-        "graph_entities",
-        "graph_relations",
-        "evidence_bundles",
-        "research_task_jobs",
-        "research_task_partial_results",
-        "research_task_progress_events",
-        "agent_workspace_snapshots",
-        "projection_set_publications",
-        "projection_set_publication_heads",
-        "knowledge_space_permission_snapshots",
-        "knowledge_space_manifests",
-        "retrieval_execution_leases",
-        "knowledge_space_mutation_leases",
-    ];
-    let mut out = BTreeMap::new();
-    for t in tenanted {
-        let n: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {t} WHERE tenant_id = $1 AND knowledge_space_id = $2"
-        ))
-        .bind(tenant)
-        .bind(space)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        out.insert(t, n);
-    }
-    for t in ["sources", "document_assets", "answer_traces"] {
-        let n: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {t} WHERE knowledge_space_id = $1"
-        ))
-        .bind(space)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        out.insert(t, n);
-    }
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2",
-    )
-    .bind(tenant)
-    .bind(space)
-    .fetch_one(pool)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{research}', 1, 'research-task-progress:{research}:1:started',
+          'research_task.started', 'queued', '{{}}', {ms});
+        INSERT INTO artifact_segments (id, knowledge_space_id, document_asset_id, parse_artifact_id, artifact_hash,
+          segment_index, segment_type, content_encoding, checksum, object_key, size_bytes, source_location, metadata, created_at)
+        SELECT gen_random_uuid(), '{sp}', '{d0}', pa.id, pa.artifact_hash, 0, 'text', 'utf-8', 'sum',
+          '{prefix}/segments/{d0}/0.txt', 4, '{{}}', '{{}}', now()
+        FROM parse_artifacts pa WHERE pa.document_asset_id = '{d0}';
+        UPDATE document_multimodal_manifests SET items = items || jsonb_build_array(jsonb_build_object('id', 'fig-1',
+            'modality', 'image', 'assetRef', jsonb_build_object('objectKey', '{prefix}/assets/{d0}/figure.png',
+              'variants', jsonb_build_object('thumb', jsonb_build_object('objectKey', '{prefix}/assets/{d0}/figure-thumb.png')))))
+        WHERE document_asset_id = '{d0}';
+        INSERT INTO index_projection_fts_postings (id, knowledge_space_id, projection_id, term, term_hash, term_frequency,
+          document_token_count, tokenizer_version)
+        SELECT gen_random_uuid(), '{sp}', ip.id, 'fencing', 'h-fencing', 1, 9, 'pg-simple-v1'
+        FROM index_projections ip JOIN knowledge_nodes n ON n.id = ip.node_id WHERE n.document_asset_id = '{d0}' LIMIT 1;
+        INSERT INTO knowledge_space_api_keys (id, tenant_id, knowledge_space_id, name, key_prefix, key_hash,
+          principal_subject_id, status, revision, created_by_subject_id, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', 'ci', 'kfs_', 'hash-{sp}', '{OWNER}', 'active', 1, '{OWNER}', now(), now());
+        INSERT INTO knowledge_space_access_policy_members (id, tenant_id, knowledge_space_id, access_policy_id, subject_id, created_at)
+        SELECT gen_random_uuid(), p.tenant_id, p.knowledge_space_id, p.id, '{OWNER}', now()
+        FROM knowledge_space_access_policies p WHERE p.tenant_id = '{t}' AND p.knowledge_space_id = '{sp}';
+        INSERT INTO legacy_space_publication_bootstraps (id, tenant_id, knowledge_space_id, idempotency_key, checkpoint,
+          run_state, total_documents, completed_documents, snapshot_metadata, published_publication_id,
+          published_fingerprint, published_head_revision, row_version, created_at, updated_at, completed_at)
+        VALUES ('{boot}', '{t}', '{sp}', 'bootstrap', 'published', 'succeeded', 1, 1, '{{}}', '{hp}', '{hf}', {hr}, 4,
+          now(), now(), now());
+        INSERT INTO legacy_space_publication_bootstrap_items (bootstrap_id, document_asset_id, document_version,
+          document_sha256, ordinal, status, created_at, updated_at)
+        SELECT '{boot}', d.id, d.version, d.sha256, 0, 'succeeded', now(), now() FROM document_assets d WHERE d.id = '{d0}';
+        INSERT INTO page_index_upgrade_backfills (id, tenant_id, knowledge_space_id, publication_id, publication_fingerprint,
+          head_revision, run_state, total_items, completed_items, retry_count, row_version, created_at, updated_at, completed_at)
+        VALUES ('{pib}', '{t}', '{sp}', '{hp}', '{hf}', {hr}, 'succeeded', 1, 1, 0, 2, now(), now(), now());
+        INSERT INTO page_index_upgrade_backfill_items (backfill_id, document_asset_id, document_outline_id, document_version,
+          publication_generation_id, ordinal, status, created_at, updated_at)
+        SELECT '{pib}', o.document_asset_id, o.id, o.version, o.publication_generation_id, 0, 'succeeded', now(), now()
+        FROM document_outlines o WHERE o.document_asset_id = '{d0}' LIMIT 1;
+        INSERT INTO tidb_fts_posting_backfills (id, tenant_id, knowledge_space_id, tokenizer_version, run_state,
+          scanned_projections, written_postings, retry_count, row_version, created_at, updated_at, completed_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', 'tidb-v1', 'succeeded', 3, 9, 0, 1, now(), now(), now());
+        INSERT INTO knowledge_space_profile_backfills (id, tenant_id, knowledge_space_id, kind, source_manifest_version,
+          source_snapshot, source_snapshot_digest, run_state, execution_attempts, max_execution_attempts, row_version,
+          created_at, updated_at, completed_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', 'retrieval', 1, '{{}}', repeat('0', 64), 'succeeded', 1, 5, 2, now(), now(), now());
+        "#,
+        boot = Uuid::new_v4(),
+        pib = Uuid::new_v4(),
+        hp = head.publication_id,
+        hf = head.fingerprint,
+        hr = head.revision,
+    ))
+    .execute(pool)
     .await
     .unwrap();
-    out.insert("knowledge_spaces", n);
+    if let Some(&src) = s.sources.first() {
+        sqlx::query(
+            "INSERT INTO source_credential_backfills (id, tenant_id, knowledge_space_id, source_id, source_version, \
+               candidate_credential_ref, secret_fingerprint, run_state, retry_count, row_version, created_at, updated_at, \
+               completed_at) \
+             VALUES (gen_random_uuid(), $1, $2, $3, 1, $4, repeat('a', 64), 'succeeded', 0, 1, now(), now(), now())",
+        )
+        .bind(t)
+        .bind(sp)
+        .bind(src)
+        .bind(platform::new_credential_ref())
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+    for key in [
+        format!("{prefix}/segments/{d0}/0.txt"),
+        format!("{prefix}/assets/{d0}/figure.png"),
+        format!("{prefix}/assets/{d0}/figure-thumb.png"),
+    ] {
+        fx.store
+            .put(&key, Bytes::from_static(b"data"))
+            .await
+            .unwrap();
+    }
+    let mut c = conn(pool).await;
+    platform::activate_embedding_profile(&mut c, t, sp, "text-embedding-3-small", "openai", 8)
+        .await
+        .unwrap();
+}
+
+async fn fx_head(pool: &PgPool, s: &Space) -> publication::Head {
+    let mut c = conn(pool).await;
+    publication::head(&mut c, &s.tenant, s.id, false)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+async fn served(pool: &PgPool, s: &Space) -> BTreeSet<Uuid> {
+    let mut c = conn(pool).await;
+    let Some(h) = publication::head(&mut c, &s.tenant, s.id, false)
+        .await
+        .unwrap()
+    else {
+        return BTreeSet::new();
+    };
+    publication::documents(&mut c, &s.tenant, s.id, h.publication_id)
+        .await
+        .unwrap()
+        .into_keys()
+        .collect()
+}
+
+async fn head_members(pool: &PgPool, s: &Space) -> Vec<Member> {
+    let mut c = conn(pool).await;
+    let Some(h) = publication::head(&mut c, &s.tenant, s.id, false)
+        .await
+        .unwrap()
+    else {
+        return Vec::new();
+    };
+    publication::members(&mut c, &s.tenant, s.id, h.publication_id)
+        .await
+        .unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The object store, as files
+
+fn files_under(root: &Path, prefix: &str) -> BTreeSet<String> {
+    fn walk(base: &Path, p: &Path, out: &mut BTreeSet<String>) {
+        let Ok(rd) = std::fs::read_dir(p) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(base, &p, out);
+            } else if let Ok(rel) = p.strip_prefix(base) {
+                out.insert(rel.to_string_lossy().replace('\\', "/"));
+            }
+        }
+    }
+    let mut out = BTreeSet::new();
+    walk(root, &root.join(prefix), &mut out);
     out
 }
 
-fn assert_empty(fp: &BTreeMap<&'static str, i64>) {
-    let left: Vec<_> = fp.iter().filter(|(_, n)| **n > 0).collect();
-    assert!(left.is_empty(), "rows left behind: {left:?}");
+// ---------------------------------------------------------------------------------------------
+// The schema, generically: which rows of every table belong to a space or to documents
+
+struct Catalog {
+    tables: Vec<String>,
+    columns: BTreeMap<String, BTreeSet<String>>,
+    /// Foreign keys: (child, columns, parent, parent columns).
+    fks: Vec<(String, Vec<String>, String, Vec<String>)>,
 }
+
+/// The deletion job tables keep their rows by design (job, redacted items, outbox, tombstone).
+fn kept_by_design(table: &str) -> bool {
+    table.starts_with("deletion_")
+}
+
+async fn catalog(pool: &PgPool) -> Catalog {
+    let tables: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name::text FROM information_schema.tables WHERE table_schema = 'public' \
+           AND table_type = 'BASE TABLE' AND table_name NOT LIKE 'kfs\\_%' AND table_name <> 'schema_migrations' \
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert!(
+        tables.len() >= 60,
+        "the 0018 schema has 60 tables: {tables:?}"
+    );
+    let cols: Vec<(String, String)> = sqlx::query_as(
+        "SELECT table_name::text, column_name::text FROM information_schema.columns WHERE table_schema = 'public'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut columns: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for (t, c) in cols {
+        columns.entry(t).or_default().insert(c);
+    }
+    let fks: Vec<(String, Vec<String>, String, Vec<String>)> = sqlx::query_as(
+        "SELECT c.conrelid::regclass::text, \
+           ARRAY(SELECT a.attname::text FROM unnest(c.conkey) WITH ORDINALITY k(n, i) \
+                 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.n ORDER BY k.i), \
+           c.confrelid::regclass::text, \
+           ARRAY(SELECT a.attname::text FROM unnest(c.confkey) WITH ORDINALITY k(n, i) \
+                 JOIN pg_attribute a ON a.attrelid = c.confrelid AND a.attnum = k.n ORDER BY k.i) \
+         FROM pg_constraint c WHERE c.contype = 'f'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    Catalog {
+        tables,
+        columns,
+        fks,
+    }
+}
+
+impl Catalog {
+    /// A predicate on `table` for its rows of space `$1` (documents `$2` when `space` is false:
+    /// only rows of those documents), through its own columns or its parents' (a row cannot
+    /// outlive its parent, so this reaches every child table).
+    fn owned(&self, table: &str, space: bool, depth: u32) -> Option<String> {
+        let cols = self.columns.get(table)?;
+        if space && table == "knowledge_spaces" {
+            return Some("id = $1".into());
+        }
+        if space && cols.contains("knowledge_space_id") {
+            return Some("knowledge_space_id = $1".into());
+        }
+        if cols.contains("document_asset_id") {
+            return Some("document_asset_id = ANY($2)".into());
+        }
+        if !space && table == "document_assets" {
+            return Some("id = ANY($2)".into());
+        }
+        if depth > 4 {
+            return None;
+        }
+        let preds: Vec<String> = self
+            .fks
+            .iter()
+            .filter(|(child, _, parent, _)| child == table && parent != table)
+            .filter_map(|(_, cols, parent, pcols)| {
+                self.owned(parent, space, depth + 1).map(|p| {
+                    format!(
+                        "({}) IN (SELECT {} FROM {parent} WHERE {p})",
+                        cols.join(", "),
+                        pcols.join(", ")
+                    )
+                })
+            })
+            .collect();
+        (!preds.is_empty()).then(|| format!("({})", preds.join(" OR ")))
+    }
+
+    /// Rows per table that belong to the space (`docs`: its documents).
+    async fn count_owned(
+        &self,
+        pool: &PgPool,
+        space: Option<Uuid>,
+        docs: &[Uuid],
+    ) -> BTreeMap<String, i64> {
+        let mut out = BTreeMap::new();
+        for t in self.tables.iter().filter(|t| !kept_by_design(t)) {
+            let Some(pred) = self.owned(t, space.is_some(), 0) else {
+                continue;
+            };
+            let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {t} WHERE {pred}"))
+                .bind(space.unwrap_or_default())
+                .bind(docs)
+                .fetch_one(pool)
+                .await
+                .unwrap_or_else(|e| panic!("{t}: {e}"));
+            if n > 0 {
+                out.insert(t.clone(), n);
+            }
+        }
+        out
+    }
+
+    /// Rows of any table (but the deletion job's own) whose text names one of `needles`.
+    async fn mentions(&self, pool: &PgPool, needles: &[String]) -> BTreeMap<String, i64> {
+        let patterns: Vec<String> = needles.iter().map(|n| format!("%{n}%")).collect();
+        let mut out = BTreeMap::new();
+        for t in self.tables.iter().filter(|t| !kept_by_design(t)) {
+            let n: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM {t} x WHERE x::text LIKE ANY($1)"
+            ))
+            .bind(&patterns)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if n > 0 {
+                out.insert(t.clone(), n);
+            }
+        }
+        out
+    }
+
+    /// A digest of every row of every table that belongs to `space` (and its documents).
+    async fn fingerprint(&self, pool: &PgPool, space: Uuid) -> BTreeMap<String, String> {
+        let docs: Vec<Uuid> =
+            sqlx::query_scalar("SELECT id FROM document_assets WHERE knowledge_space_id = $1")
+                .bind(space)
+                .fetch_all(pool)
+                .await
+                .unwrap();
+        let mut out = BTreeMap::new();
+        for t in &self.tables {
+            let Some(pred) = self.owned(t, true, 0) else {
+                continue;
+            };
+            let digest: Option<String> = sqlx::query_scalar(&format!(
+                "SELECT md5(string_agg(x::text, '|' ORDER BY x::text)) FROM {t} x WHERE {pred}"
+            ))
+            .bind(space)
+            .bind(&docs)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+            if let Some(d) = digest {
+                out.insert(t.clone(), d);
+            }
+        }
+        out
+    }
+}
+
+/// Other spaces' rows and objects, to compare before and after.
+struct Untouched {
+    rows: Vec<BTreeMap<String, String>>,
+    objects: Vec<BTreeSet<String>>,
+}
+
+async fn untouched(fx: &SpaceFx, cat: &Catalog, others: &[&Space]) -> Untouched {
+    let mut rows = Vec::new();
+    let mut objects = Vec::new();
+    for o in others {
+        rows.push(cat.fingerprint(fx.pool(), o.id).await);
+        objects.push(files_under(&fx.dir, &o.prefix));
+    }
+    Untouched { rows, objects }
+}
+
+async fn assert_untouched(fx: &SpaceFx, cat: &Catalog, others: &[&Space], before: &Untouched) {
+    let now = untouched(fx, cat, others).await;
+    for (i, o) in others.iter().enumerate() {
+        assert!(
+            before.rows[i].len() > 20,
+            "{} has rows in too few tables to mean anything",
+            o.id
+        );
+        let changed: Vec<&String> = before.rows[i]
+            .iter()
+            .filter(|(t, d)| now.rows[i].get(*t) != Some(*d))
+            .map(|(t, _)| t)
+            .chain(
+                now.rows[i]
+                    .keys()
+                    .filter(|t| !before.rows[i].contains_key(*t)),
+            )
+            .collect();
+        assert!(
+            changed.is_empty(),
+            "rows of {} ({}) changed in {changed:?}",
+            o.id,
+            o.tenant
+        );
+        assert_eq!(
+            now.objects[i], before.objects[i],
+            "objects of {} changed",
+            o.id
+        );
+        assert!(!before.objects[i].is_empty());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Requests
 
 fn space_request(s: &Space, key: &str) -> DeletionRequest {
     DeletionRequest {
@@ -358,7 +710,7 @@ fn space_request(s: &Space, key: &str) -> DeletionRequest {
             confirm_name: s.name.clone(),
         },
         expected_revision: None,
-        requested_by_subject_id: "alice".into(),
+        requested_by_subject_id: OWNER.into(),
         permission_snapshot_id: s.owner_snapshot,
         access_channel: "interactive".into(),
         idempotency_key: key.into(),
@@ -379,18 +731,30 @@ async fn request(pool: &PgPool, req: &DeletionRequest) -> Result<Uuid, RequestEr
     r.map(|r| r.job_id)
 }
 
+async fn snapshot_for(fx: &SpaceFx, s: &Space, subject: &str, channel: &str) -> Uuid {
+    let mut c = conn(fx.pool()).await;
+    platform::create_permission_snapshot(&mut c, &s.tenant, s.id, subject, channel, None)
+        .await
+        .unwrap()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Ports that record or fail
 
+/// A secret the store was asked to erase: tenant, space, source, reference.
+type SeenSecret = (String, Uuid, Option<Uuid>, String);
+
 #[derive(Default)]
 struct Recording {
-    seen: Mutex<Vec<String>>,
+    secrets: Mutex<Vec<SeenSecret>>,
     failures_left: AtomicU64,
+    cache: Mutex<BTreeSet<String>>,
+    prefixes: Mutex<Vec<String>>,
 }
 
 #[async_trait::async_trait]
 impl SecretStore for Recording {
-    async fn delete_secret(&self, credential_ref: &str) -> Result<(), PortError> {
+    async fn delete_secret(&self, s: &SecretRef<'_>) -> Result<(), PortError> {
         if self
             .failures_left
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -398,20 +762,38 @@ impl SecretStore for Recording {
         {
             return Err(PortError::retryable("secret_store", "vault unavailable"));
         }
-        self.seen.lock().unwrap().push(credential_ref.to_owned());
+        self.secrets.lock().unwrap().push((
+            s.tenant.to_owned(),
+            s.space,
+            s.source,
+            s.credential_ref.to_owned(),
+        ));
         Ok(())
     }
 }
 
 #[async_trait::async_trait]
 impl RetrievalCache for Recording {
-    async fn evict(&self, key: &str) -> Result<(), PortError> {
-        self.seen.lock().unwrap().push(key.to_owned());
-        Ok(())
+    async fn delete_prefix(&self, prefix: &str, limit: usize) -> Result<CachePage, PortError> {
+        self.prefixes.lock().unwrap().push(prefix.to_owned());
+        let mut cache = self.cache.lock().unwrap();
+        let hits: Vec<String> = cache
+            .iter()
+            .filter(|k| k.starts_with(prefix))
+            .cloned()
+            .collect();
+        let gone: Vec<String> = hits.iter().take(limit).cloned().collect();
+        for k in &gone {
+            cache.remove(k);
+        }
+        Ok(CachePage {
+            deleted: gone.len() as u64,
+            more: hits.len() > gone.len(),
+        })
     }
 }
 
-/// An object store that fails while `broken` is set.
+/// An object store that fails deletions while `broken` is set.
 struct Flaky {
     inner: Store,
     broken: AtomicBool,
@@ -426,6 +808,19 @@ impl ObjectEraser for Flaky {
             return Err(PortError::retryable("object_store", "503 slow down"));
         }
         self.inner.delete_object(key).await
+    }
+
+    async fn list_objects(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<String>, PortError> {
+        self.inner.list_objects(prefix, after, limit).await
+    }
+
+    async fn object_exists(&self, key: &str) -> Result<bool, PortError> {
+        self.inner.object_exists(key).await
     }
 }
 
@@ -470,6 +865,12 @@ fn fast_config() -> DeletionConfig {
     }
 }
 
+fn handler(fx: &SpaceFx) -> DeletionHandler {
+    DeletionHandler::new(Deps::offline(fx.store.clone()))
+        .unwrap()
+        .with_config(fast_config())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Driving jobs in-process
 
@@ -483,7 +884,8 @@ struct Driver {
 }
 
 impl Driver {
-    async fn new(env: &TestEnv, handler: Arc<dyn Handler>, budget: Budget) -> Driver {
+    async fn new(fx: &SpaceFx, handler: Arc<dyn Handler>, budget: Budget) -> Driver {
+        let env = &fx.env;
         let cfg = ConsumerConfig {
             budget,
             ..ConsumerConfig::default()
@@ -539,6 +941,16 @@ impl Driver {
         for _ in 0..5000 {
             let (state, cp) = job_state(&self.pool, job).await;
             if matches!(state.as_str(), "succeeded" | "failed" | "canceled") {
+                if state != "succeeded" {
+                    let why: (Option<String>, Option<String>) = sqlx::query_as(
+                        "SELECT last_error_code, last_error_message FROM deletion_jobs WHERE id = $1",
+                    )
+                    .bind(job)
+                    .fetch_one(&self.pool)
+                    .await
+                    .unwrap();
+                    eprintln!("job {job} ended {state} at {cp}: {why:?}");
+                }
                 return (state, cp);
             }
             if skip_waits && state == "retry_wait" {
@@ -583,14 +995,6 @@ async fn skip_wait(pool: &PgPool, job: Uuid) {
         .unwrap();
 }
 
-fn handler(objects: &Objects) -> DeletionHandler {
-    DeletionHandler::new(Deps {
-        store: objects.store.clone(),
-    })
-    .unwrap()
-    .with_config(fast_config())
-}
-
 /// After success: job, outbox, tombstone final; every item completed with its key redacted.
 async fn assert_finished_clean(pool: &PgPool, job: Uuid) {
     let (state, cp, slot): (String, String, Option<i32>) = sqlx::query_as(
@@ -622,8 +1026,7 @@ async fn assert_finished_clean(pool: &PgPool, job: Uuid) {
     assert_eq!(open, 0, "outbox rows still open");
     let unredacted: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1 AND (status <> 'completed' \
-           OR object_key IS NOT NULL OR credential_ref IS NOT NULL OR cache_key IS NOT NULL \
-           OR (kind IN ('object', 'secret_ref', 'cache_key') AND redacted_at IS NULL))",
+           OR object_key IS NOT NULL OR credential_ref IS NOT NULL OR cache_key IS NOT NULL OR redacted_at IS NULL)",
     )
     .bind(job)
     .fetch_one(pool)
@@ -632,19 +1035,64 @@ async fn assert_finished_clean(pool: &PgPool, job: Uuid) {
     assert_eq!(unredacted, 0, "items not completed or not redacted");
 }
 
+async fn item_kinds(pool: &PgPool, job: Uuid) -> Vec<(String, i64)> {
+    sqlx::query_as(
+        "SELECT kind, count(*) FROM deletion_job_items WHERE deletion_job_id = $1 GROUP BY 1 ORDER BY 1",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Everything a document leaves behind, to look for after its deletion: its id, its nodes'
+/// ids, its object keys and its folder.
+async fn needles_of(fx: &SpaceFx, s: &Space, doc: Uuid) -> Vec<String> {
+    let mut out = vec![doc.to_string(), format!("{}/documents/{doc}", s.prefix)];
+    for (n, _) in nodes_of(fx.pool(), doc).await {
+        out.push(n.to_string());
+    }
+    let key: String = sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
+        .bind(doc)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    out.push(key);
+    out
+}
+
+/// Nothing of the documents is left in any table of the schema, nor under their folders.
+async fn assert_documents_gone(
+    fx: &SpaceFx,
+    cat: &Catalog,
+    s: &Space,
+    docs: &[Uuid],
+    needles: &[String],
+) {
+    let owned = cat.count_owned(fx.pool(), None, docs).await;
+    assert!(owned.is_empty(), "rows of the documents left: {owned:?}");
+    let named = cat.mentions(fx.pool(), needles).await;
+    assert!(
+        named.is_empty(),
+        "rows naming the documents left: {named:?}"
+    );
+    for d in docs {
+        let left = files_under(&fx.dir, &format!("{}/documents/{d}", s.prefix));
+        assert!(left.is_empty(), "objects of {d} left: {left:?}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_space_deletion_erases_everything_of_the_space_and_nothing_of_any_other() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let a = seed(&env.pool, &objects, "tenant-t", "docs", 2, 6).await;
-    // Same tenant, another space; another tenant with the same slug, name, filenames, node
-    // contents, generation ids, entity names and workspace fingerprints.
-    let b = seed(&env.pool, &objects, "tenant-t", "other", 1, 3).await;
-    let c = seed(&env.pool, &objects, "tenant-u", "docs", 2, 6).await;
-    // A knowledge node in space B that points at a document of space B but carries A's text.
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let a = seed(&fx, "tenant-t", "main", "Docs", 2, 4).await;
+    // Same tenant, another space; another tenant with the same slug, name, file names and bytes.
+    let b = seed(&fx, "tenant-t", "other", "Other", 1, 1).await;
+    let c = seed(&fx, "tenant-u", "main", "Docs", 1, 1).await;
+    let pool = fx.pool();
     // A live retrieval lease in space C must not hold up A's deletion.
     sqlx::query(
         "INSERT INTO retrieval_execution_leases (id, tenant_id, knowledge_space_id, subject_id, trace_id, lease_token, \
@@ -654,27 +1102,29 @@ async fn a_space_deletion_erases_everything_of_the_space_and_nothing_of_any_othe
     )
     .bind(&c.tenant)
     .bind(c.id)
-    .execute(&env.pool)
+    .execute(pool)
     .await
     .unwrap();
-    let before_b = footprint(&env.pool, &b.tenant, b.id).await;
-    let before_c = footprint(&env.pool, &c.tenant, c.id).await;
-    let (objs_b, objs_c) = (objects.count(b.id), objects.count(c.id));
-    assert_eq!(objects.count(a.id), 6);
+    let cat = catalog(pool).await;
+    let before = untouched(&fx, &cat, &[&b, &c]).await;
+    let a_objects = files_under(&fx.dir, &a.prefix);
+    assert_eq!(a_objects.len(), 4 + 3, "{a_objects:?}");
+    assert!(cat.count_owned(pool, Some(a.id), &a.docs).await.len() > 40);
 
     let recorder = Arc::new(Recording::default());
+    recorder.cache.lock().unwrap().extend([
+        format!("space-cache:v2:evidence-bundle:space:{}:q1", a.id),
+        format!("space-cache:v2:evidence-bundle:space:{}:q1", b.id),
+        "evidence-bundle:legacy-entry".to_string(),
+    ]);
     let h = DeletionHandler::with_ports(
-        Deps {
-            store: objects.store.clone(),
-        },
+        Deps::offline(fx.store.clone()),
         recorder.clone(),
         recorder.clone(),
     )
     .with_config(fast_config());
-    let driver = Driver::new(&env, Arc::new(h), Budget::default()).await;
-    let job = request(&env.pool, &space_request(&a, "del-a"))
-        .await
-        .unwrap();
+    let driver = Driver::new(&fx, Arc::new(h), Budget::default()).await;
+    let job = request(pool, &space_request(&a, "del-a")).await.unwrap();
 
     // The request wrote the job, the tombstone, the fence and the first outbox revision.
     let row: (String, String, i32, bool, i32, i32, String, Option<String>) = sqlx::query_as(
@@ -682,7 +1132,7 @@ async fn a_space_deletion_erases_everything_of_the_space_and_nothing_of_any_othe
            request_fingerprint, name_challenge_digest FROM deletion_jobs WHERE id = $1",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(
@@ -698,16 +1148,27 @@ async fn a_space_deletion_erases_everything_of_the_space_and_nothing_of_any_othe
         "SELECT lifecycle_state, deletion_job_id FROM knowledge_spaces WHERE id = $1",
     )
     .bind(a.id)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(fence, ("deleting".into(), Some(job)));
+    let invalidated: Option<String> = sqlx::query_scalar(
+        "SELECT invalidation_reason FROM agent_workspace_snapshots WHERE knowledge_space_id = $1",
+    )
+    .bind(a.id)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        invalidated.as_deref(),
+        Some("durable-deletion:knowledge_space")
+    );
     let outbox: (String, i32, String, serde_json::Value, String) = sqlx::query_as(
         "SELECT idempotency_key, delivery_revision, status, payload, request_idempotency_key FROM deletion_outbox \
          WHERE deletion_job_id = $1",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(outbox.0, format!("deletion:{job}:1"));
@@ -722,81 +1183,163 @@ async fn a_space_deletion_erases_everything_of_the_space_and_nothing_of_any_othe
 
     let (state, _) = driver.finish(job, true).await;
     assert_eq!(state, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
-    assert_empty(&footprint(&env.pool, &a.tenant, a.id).await);
-    assert_eq!(objects.count(a.id), 0, "objects of the space left behind");
-    // Nothing of the other spaces moved.
-    assert_eq!(footprint(&env.pool, &b.tenant, b.id).await, before_b);
-    assert_eq!(footprint(&env.pool, &c.tenant, c.id).await, before_c);
-    assert_eq!((objects.count(b.id), objects.count(c.id)), (objs_b, objs_c));
-    // Secrets and cache keys went through their ports; the items kept only digests.
-    let seen = recorder.seen.lock().unwrap().clone();
+    assert_finished_clean(pool, job).await;
+    let left = cat.count_owned(pool, Some(a.id), &a.docs).await;
+    assert!(left.is_empty(), "rows of the space left: {left:?}");
+    let named = cat.mentions(pool, &[a.id.to_string()]).await;
+    assert!(named.is_empty(), "rows naming the space left: {named:?}");
     assert!(
-        seen.contains(&"vault://tenant-t/docs/0".to_string()),
-        "{seen:?}"
+        files_under(&fx.dir, &a.prefix).is_empty(),
+        "objects of the space left"
     );
-    assert!(
-        seen.contains(&"vault://tenant-t/docs/1".to_string()),
-        "{seen:?}"
-    );
-    assert!(
-        !seen
-            .iter()
-            .any(|s| s.contains("tenant-u") || s.contains("/other/")),
-        "{seen:?}"
-    );
-    assert!(seen.contains(&format!("kfs:retrieval:tenant-t:{}", a.id)));
-    assert!(seen.contains(&format!("kfs:retrieval:tenant-t:{}:{}", a.id, a.docs[0])));
-    let kinds: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT kind, count(*) FROM deletion_job_items WHERE deletion_job_id = $1 GROUP BY 1 ORDER BY 1",
-    )
-    .bind(job)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    assert_untouched(&fx, &cat, &[&b, &c], &before).await;
+    // Secrets went through their port with their tenant, space and source; the items keep
+    // only digests.
+    let mut seen = recorder.secrets.lock().unwrap().clone();
+    seen.sort();
+    let mut want: Vec<SeenSecret> = a
+        .sources
+        .iter()
+        .zip(&a.credentials)
+        .map(|(s, c)| (a.tenant.clone(), a.id, Some(*s), c.clone()))
+        .collect();
+    want.sort();
+    assert_eq!(seen, want);
+    // The caches: the space's own prefixes and the platform's legacy global ones, not B's.
+    let cache = recorder.cache.lock().unwrap().clone();
     assert_eq!(
-        kinds,
+        cache,
+        BTreeSet::from([format!("space-cache:v2:evidence-bundle:space:{}:q1", b.id)])
+    );
+    let prefixes = recorder.prefixes.lock().unwrap().clone();
+    assert!(prefixes.iter().all(|p| !p.contains(&b.id.to_string())));
+    assert_eq!(
+        item_kinds(pool, job).await,
         vec![
-            ("cache_key".into(), 7),
-            ("object".into(), 6),
+            ("object".into(), a_objects.len() as i64),
             ("secret_ref".into(), 2)
         ]
     );
-    env.cleanup().await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_space_whose_compile_attempts_bind_permission_snapshots_is_deleted_despite_the_restrict_key(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let pool = fx.pool();
+    let mut s = seed(&fx, "tenant-t", "main", "Docs", 0, 0).await;
+    let restrict: String = sqlx::query_scalar(
+        "SELECT confdeltype::text FROM pg_constraint WHERE conrelid = 'document_compilation_attempts'::regclass \
+           AND confrelid = 'knowledge_space_permission_snapshots'::regclass",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(restrict, "r", "the 0016 binding is ON DELETE RESTRICT");
+    for i in 0..2 {
+        let doc = fx
+            .add(
+                &format!("bound-{i}.md"),
+                "text/markdown",
+                note(i, "bound").as_bytes(),
+            )
+            .await;
+        let mut tx = pool.begin().await.unwrap();
+        let attempt = compile::request(
+            &mut tx,
+            doc,
+            RequestOptions {
+                requester: Some(Requester {
+                    subject: OWNER.into(),
+                    snapshot: s.owner_snapshot,
+                }),
+                ..RequestOptions::default()
+            },
+        )
+        .await
+        .unwrap();
+        tx.commit().await.unwrap();
+        let st = fx.drive(&fx.engine("w-bound", 64), attempt).await;
+        assert_eq!(st.run_state, "succeeded", "{st:?}");
+        s.docs.push(doc);
+    }
+    // Traces and research tasks bind the same snapshot.
+    extras(&fx, &s).await;
+    let bound: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM document_compilation_attempts WHERE permission_snapshot_id = $1",
+    )
+    .bind(s.owner_snapshot)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(bound, 2);
+    let cat = catalog(pool).await;
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request(pool, &space_request(&s, "bound")).await.unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
+    assert!(left.is_empty(), "rows of the space left: {left:?}");
+    assert!(files_under(&fx.dir, &s.prefix).is_empty());
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn source_deletion_keeps_or_cascades_its_documents() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 2, 6).await;
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 2, 4).await;
+    let b = seed(&fx, "tenant-t", "other", "Other", 1, 1).await;
+    let c = seed(&fx, "tenant-u", "main", "Docs", 1, 1).await;
+    let pool = fx.pool();
     let (keep_src, cascade_src) = (s.sources[0], s.sources[1]);
-    let docs_of = |src: Uuid| -> Vec<Uuid> {
-        s.docs
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| s.sources[i % 2] == src)
-            .map(|(_, d)| *d)
-            .collect()
-    };
-    let (kept, cascaded) = (docs_of(keep_src), docs_of(cascade_src));
+    let kept: Vec<Uuid> = vec![s.docs[0], s.docs[2]];
+    let cascaded: Vec<Uuid> = vec![s.docs[1], s.docs[3]];
+    // The platform's sources record their identity in their documents' metadata.
+    sqlx::query(
+        "UPDATE document_assets SET metadata = metadata || jsonb_build_object('sourceId', $2::text, \
+           'provenance', jsonb_build_object('sourceId', $2::text, 'providerItemId', 'item-1')) WHERE id = ANY($1)",
+    )
+    .bind(&kept)
+    .bind(keep_src.to_string())
+    .execute(pool)
+    .await
+    .unwrap();
+    let cat = catalog(pool).await;
+    let before = untouched(&fx, &cat, &[&b, &c]).await;
+    let kept_nodes: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM knowledge_nodes WHERE document_asset_id = ANY($1)",
+    )
+    .bind(&kept)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    let kept_objects: BTreeSet<String> = kept
+        .iter()
+        .flat_map(|d| files_under(&fx.dir, &format!("{}/documents/{d}", s.prefix)))
+        .collect();
+    let graph_before: Vec<Member> = head_members(pool, &s)
+        .await
+        .into_iter()
+        .filter(|m| m.component_type.starts_with("graph-"))
+        .collect();
+    assert_eq!(graph_before.len(), 3);
     let secrets = Arc::new(Recording {
         failures_left: AtomicU64::new(1),
         ..Recording::default()
     });
     let h = DeletionHandler::with_ports(
-        Deps {
-            store: objects.store.clone(),
-        },
+        Deps::offline(fx.store.clone()),
         secrets.clone(),
         Arc::new(kfs_worker::jobs::deletion::NoCache),
     )
     .with_config(fast_config());
-    let driver = Driver::new(&env, Arc::new(h), Budget::default()).await;
+    let driver = Driver::new(&fx, Arc::new(h), Budget::default()).await;
 
-    // keep: the source goes, its documents stay (detached), with their objects and derived rows.
+    // keep: the source goes, its documents stay (detached, reactivated, still served) with
+    // their objects and derived rows, and nothing names the source any more.
     let job = request(
-        &env.pool,
+        pool,
         &target_request(
             &s,
             Target::Source {
@@ -808,53 +1351,98 @@ async fn source_deletion_keeps_or_cascades_its_documents() {
     )
     .await
     .unwrap();
-    assert_eq!(driver.finish(job, true).await.0, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
-    let left: Vec<(Uuid, Option<Uuid>, String)> = sqlx::query_as(
-        "SELECT id, source_id, lifecycle_state FROM document_assets WHERE id = ANY($1) ORDER BY id",
+    let fenced: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM document_assets WHERE id = ANY($1) AND lifecycle_state = 'deleting' AND deletion_job_id = $2",
     )
     .bind(&kept)
-    .fetch_all(&env.pool)
+    .bind(job)
+    .fetch_one(pool)
     .await
     .unwrap();
-    assert_eq!(left.len(), kept.len());
-    assert!(
-        left.iter()
-            .all(|(_, src, st)| src.is_none() && st == "active"),
-        "{left:?}"
-    );
+    assert_eq!(fenced, 2, "both modes fence the source's documents");
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    let left: Vec<(Option<Uuid>, String, Option<Uuid>, serde_json::Value)> = sqlx::query_as(
+        "SELECT source_id, lifecycle_state, deletion_job_id, metadata FROM document_assets WHERE id = ANY($1)",
+    )
+    .bind(&kept)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(left.len(), 2);
+    for (src, st, fence, meta) in &left {
+        assert_eq!((src, st.as_str(), fence), (&None, "active", &None));
+        assert!(
+            meta.get("sourceId").is_none() && meta["provenance"].get("sourceId").is_none(),
+            "{meta}"
+        );
+        assert!(meta["provenance"].get("providerItemId").is_none(), "{meta}");
+        assert_eq!(meta["tenantId"], "tenant-t");
+    }
     let nodes: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM knowledge_nodes WHERE document_asset_id = ANY($1)",
     )
     .bind(&kept)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
-    assert_eq!(nodes, kept.len() as i64);
-    assert_eq!(objects.count(s.id), 6);
-    let source_left: i64 = sqlx::query_scalar("SELECT count(*) FROM sources WHERE id = $1")
-        .bind(keep_src)
-        .fetch_one(&env.pool)
+    assert_eq!(nodes, kept_nodes);
+    for k in &kept_objects {
+        assert!(fx.dir.join(k).exists(), "kept object {k} erased");
+    }
+    let head = fx_head(pool, &s).await;
+    let meta: serde_json::Value =
+        sqlx::query_scalar("SELECT metadata FROM projection_set_publications WHERE id = $1")
+            .bind(head.publication_id)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(meta["sourceIdentityScrubbed"], true);
+    assert_eq!(meta["deletionJobId"], job.to_string());
+    let serving = served(pool, &s).await;
+    assert!(kept.iter().all(|d| serving.contains(d)), "{serving:?}");
+    let graph_after: Vec<Member> = head_members(pool, &s)
         .await
-        .unwrap();
-    assert_eq!(source_left, 0);
+        .into_iter()
+        .filter(|m| m.component_type.starts_with("graph-"))
+        .collect();
+    assert_eq!(
+        graph_after, graph_before,
+        "kept documents keep their graph members"
+    );
+    let named = cat
+        .mentions(pool, &[keep_src.to_string(), s.credentials[0].clone()])
+        .await;
+    assert!(
+        named.is_empty(),
+        "rows naming the kept source left: {named:?}"
+    );
     // The secret failed once, retried on its own schedule, then went.
     assert_eq!(
-        secrets.seen.lock().unwrap().clone(),
-        vec!["vault://tenant-t/docs/0".to_string()]
+        secrets.secrets.lock().unwrap().clone(),
+        vec![(
+            s.tenant.clone(),
+            s.id,
+            Some(keep_src),
+            s.credentials[0].clone()
+        )]
     );
     let attempts: i32 = sqlx::query_scalar(
         "SELECT attempts FROM deletion_job_items WHERE deletion_job_id = $1 AND kind = 'secret_ref'",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(attempts, 2);
 
     // cascade: the source and its documents go, with objects, derived rows and head membership.
+    let mut needles = vec![cascade_src.to_string(), s.credentials[1].clone()];
+    for d in &cascaded {
+        needles.extend(needles_of(&fx, &s, *d).await);
+    }
     let job = request(
-        &env.pool,
+        pool,
         &target_request(
             &s,
             Target::Source {
@@ -871,86 +1459,93 @@ async fn source_deletion_keeps_or_cascades_its_documents() {
     )
     .bind(&cascaded)
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
-    assert_eq!(
-        marked,
-        cascaded.len() as i64,
-        "cascade fences the source's documents"
-    );
+    assert_eq!(marked, 2, "cascade fences the source's documents");
     assert_eq!(driver.finish(job, true).await.0, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
-    let gone: i64 = sqlx::query_scalar("SELECT count(*) FROM document_assets WHERE id = ANY($1)")
-        .bind(&cascaded)
-        .fetch_one(&env.pool)
-        .await
-        .unwrap();
-    assert_eq!(gone, 0);
-    let derived: i64 = sqlx::query_scalar(
-        "SELECT (SELECT count(*) FROM knowledge_nodes WHERE document_asset_id = ANY($1)) \
-              + (SELECT count(*) FROM document_outlines WHERE document_asset_id = ANY($1)) \
-              + (SELECT count(*) FROM knowledge_paths WHERE document_asset_id = ANY($1))",
-    )
-    .bind(&cascaded)
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(derived, 0);
-    assert_eq!(objects.count(s.id), kept.len());
-    let mut c = conn(&env.pool).await;
-    let head = publication::head(&mut c, &s.tenant, s.id, false)
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(cascaded.iter().all(|d| !head.members.contains_key(d)));
-    assert!(kept.iter().all(|d| head.members.contains_key(d)));
-    let items: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT kind, count(*) FROM deletion_job_items WHERE deletion_job_id = $1 GROUP BY 1 ORDER BY 1",
-    )
-    .bind(job)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
+    assert_finished_clean(pool, job).await;
+    assert_documents_gone(&fx, &cat, &s, &cascaded, &needles).await;
+    let serving = served(pool, &s).await;
+    assert_eq!(serving, kept.iter().copied().collect::<BTreeSet<_>>());
+    for k in &kept_objects {
+        assert!(
+            fx.dir.join(k).exists(),
+            "kept object {k} erased by the cascade"
+        );
+    }
     assert_eq!(
-        items,
-        vec![
-            ("cache_key".into(), 3),
-            ("document_cascade".into(), 3),
-            ("object".into(), 3),
-            ("secret_ref".into(), 1)
-        ]
+        item_kinds(pool, job).await,
+        vec![("object".into(), 2), ("secret_ref".into(), 1)]
     );
-    env.cleanup().await;
+    assert_untouched(&fx, &cat, &[&b, &c], &before).await;
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_document_deletion_erases_every_version_and_leaves_the_head_without_it() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 0, 3).await;
-    let (doc, other) = (s.docs[0], s.docs[1]);
-    let mut c = conn(&env.pool).await;
-    platform::replace_document(&mut c, &objects.store, doc, Bytes::from_static(b"v2"))
+async fn a_document_deletion_erases_every_version_its_derived_rows_and_its_graph_and_leaves_the_head_without_it(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let pool = fx.pool();
+    // A document with two versions: both objects go.
+    let versioned = fx
+        .add("versioned.md", "text/markdown", note(9, "v1").as_bytes())
+        .await;
+    let mut cn = conn(pool).await;
+    platform::replace_document(&mut cn, &fx.store, versioned, Bytes::from(note(9, "v2")))
         .await
         .unwrap();
-    assert_eq!(objects.count(s.id), 4);
+    drop(cn);
+    fx.compile(versioned).await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 3).await;
+    let c = seed(&fx, "tenant-u", "main", "Docs", 0, 1).await;
+    let (doc, other) = (s.docs[0], s.docs[1]);
+    // Another document's graph stays with it.
+    let other_graph = publish_graph(&fx, &s, other).await;
+    // A graph entity of the other document built partly from this one's nodes.
+    let cross = publish_cross_entity(pool, &s, other, doc).await;
+    assert!(head_members(pool, &s)
+        .await
+        .iter()
+        .any(|m| m.component_key == cross));
+    assert_eq!(
+        files_under(&fx.dir, &format!("{}/documents/{versioned}", s.prefix)).len(),
+        2
+    );
+    let cat = catalog(pool).await;
+    let before = untouched(&fx, &cat, &[&c]).await;
+    let mut needles = needles_of(&fx, &s, doc).await;
+    let extra_keys = [
+        format!("{}/segments/{doc}/0.txt", s.prefix),
+        format!("{}/assets/{doc}/figure.png", s.prefix),
+        format!("{}/assets/{doc}/figure-thumb.png", s.prefix),
+    ];
+    needles.extend(extra_keys.iter().cloned());
+    let other_nodes = nodes_of(pool, other).await.len();
+    assert!(served(pool, &s).await.contains(&doc));
+    let owned = cat.count_owned(pool, None, &[doc]).await;
+    assert!(
+        owned.len() > 10,
+        "the document has rows in many tables: {owned:?}"
+    );
+    assert!(cat.mentions(pool, &needles).await.len() > 10);
+
     let rv: i32 = sqlx::query_scalar("SELECT row_version FROM document_assets WHERE id = $1")
         .bind(doc)
-        .fetch_one(&env.pool)
+        .fetch_one(pool)
         .await
         .unwrap();
     // A stale revision is refused; the current one is accepted.
     let stale = DeletionRequest {
-        expected_revision: Some(rv - 1),
+        expected_revision: Some(rv + 1),
         ..target_request(&s, Target::Document { id: doc }, "d1")
     };
     assert!(matches!(
-        request(&env.pool, &stale).await,
+        request(pool, &stale).await,
         Err(RequestError::RevisionMismatch { .. })
     ));
     let job = request(
-        &env.pool,
+        pool,
         &DeletionRequest {
             expected_revision: Some(rv),
             ..target_request(&s, Target::Document { id: doc }, "d1")
@@ -958,37 +1553,177 @@ async fn a_document_deletion_erases_every_version_and_leaves_the_head_without_it
     )
     .await
     .unwrap();
-    let driver = Driver::new(&env, Arc::new(handler(&objects)), Budget::default()).await;
+    // The request seeded the raw object as the job's first item, as the platform does.
+    let raw: (i64, String, String) = sqlx::query_as(
+        "SELECT ordinal, kind, idempotency_key FROM deletion_job_items WHERE deletion_job_id = $1",
+    )
+    .bind(job)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((raw.0, raw.1.as_str()), (0, "object"));
+    assert!(raw.2.starts_with("raw-object:"), "{}", raw.2);
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
     assert_eq!(driver.finish(job, true).await.0, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
+    assert_finished_clean(pool, job).await;
+    assert_documents_gone(&fx, &cat, &s, &[doc], &needles).await;
+    for k in &extra_keys {
+        assert!(!fx.dir.join(k).exists(), "{k} left");
+    }
+    // The head serves the other documents, with the other document's graph, and nothing of
+    // this one (its graph members are gone with its graph rows).
+    let serving = served(pool, &s).await;
+    assert_eq!(serving, BTreeSet::from([other, s.docs[2], versioned]));
+    let members = head_members(pool, &s).await;
+    assert!(members.iter().all(|m| m.document_asset_id != Some(doc)));
+    let graph: BTreeSet<Uuid> = members
+        .iter()
+        .filter(|m| m.component_type.starts_with("graph-"))
+        .map(|m| m.component_key)
+        .collect();
     assert_eq!(
-        objects.count(s.id),
-        2,
-        "both versions erased, the other documents kept"
+        graph,
+        other_graph.iter().copied().collect(),
+        "the closure drops {cross}"
     );
-    let head = publication::head(&mut c, &s.tenant, s.id, false)
+    let graph_rows: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM graph_entities WHERE knowledge_space_id = $1) \
+              + (SELECT count(*) FROM graph_relations WHERE knowledge_space_id = $1)",
+    )
+    .bind(s.id)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(graph_rows, 3, "only the other document's graph is left");
+    assert_eq!(nodes_of(pool, other).await.len(), other_nodes);
+    let golden: Vec<String> =
+        sqlx::query_scalar("SELECT question FROM golden_questions WHERE knowledge_space_id = $1")
+            .bind(s.id)
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(golden, vec!["about nothing in particular".to_string()]);
+    let objects: i64 = item_kinds(pool, job)
+        .await
+        .iter()
+        .filter(|(k, _)| k == "object")
+        .map(|(_, n)| *n)
+        .sum();
+    assert!(
+        objects >= 5,
+        "raw (seeded and scanned), segment and manifest keys: {objects}"
+    );
+
+    // Every version of a replaced document goes.
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: versioned }, "dv"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert!(files_under(&fx.dir, &format!("{}/documents/{versioned}", s.prefix)).is_empty());
+    assert_eq!(served(pool, &s).await, BTreeSet::from([other, s.docs[2]]));
+    assert_untouched(&fx, &cat, &[&c], &before).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_document_deletion_without_a_seeded_raw_object_item_still_erases_the_raw_object() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 0).await;
+    let pool = fx.pool();
+    let doc = fx
+        .add("raw.md", "text/markdown", note(1, "raw").as_bytes())
+        .await;
+    // The raw object lives outside the document's folder (an older upload layout), so only the
+    // document row names it.
+    let old: String = sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
+        .bind(doc)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let raw = format!("{}/uploads/{doc}.md", s.prefix);
+    let bytes = fx.store.get(&old).await.unwrap();
+    fx.store.put(&raw, bytes).await.unwrap();
+    fx.store.delete(&old).await.unwrap();
+    sqlx::query("UPDATE document_assets SET object_key = $2 WHERE id = $1")
+        .bind(doc)
+        .bind(&raw)
+        .execute(pool)
+        .await
+        .unwrap();
+    fx.compile(doc).await;
+    let cat = catalog(pool).await;
+    let needles = needles_of(&fx, &s, doc).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: doc }, "raw"),
+    )
+    .await
+    .unwrap();
+    // A request that did not seed the raw object's item.
+    let seeded = sqlx::query("DELETE FROM deletion_job_items WHERE deletion_job_id = $1")
+        .bind(job)
+        .execute(pool)
         .await
         .unwrap()
-        .unwrap();
-    assert!(!head.members.contains_key(&doc));
-    assert!(head.members.contains_key(&other));
-    let fp = footprint(&env.pool, &s.tenant, s.id).await;
-    assert_eq!(fp["document_assets"], 2);
-    assert_eq!(fp["knowledge_nodes"], 2);
-    assert_eq!(fp["knowledge_spaces"], 1);
-    // Workspaces of the space were invalidated (they cannot be attributed) and this job's removed.
-    assert_eq!(fp["agent_workspace_snapshots"], 0);
-    env.cleanup().await;
+        .rows_affected();
+    assert_eq!(seeded, 1);
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert!(!fx.dir.join(&raw).exists(), "the raw object was not erased");
+    let erased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1 AND idempotency_key = $2 \
+           AND status = 'completed' AND object_key IS NULL",
+    )
+    .bind(job)
+    .bind(format!("object:{}", platform::sha256_hex(raw.as_bytes())))
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(erased, 1, "the inventory found the raw object itself");
+    let passes: Option<String> =
+        sqlx::query_scalar("SELECT scan_cursor FROM deletion_jobs WHERE id = $1")
+            .bind(job)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert!(
+        passes.unwrap_or_default().contains("\"pass\":1"),
+        "found in the first pass"
+    );
+    assert_documents_gone(&fx, &cat, &s, &[doc], &needles).await;
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 1, 2).await;
-    let doc = s.docs[0];
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 0).await;
+    let pool = fx.pool();
+    let mut docs = Vec::new();
+    for i in 0..2 {
+        let mut c = conn(pool).await;
+        docs.push(
+            platform::add_document(
+                &mut c,
+                &fx.store,
+                s.id,
+                Some(s.sources[0]),
+                &format!("r-{i}.md"),
+                "text/markdown",
+                Bytes::from(note(i, "r")),
+            )
+            .await
+            .unwrap(),
+        );
+    }
+    let doc = docs[0];
     let req = target_request(&s, Target::Document { id: doc }, "k1");
-    let mut tx = env.pool.begin().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
     let first = request_deletion(&mut tx, &req).await.unwrap();
     let again = request_deletion(&mut tx, &req).await.unwrap();
     tx.commit().await.unwrap();
@@ -999,22 +1734,22 @@ async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing(
     );
 
     let count = |pool: PgPool| async move {
-        let n: (i64, i64, i64) = sqlx::query_as(
+        let n: (i64, i64, i64, i64) = sqlx::query_as(
             "SELECT (SELECT count(*) FROM deletion_jobs), (SELECT count(*) FROM deletion_tombstones), \
-                    (SELECT count(*) FROM deletion_outbox)",
+                    (SELECT count(*) FROM deletion_outbox), (SELECT count(*) FROM deletion_job_items)",
         )
         .fetch_one(&pool)
         .await
         .unwrap();
         n
     };
-    let before = count(env.pool.clone()).await;
-    assert_eq!(before, (1, 1, 1));
+    let before = count(pool.clone()).await;
+    assert_eq!(before, (1, 1, 1, 1));
 
     // Same key, different request.
     let r = request(
-        &env.pool,
-        &target_request(&s, Target::Document { id: s.docs[1] }, "k1"),
+        pool,
+        &target_request(&s, Target::Document { id: docs[1] }, "k1"),
     )
     .await;
     assert!(
@@ -1023,7 +1758,7 @@ async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing(
     );
     // Another key, same target: the live job owns it.
     let r = request(
-        &env.pool,
+        pool,
         &target_request(&s, Target::Document { id: doc }, "k2"),
     )
     .await;
@@ -1031,99 +1766,90 @@ async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing(
         matches!(r, Err(RequestError::TargetBusy { job_id: Some(j), .. }) if j == first.job_id),
         "{r:?}"
     );
-    // A cascade of the document's source collides with the document's job.
-    let r = request(
-        &env.pool,
-        &target_request(
-            &s,
-            Target::Source {
-                id: s.sources[0],
-                mode: SourceMode::Cascade,
-            },
-            "k3",
-        ),
-    )
-    .await;
-    assert!(matches!(r, Err(RequestError::TargetBusy { .. })), "{r:?}");
+    // The document's source, in either mode, and its space wait for the document's deletion.
+    for mode in [SourceMode::Cascade, SourceMode::Keep] {
+        let r = request(
+            pool,
+            &target_request(
+                &s,
+                Target::Source {
+                    id: s.sources[0],
+                    mode,
+                },
+                &format!("k3-{mode:?}"),
+            ),
+        )
+        .await;
+        assert!(matches!(r, Err(RequestError::TargetBusy { .. })), "{r:?}");
+    }
+    let r = request(pool, &space_request(&s, "k3-space")).await;
+    assert!(
+        matches!(r, Err(RequestError::TargetBusy { job_id: Some(j), .. }) if j == first.job_id),
+        "{r:?}"
+    );
     // The name challenge.
     let mut wrong = space_request(&s, "k4");
     wrong.target = Target::Space {
         confirm_name: "not the name".into(),
     };
     assert!(matches!(
-        request(&env.pool, &wrong).await,
+        request(pool, &wrong).await,
         Err(RequestError::NameChallenge)
     ));
     // Unknown targets, and targets of another tenant.
     let r = request(
-        &env.pool,
+        pool,
         &target_request(&s, Target::Document { id: Uuid::now_v7() }, "k5"),
     )
     .await;
     assert!(matches!(r, Err(RequestError::NotFound(_))), "{r:?}");
     let r = request(
-        &env.pool,
+        pool,
         &DeletionRequest {
             tenant_id: "tenant-u".into(),
-            ..target_request(&s, Target::Document { id: s.docs[1] }, "k6")
+            ..target_request(&s, Target::Document { id: docs[1] }, "k6")
         },
     )
     .await;
     assert!(matches!(r, Err(RequestError::NotFound(_))), "{r:?}");
-    // Snapshots: another subject's, revoked, expired, without the delete scope, wrong channel.
-    let other = snapshot(
-        &env.pool,
-        &s.tenant,
-        s.id,
-        "bob",
-        "interactive",
-        r#"["delete"]"#,
-    )
-    .await;
-    let revoked = snapshot(
-        &env.pool,
-        &s.tenant,
-        s.id,
-        "alice",
-        "interactive",
-        r#"["delete"]"#,
-    )
-    .await;
-    sqlx::query("UPDATE knowledge_space_permission_snapshots SET revoked_at = now(), status = 'revoked' WHERE id = $1")
-        .bind(revoked)
-        .execute(&env.pool)
+    // Snapshots: another subject's, revoked, expired, a viewer's, another channel's, unknown;
+    // and an editor may delete a document but not the space.
+    let bob = snapshot_for(&fx, &s, "bob", "interactive").await;
+    let revoked = snapshot_for(&fx, &s, OWNER, "interactive").await;
+    let mut c = conn(pool).await;
+    platform::revoke_permission_snapshot(&mut c, &s.tenant, revoked)
         .await
         .unwrap();
-    let expired = snapshot(
-        &env.pool,
+    let expired = platform::create_permission_snapshot(
+        &mut c,
         &s.tenant,
         s.id,
-        "alice",
+        OWNER,
         "interactive",
-        r#"["delete"]"#,
+        Some(chrono::Utc::now() - chrono::Duration::minutes(1)),
     )
-    .await;
-    sqlx::query("UPDATE knowledge_space_permission_snapshots SET expires_at = now() - interval '1 minute' WHERE id = $1")
-        .bind(expired)
-        .execute(&env.pool)
+    .await
+    .unwrap();
+    platform::add_member(&mut c, &s.tenant, s.id, "vic", "viewer")
         .await
         .unwrap();
-    let reader = snapshot(
-        &env.pool,
-        &s.tenant,
-        s.id,
-        "alice",
-        "interactive",
-        r#"["read"]"#,
-    )
-    .await;
-    let mcp = snapshot(&env.pool, &s.tenant, s.id, "alice", "mcp", r#"["delete"]"#).await;
-    for snap in [other, revoked, expired, reader, mcp, Uuid::now_v7()] {
+    drop(c);
+    let viewer = snapshot_for(&fx, &s, "vic", "interactive").await;
+    let mcp = snapshot_for(&fx, &s, OWNER, "mcp").await;
+    for (snap, subject) in [
+        (bob, OWNER),
+        (revoked, OWNER),
+        (expired, OWNER),
+        (viewer, "vic"),
+        (mcp, OWNER),
+        (Uuid::now_v7(), OWNER),
+    ] {
         let r = request(
-            &env.pool,
+            pool,
             &DeletionRequest {
                 permission_snapshot_id: snap,
-                ..target_request(&s, Target::Document { id: s.docs[1] }, &format!("p-{snap}"))
+                requested_by_subject_id: subject.into(),
+                ..target_request(&s, Target::Document { id: docs[1] }, &format!("p-{snap}"))
             },
         )
         .await;
@@ -1132,20 +1858,44 @@ async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing(
             "{snap}: {r:?}"
         );
     }
+    let editor_space = DeletionRequest {
+        permission_snapshot_id: bob,
+        requested_by_subject_id: "bob".into(),
+        ..space_request(&s, "k-editor")
+    };
+    // (The space is busy first; an editor is refused for a space of its own.)
+    let other = seed(&fx, "tenant-t", "editor", "Editor", 0, 0).await;
+    let bob_other = snapshot_for(&fx, &other, "bob", "interactive").await;
+    let r = request(
+        pool,
+        &DeletionRequest {
+            knowledge_space_id: other.id,
+            permission_snapshot_id: bob_other,
+            target: Target::Space {
+                confirm_name: other.name.clone(),
+            },
+            ..editor_space
+        },
+    )
+    .await;
+    assert!(
+        matches!(&r, Err(RequestError::Permission(m)) if m.contains("owner")),
+        "{r:?}"
+    );
     assert_eq!(
-        count(env.pool.clone()).await,
+        count(pool.clone()).await,
         before,
         "a refusal wrote something"
     );
     let state: String =
         sqlx::query_scalar("SELECT lifecycle_state FROM document_assets WHERE id = $1")
-            .bind(s.docs[1])
-            .fetch_one(&env.pool)
+            .bind(docs[1])
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!(state, "active");
     // The caller's transaction stays usable after a refusal (the request used a savepoint).
-    let mut tx = env.pool.begin().await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
     assert!(request_deletion(
         &mut tx,
         &target_request(&s, Target::Document { id: doc }, "k7")
@@ -1154,22 +1904,28 @@ async fn requests_are_idempotent_and_every_refusal_is_typed_and_changes_nothing(
     .is_err());
     let ok = request_deletion(
         &mut tx,
-        &target_request(&s, Target::Document { id: s.docs[1] }, "k8"),
+        &DeletionRequest {
+            permission_snapshot_id: bob,
+            requested_by_subject_id: "bob".into(),
+            ..target_request(&s, Target::Document { id: docs[1] }, "k8")
+        },
     )
     .await
     .unwrap();
     tx.commit().await.unwrap();
-    assert!(ok.created);
-    env.cleanup().await;
+    assert!(ok.created, "an editor may delete a document");
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn live_leases_hold_the_job_without_using_attempts_and_expired_ones_are_reclaimed() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 0, 2).await;
+async fn live_writers_and_leases_hold_the_job_without_using_attempts_and_the_rest_is_canceled_or_reclaimed(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+    let pool = fx.pool();
+    let ms = "(extract(epoch from now()) * 1000)::bigint";
     let lease = |status: &'static str, expires: &'static str| {
-        let pool = env.pool.clone();
+        let pool = pool.clone();
         let s = s.clone();
         async move {
             let id = Uuid::now_v7();
@@ -1190,31 +1946,74 @@ async fn live_leases_hold_the_job_without_using_attempts_and_expired_ones_are_re
     };
     let live = lease("active", "now() + interval '1 hour'").await;
     let stale = lease("active", "now() - interval '1 hour'").await;
+    // A compile attempt holding a live lease, and one still queued.
+    let running = fx.request(s.docs[1], false).await.unwrap();
     sqlx::query(
-        "INSERT INTO knowledge_space_mutation_leases (id, tenant_id, knowledge_space_id, operation, acquired_at, \
-           lease_token, heartbeat_at, expires_at) \
-         VALUES (gen_random_uuid(), $1, $2, 'import', now() - interval '1 hour', gen_random_uuid(), \
-           now() - interval '1 hour', now() - interval '30 minutes')",
+        "UPDATE document_compilation_attempts SET run_state = 'running', worker_id = 'w-elsewhere', \
+           lease_token = gen_random_uuid(), lease_expires_at = now() + interval '1 hour', heartbeat_at = now(), \
+           execution_attempts = 1 WHERE id = $1",
     )
-    .bind(&s.tenant)
-    .bind(s.id)
-    .execute(&env.pool)
+    .bind(running)
+    .execute(pool)
     .await
     .unwrap();
+    let queued = fx.request(s.docs[0], false).await.unwrap();
+    // A research task holding a live lease, and one queued with its outbox.
+    let (live_task, queued_task) = (Uuid::new_v4(), Uuid::new_v4());
+    let session = Uuid::new_v4();
+    sqlx::raw_sql(&format!(
+        r#"
+        INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id,
+          permission_snapshot_revision, access_channel, query, limits, metadata, cost, stage, row_version,
+          execution_attempts, max_execution_attempts, worker_id, lease_token, lease_expires_at, heartbeat_at,
+          created_at, updated_at)
+        VALUES ('{live_task}', '{t}', '{sp}', '{OWNER}', '{snap}', 1, 'interactive', 'q', '{{}}', '{{}}', '{{}}',
+          'retrieving', 2, 1, 5, 'w-elsewhere', gen_random_uuid(), {ms} + 3600000, {ms}, {ms}, {ms}),
+               ('{queued_task}', '{t}', '{sp}', '{OWNER}', '{snap}', 1, 'interactive', 'q', '{{}}', '{{}}', '{{}}',
+          'queued', 1, 0, 5, NULL, NULL, NULL, NULL, {ms}, {ms});
+        INSERT INTO research_task_outbox (id, research_task_job_id, delivery_revision, event_type, schema_version,
+          idempotency_key, payload, status, available_at, dispatch_attempts, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{queued_task}', 1, 'research.task', 1, 'research.task:{t}:{sp}:{queued_task}:1',
+          '{{}}', 'pending', {ms}, 0, {ms}, {ms});
+        INSERT INTO knowledge_fs_sessions (id, tenant_id, knowledge_space_id, subject, permission_snapshot, client_kind,
+          client_version, consistency_class, metadata, created_at, updated_at, heartbeat_at, expires_at)
+        VALUES ('{session}', '{t}', '{sp}', '{{}}', '{{}}', 'mcp', '1', 'path-consistent', '{{}}', now(), now(), now(),
+          now() + interval '1 hour');
+        INSERT INTO knowledge_fs_leases (id, tenant_id, knowledge_space_id, session_id, lease_type, target_type, target_id,
+          virtual_path, status, metadata, acquired_at, heartbeat_at, expires_at, updated_at)
+        VALUES ('{live_fs}', '{t}', '{sp}', '{session}', 'write', 'knowledge-space', '{sp}', '/', 'active', '{{}}',
+          now(), now(), now() + interval '1 hour', now()),
+               ('{stale_fs}', '{t}', '{sp}', '{session}', 'read', 'knowledge-space', '{sp}', '/', 'active', '{{}}',
+          now() - interval '2 hours', now() - interval '2 hours', now() - interval '1 hour', now());
+        INSERT INTO knowledge_space_mutation_leases (id, tenant_id, knowledge_space_id, operation, acquired_at,
+          lease_token, heartbeat_at, expires_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', 'import', now() - interval '1 hour', gen_random_uuid(),
+          now() - interval '1 hour', now() - interval '30 minutes');
+        UPDATE source_credential_backfills SET run_state = 'queued', completed_at = NULL WHERE knowledge_space_id = '{sp}';
+        UPDATE sources SET status = 'syncing' WHERE knowledge_space_id = '{sp}';
+        "#,
+        t = s.tenant,
+        sp = s.id,
+        snap = s.owner_snapshot,
+        live_fs = Uuid::from_u128(1),
+        stale_fs = Uuid::from_u128(2),
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let objects = files_under(&fx.dir, &s.prefix);
 
-    let job = request(&env.pool, &space_request(&s, "drain"))
-        .await
-        .unwrap();
-    let driver = Driver::new(&env, Arc::new(handler(&objects)), Budget::default()).await;
+    let job = request(pool, &space_request(&s, "drain")).await.unwrap();
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
     for _ in 0..3 {
         driver.turn().await;
-        skip_wait(&env.pool, job).await;
+        skip_wait(pool, job).await;
     }
     let row: (String, String, i32, Option<String>) = sqlx::query_as(
         "SELECT run_state, checkpoint, execution_attempts, last_error_code FROM deletion_jobs WHERE id = $1",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(
@@ -1226,86 +2025,135 @@ async fn live_leases_hold_the_job_without_using_attempts_and_expired_ones_are_re
             Some("waiting".into())
         )
     );
-    let status = |id: Uuid| {
-        let pool = env.pool.clone();
+    let one = |sql: &'static str, id: Uuid| {
+        let pool = pool.clone();
         async move {
-            sqlx::query_scalar::<_, String>(
-                "SELECT status FROM retrieval_execution_leases WHERE id = $1",
-            )
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
+            sqlx::query_scalar::<_, String>(sql)
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
         }
     };
+    const LEASE: &str = "SELECT status FROM retrieval_execution_leases WHERE id = $1";
+    const FS: &str = "SELECT status FROM knowledge_fs_leases WHERE id = $1";
+    const ATTEMPT: &str = "SELECT run_state FROM document_compilation_attempts WHERE id = $1";
+    const TASK: &str = "SELECT stage FROM research_task_jobs WHERE id = $1";
+    // What holds a live lease is only waited for.
     assert_eq!(
-        status(live).await,
+        one(LEASE, live).await,
         "active",
         "a live lease is never reclaimed"
     );
+    assert_eq!(one(FS, Uuid::from_u128(1)).await, "active");
+    assert_eq!(one(ATTEMPT, running).await, "running");
+    assert_eq!(one(TASK, live_task).await, "retrieving");
+    // What expired is reclaimed; what is only queued is canceled.
     assert_eq!(
-        status(stale).await,
+        one(LEASE, stale).await,
         "expired",
         "an expired lease is reclaimed"
     );
-    let mutation: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM knowledge_space_mutation_leases WHERE knowledge_space_id = $1",
+    assert_eq!(one(FS, Uuid::from_u128(2)).await, "released");
+    assert_eq!(one(ATTEMPT, queued).await, "canceled");
+    assert_eq!(
+        one(
+            "SELECT status FROM document_compilation_outbox WHERE attempt_id = $1",
+            queued
+        )
+        .await,
+        "canceled"
+    );
+    assert_eq!(one(TASK, queued_task).await, "canceled");
+    assert_eq!(
+        one(
+            "SELECT status FROM research_task_outbox WHERE research_task_job_id = $1",
+            queued_task
+        )
+        .await,
+        "canceled"
+    );
+    let (mutation, staged, backfill, syncing): (i64, i64, String, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM knowledge_space_mutation_leases WHERE knowledge_space_id = $1), \
+                (SELECT count(*) FROM knowledge_space_staged_commits WHERE knowledge_space_id = $1 AND status <> 'canceled'), \
+                (SELECT run_state || ':' || coalesce(last_error_code, '') FROM source_credential_backfills WHERE knowledge_space_id = $1), \
+                (SELECT count(*) FROM sources WHERE knowledge_space_id = $1 AND status = 'syncing')",
     )
     .bind(s.id)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(mutation, 0, "the expired mutation lease is reclaimed");
-    // Nothing destructive happened while the lease was live.
-    assert_eq!(objects.count(s.id), 2);
+    assert_eq!(staged, 0, "staged commits are canceled");
+    assert_eq!(backfill, "failed:DURABLE_DELETION_FENCE");
+    assert_eq!(syncing, 0, "syncing sources are disabled");
+    // Nothing destructive happened while anything was live.
+    assert_eq!(files_under(&fx.dir, &s.prefix), objects);
     let items: i64 =
         sqlx::query_scalar("SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1")
             .bind(job)
-            .fetch_one(&env.pool)
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!(items, 0);
 
-    sqlx::query("UPDATE retrieval_execution_leases SET status = 'released', updated_at = now() WHERE id = $1")
-        .bind(live)
-        .execute(&env.pool)
-        .await
-        .unwrap();
+    // The holders finish or die: their leases end.
+    sqlx::raw_sql(&format!(
+        "UPDATE retrieval_execution_leases SET status = 'released', updated_at = now() WHERE id = '{live}'; \
+         UPDATE knowledge_fs_leases SET status = 'released', updated_at = now() WHERE id = '{}'; \
+         UPDATE document_compilation_attempts SET lease_expires_at = now() - interval '1 second' WHERE id = '{running}'; \
+         UPDATE research_task_jobs SET lease_expires_at = {ms} - 1000 WHERE id = '{live_task}';",
+        Uuid::from_u128(1)
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
     assert_eq!(driver.finish(job, true).await.0, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
-    assert_eq!(objects.count(s.id), 0);
-    env.cleanup().await;
+    assert_finished_clean(pool, job).await;
+    let cat = catalog(pool).await;
+    let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
+    assert!(left.is_empty(), "{left:?}");
+    assert!(files_under(&fx.dir, &s.prefix).is_empty());
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_finishes_the_job() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 0, 3).await;
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
     let flaky = Arc::new(Flaky {
-        inner: objects.store.clone(),
+        inner: fx.store.clone(),
         broken: AtomicBool::new(true),
         calls: AtomicU64::new(0),
     });
-    let h = handler(&objects)
+    let h = handler(&fx)
         .with_objects(flaky.clone())
         .with_config(DeletionConfig {
             item_max_attempts: 3,
             ..fast_config()
         });
-    let driver = Driver::new(&env, Arc::new(h), Budget::default()).await;
+    let driver = Driver::new(&fx, Arc::new(h), Budget::default()).await;
 
-    // Requested by bob (a service API caller); rescued later by alice, an interactive owner.
-    let bob = snapshot(&env.pool, &s.tenant, s.id, "bob", "mcp", r#"["delete"]"#).await;
+    // Requested by bob (an MCP client); rescued later by the owner, interactively.
+    let bob = snapshot_for(&fx, &s, "bob", "mcp").await;
     let by_bob = |doc: Uuid, key: &str| DeletionRequest {
         requested_by_subject_id: "bob".into(),
         permission_snapshot_id: bob,
         access_channel: "mcp".into(),
         ..target_request(&s, Target::Document { id: doc }, key)
     };
-    let job = request(&env.pool, &by_bob(s.docs[0], "fail-1"))
-        .await
-        .unwrap();
+    let doc = s.docs[1];
+    let job = request(pool, &by_bob(doc, "fail-1")).await.unwrap();
+    // The request seeds the raw object's item with the job's attempts; this test gives every
+    // item three.
+    sqlx::query(
+        "UPDATE deletion_job_items SET max_attempts = 3 WHERE deletion_job_id = $1 AND ordinal = 0",
+    )
+    .bind(job)
+    .execute(pool)
+    .await
+    .unwrap();
     let (state, cp) = driver.finish(job, true).await;
     assert_eq!(
         (state.as_str(), cp.as_str()),
@@ -1316,7 +2164,7 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
            AND delivery_revision = 1) FROM deletion_jobs WHERE id = $1",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(
@@ -1324,36 +2172,34 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
         (Some("item_dead".into()), Some(1), "dead".into()),
         "a failed deletion keeps its slot"
     );
-    let dead: (String, i32, i32, Option<String>, bool, bool) = sqlx::query_as(
-        "SELECT status, attempts, max_attempts, last_error_code, object_key IS NOT NULL, redacted_at IS NULL \
-         FROM deletion_job_items WHERE deletion_job_id = $1 AND kind = 'object'",
-    )
-    .bind(job)
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        dead,
-        ("dead".into(), 3, 3, Some("object_store".into()), true, true)
-    );
+    type Item = (String, i32, i32, Option<String>, bool, bool);
+    let items = |pool: PgPool| async move {
+        sqlx::query_as::<_, Item>(
+            "SELECT status, attempts, max_attempts, last_error_code, object_key IS NOT NULL, redacted_at IS NULL \
+             FROM deletion_job_items WHERE deletion_job_id = $1 AND kind = 'object' ORDER BY ordinal",
+        )
+        .bind(job)
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let dead = items(pool.clone()).await;
+    // The request's raw item and the inventory's item for the same key, each on its own schedule.
+    assert_eq!(dead.len(), 2, "{dead:?}");
+    for d in &dead {
+        assert_eq!(
+            d,
+            &("dead".into(), 3, 3, Some("object_store".into()), true, true)
+        );
+    }
     assert_eq!(
         flaky.calls.load(Ordering::SeqCst),
-        3,
-        "one call per attempt, each on its own schedule"
+        6,
+        "one call per item and attempt"
     );
-    // The cache item did not wait for the object: completed and redacted.
-    let cache: (String, bool) = sqlx::query_as(
-        "SELECT status, cache_key IS NULL AND redacted_at IS NOT NULL FROM deletion_job_items \
-         WHERE deletion_job_id = $1 AND kind = 'cache_key'",
-    )
-    .bind(job)
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(cache, ("completed".into(), true));
     // Still fenced: no new request can take the target while the failed job holds it.
     assert!(matches!(
-        request(&env.pool, &by_bob(s.docs[0], "fail-again")).await,
+        request(pool, &by_bob(doc, "fail-again")).await,
         Err(RequestError::TargetBusy { .. })
     ));
 
@@ -1368,7 +2214,7 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
         }
     };
     let do_retry = |r: RetryRequest| {
-        let pool = env.pool.clone();
+        let pool = pool.clone();
         async move {
             let mut tx = pool.begin().await.unwrap();
             let out = retry_deletion(&mut tx, &r).await;
@@ -1378,24 +2224,8 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
     };
     // Refused: a stranger claiming to be the requester; an owner rescue outside the interactive
     // channel; an interactive "rescue" by someone who is not an owner.
-    let carol = snapshot(
-        &env.pool,
-        &s.tenant,
-        s.id,
-        "carol",
-        "interactive",
-        r#"["delete"]"#,
-    )
-    .await;
-    let alice_mcp = snapshot(
-        &env.pool,
-        &s.tenant,
-        s.id,
-        "alice",
-        "mcp",
-        r#"["delete","owner"]"#,
-    )
-    .await;
+    let carol = snapshot_for(&fx, &s, "carol", "interactive").await;
+    let owner_mcp = snapshot_for(&fx, &s, OWNER, "mcp").await;
     for (r, why) in [
         (
             retry(
@@ -1409,8 +2239,8 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
         ),
         (
             retry(
-                "alice",
-                alice_mcp,
+                OWNER,
+                owner_mcp,
                 "mcp",
                 RetryAuthority::InteractiveOwnerRescue,
                 "r0",
@@ -1435,7 +2265,7 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
         );
     }
     let audits: i64 = sqlx::query_scalar("SELECT count(*) FROM deletion_retry_audits")
-        .fetch_one(&env.pool)
+        .fetch_one(pool)
         .await
         .unwrap();
     assert_eq!(audits, 0);
@@ -1446,39 +2276,40 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
     let again = do_retry(r1).await.unwrap();
     assert!(first.created && !again.created && first.outbox_id == again.outbox_id);
     assert_eq!(first.delivery_revision, 2);
-    let (state, rv_ok, attempts, err): (String, bool, i32, Option<String>) = sqlx::query_as(
-        "SELECT run_state, row_version > 1, execution_attempts, last_error_code FROM deletion_jobs WHERE id = $1",
+    let (state, rv_ok, room, err): (String, bool, bool, Option<String>) = sqlx::query_as(
+        "SELECT run_state, row_version > 1, max_execution_attempts > execution_attempts, last_error_code \
+         FROM deletion_jobs WHERE id = $1",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(
-        (state.as_str(), rv_ok, attempts, err),
-        ("dispatch_pending", true, 0, None)
+        (state.as_str(), rv_ok, room, err),
+        ("dispatch_pending", true, true, None)
     );
-    let item: (String, i32, i32) = sqlx::query_as(
-        "SELECT status, attempts, max_attempts FROM deletion_job_items WHERE deletion_job_id = $1 AND kind = 'object'",
-    )
-    .bind(job)
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(item, ("pending".into(), 3, 4), "one more attempt allowed");
+    for item in items(pool.clone()).await {
+        assert_eq!(
+            (item.0.as_str(), item.1, item.2),
+            ("pending", 0, 4),
+            "re-armed with one more attempt"
+        );
+    }
     let outbox: (String, String) =
         sqlx::query_as("SELECT idempotency_key, status FROM deletion_outbox WHERE id = $1")
             .bind(first.outbox_id)
-            .fetch_one(&env.pool)
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!(outbox, (format!("deletion:{job}:2"), "pending".into()));
-    // Still broken: the one extra attempt fails, and the job fails again.
+    // Still broken: the re-armed attempts fail, and the job fails again.
     assert_eq!(driver.finish(job, true).await.0, "failed");
+    assert_eq!(flaky.calls.load(Ordering::SeqCst), 6 + 8);
 
-    // Now an interactive owner rescues it, and the store works again.
+    // Now the owner rescues it, interactively, and the store works again.
     flaky.broken.store(false, Ordering::SeqCst);
     let rescued = do_retry(retry(
-        "alice",
+        OWNER,
         s.owner_snapshot,
         "interactive",
         RetryAuthority::InteractiveOwnerRescue,
@@ -1488,13 +2319,13 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
     .unwrap();
     assert_eq!(rescued.delivery_revision, 3);
     assert_eq!(driver.finish(job, true).await.0, "succeeded");
-    assert_finished_clean(&env.pool, job).await;
+    assert_finished_clean(pool, job).await;
     let audit: Vec<(String, String, String)> = sqlx::query_as(
         "SELECT retry_authority, actor_subject_id, access_channel FROM deletion_retry_audits \
          WHERE deletion_job_id = $1 ORDER BY created_at",
     )
     .bind(job)
-    .fetch_all(&env.pool)
+    .fetch_all(pool)
     .await
     .unwrap();
     assert_eq!(
@@ -1503,7 +2334,7 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
             ("original_requester".into(), "bob".into(), "mcp".into()),
             (
                 "interactive_owner_rescue".into(),
-                "alice".into(),
+                OWNER.into(),
                 "interactive".into()
             ),
         ]
@@ -1511,11 +2342,12 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
     let requester: String =
         sqlx::query_scalar("SELECT requested_by_subject_id FROM deletion_jobs WHERE id = $1")
             .bind(job)
-            .fetch_one(&env.pool)
+            .fetch_one(pool)
             .await
             .unwrap();
     assert_eq!(requester, "bob", "a rescue never rewrites the requester");
-    assert_eq!(objects.count(s.id), 2);
+    assert!(files_under(&fx.dir, &format!("{}/documents/{doc}", s.prefix)).is_empty());
+    assert!(!files_under(&fx.dir, &format!("{}/documents/{}", s.prefix, s.docs[0])).is_empty());
     // A job that did not fail cannot be retried.
     let out = do_retry(retry(
         "bob",
@@ -1529,21 +2361,19 @@ async fn failing_items_retry_then_die_and_a_manual_retry_under_either_authority_
         matches!(out, Err(RequestError::NotRetryable { .. })),
         "{out:?}"
     );
-    env.cleanup().await;
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn residue_found_at_the_end_sends_the_job_back_to_quiescing() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 1, 3).await;
-    let job = request(&env.pool, &space_request(&s, "residue"))
-        .await
-        .unwrap();
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+    let pool = fx.pool();
+    let job = request(pool, &space_request(&s, "residue")).await.unwrap();
     // One step per slice, so the test sees every checkpoint.
     let driver = Driver::new(
-        &env,
-        Arc::new(handler(&objects)),
+        &fx,
+        Arc::new(handler(&fx)),
         Budget {
             max_steps: 1,
             max_time: Duration::from_secs(20),
@@ -1551,147 +2381,159 @@ async fn residue_found_at_the_end_sends_the_job_back_to_quiescing() {
     )
     .await;
     let mut straggler = None;
-    for _ in 0..500 {
-        let (state, cp) = job_state(&env.pool, job).await;
+    let mut checkpoints = Vec::new();
+    for _ in 0..2000 {
+        let (state, cp) = job_state(pool, job).await;
         assert_ne!(state, "failed");
+        if checkpoints.last() != Some(&cp) {
+            checkpoints.push(cp.clone());
+        }
         if cp == "deleting_derived_data" && straggler.is_none() {
-            // A writer that ignores the fence adds a document (with its bytes) and a node.
-            let mut c = conn(&env.pool).await;
+            // A writer that ignores the fence adds a document (with its bytes).
+            let mut c = conn(pool).await;
             let d = platform::add_document(
                 &mut c,
-                &objects.store,
+                &fx.store,
                 s.id,
                 None,
                 "late.md",
                 "text/markdown",
-                Bytes::from_static(b"late"),
+                Bytes::from_static(b"# late\n\nwritten after the inventory"),
             )
             .await
             .unwrap();
-            derived_rows(&env.pool, &s.tenant, s.id, d).await;
-            straggler = Some(d);
+            let key: String =
+                sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
+                    .bind(d)
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+            straggler = Some(key);
         }
         if state == "succeeded" {
             break;
         }
         if state == "retry_wait" {
-            skip_wait(&env.pool, job).await;
+            skip_wait(pool, job).await;
         }
         driver.turn().await;
     }
     let straggler = straggler.expect("the job passed through deleting_derived_data");
-    assert_finished_clean(&env.pool, job).await;
-    let phase: Option<String> =
-        sqlx::query_scalar("SELECT scan_phase FROM deletion_jobs WHERE id = $1")
+    assert_finished_clean(pool, job).await;
+    let back = checkpoints
+        .windows(2)
+        .any(|w| w[0] == "deleting_primary_data" && w[1] == "quiescing");
+    assert!(
+        back,
+        "the residue sent the job back to quiescing: {checkpoints:?}"
+    );
+    let cursor: Option<String> =
+        sqlx::query_scalar("SELECT scan_cursor FROM deletion_jobs WHERE id = $1")
             .bind(job)
-            .fetch_one(&env.pool)
+            .fetch_one(pool)
             .await
             .unwrap();
-    assert_eq!(
-        phase.as_deref(),
-        Some("p2:complete"),
+    assert!(
+        cursor.unwrap_or_default().contains("\"pass\":2"),
         "a second inventory pass ran"
     );
-    let covered: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1 AND resource_id = $2 AND status = 'completed'",
+    let erased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1 AND idempotency_key = $2 \
+           AND status = 'completed'",
     )
     .bind(job)
-    .bind(straggler)
-    .fetch_one(&env.pool)
+    .bind(format!("object:{}", platform::sha256_hex(straggler.as_bytes())))
+    .fetch_one(pool)
     .await
     .unwrap();
     assert_eq!(
-        covered, 2,
-        "the straggler's object and cache key were inventoried and erased"
+        erased, 1,
+        "the straggler's object was inventoried and erased"
     );
-    assert_empty(&footprint(&env.pool, &s.tenant, s.id).await);
-    assert_eq!(
-        objects.count(s.id),
-        0,
-        "the straggler's object was erased too"
-    );
-    env.cleanup().await;
+    assert!(!fx.dir.join(&straggler).exists());
+    let cat = catalog(pool).await;
+    let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
+    assert!(left.is_empty(), "{left:?}");
+    assert!(files_under(&fx.dir, &s.prefix).is_empty());
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ten_thousand_documents_are_deleted_one_bounded_page_per_step() {
     const DOCS: i64 = 10_000;
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let mut c = conn(&env.pool).await;
-    let tenant = "tenant-big";
-    let space = platform::create_space(&mut c, tenant, "big", "Big")
-        .await
-        .unwrap();
-    let snap = snapshot(
-        &env.pool,
-        tenant,
-        space,
-        "alice",
-        "interactive",
-        r#"["delete"]"#,
-    )
-    .await;
+    let fx = SpaceFx::new("tenant-big", "big", "Big").await;
+    let s = seed(&fx, "tenant-big", "big", "Big", 0, 0).await;
+    let pool = fx.pool();
     let seeded = Instant::now();
+    // Upload rows, parse artifacts and one node per document, as compile leaves them.
     let docs: Vec<(Uuid, String)> = sqlx::query_as(
-        "INSERT INTO document_assets (id, knowledge_space_id, source_id, filename, mime_type, object_key, sha256, size_bytes, \
-           version, parser_status, metadata, created_at, updated_at) \
+        "INSERT INTO document_assets (id, knowledge_space_id, source_id, filename, mime_type, object_key, sha256, \
+           size_bytes, version, parser_status, metadata, created_at) \
          SELECT d.id, $1, NULL, 'f' || d.g || '.md', 'text/markdown', \
-           'spaces/' || $1::text || '/documents/' || d.id::text || '/v1/f' || d.g || '.md', 'x', 4, 1, 'pending', '{}', now(), now() \
+           $3 || '/documents/' || d.id::text || '/f' || d.g || '.md', repeat('0', 64), 4, 1, 'parsed', \
+           '{\"permissionScope\": []}', now() \
          FROM (SELECT gen_random_uuid() AS id, g FROM generate_series(1, $2) g) d \
          RETURNING id, object_key",
     )
-    .bind(space)
+    .bind(s.id)
     .bind(DOCS)
-    .fetch_all(&env.pool)
+    .bind(&s.prefix)
+    .fetch_all(pool)
     .await
     .unwrap();
     sqlx::query(
-        "INSERT INTO knowledge_nodes (id, tenant_id, knowledge_space_id, document_asset_id, document_version, \
-           publication_generation_id, ordinal, heading_path, content, content_sha256, token_count, metadata, created_at) \
-         SELECT gen_random_uuid(), $1, $2, id, 1, NULL, 0, '[]', 'c', 'x', 1, '{}', now() \
-         FROM document_assets WHERE knowledge_space_id = $2",
+        "INSERT INTO parse_artifacts (id, document_asset_id, version, parser, content_type, artifact_hash, elements, \
+           metadata, created_at) \
+         SELECT gen_random_uuid(), id, 1, 'native-markdown', 'text', repeat('1', 64), '[]', '{}', now() \
+         FROM document_assets WHERE knowledge_space_id = $1",
     )
-    .bind(tenant)
-    .bind(space)
-    .execute(&env.pool)
+    .bind(s.id)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO knowledge_nodes (id, knowledge_space_id, publication_generation_id, document_asset_id, \
+           parse_artifact_id, kind, text, start_offset, end_offset, source_location, permission_scope, artifact_hash, metadata) \
+         SELECT gen_random_uuid(), $1, NULL, pa.document_asset_id, pa.id, 'chunk', 'data', 0, 4, '{}', '[]', \
+           pa.artifact_hash, '{}' \
+         FROM parse_artifacts pa JOIN document_assets d ON d.id = pa.document_asset_id WHERE d.knowledge_space_id = $1",
+    )
+    .bind(s.id)
+    .execute(pool)
     .await
     .unwrap();
     futures_util::stream::iter(docs.iter().map(|(_, key)| {
-        let store = objects.store.clone();
+        let store = fx.store.clone();
         async move { store.put(key, Bytes::from_static(b"data")).await.unwrap() }
     }))
     .buffer_unordered(64)
     .collect::<Vec<()>>()
     .await;
-    assert_eq!(objects.count(space) as i64, DOCS);
+    assert_eq!(files_under(&fx.dir, &s.prefix).len() as i64, DOCS);
     println!(
-        "seeded {DOCS} documents with objects and nodes in {:?}",
+        "seeded {DOCS} documents with objects, artifacts and nodes in {:?}",
         seeded.elapsed()
     );
 
-    let s = Space {
-        tenant: tenant.into(),
-        id: space,
-        name: "Big".into(),
-        owner_snapshot: snap,
-        docs: vec![],
-        sources: vec![],
-    };
     let counting = Arc::new(Counting {
-        inner: handler(&objects),
+        inner: handler(&fx),
         steps: Mutex::new(BTreeMap::new()),
         time: Mutex::new(BTreeMap::new()),
     });
     let cfg = counting.inner.config().clone();
-    let driver = Driver::new(&env, counting.clone(), Budget::default()).await;
-    let job = request(&env.pool, &space_request(&s, "big")).await.unwrap();
+    let driver = Driver::new(&fx, counting.clone(), Budget::default()).await;
+    let job = request(pool, &space_request(&s, "big")).await.unwrap();
     let started = Instant::now();
     assert_eq!(driver.finish(job, true).await.0, "succeeded");
     let took = started.elapsed();
-    assert_finished_clean(&env.pool, job).await;
-    assert_empty(&footprint(&env.pool, tenant, space).await);
-    assert_eq!(objects.count(space), 0);
+    assert_finished_clean(pool, job).await;
+    let docs: Vec<Uuid> = docs.into_iter().map(|d| d.0).collect();
+    let left = catalog(pool)
+        .await
+        .count_owned(pool, Some(s.id), &docs)
+        .await;
+    assert!(left.is_empty(), "{left:?}");
+    assert!(files_under(&fx.dir, &s.prefix).is_empty());
     let steps = counting.steps.lock().unwrap().clone();
     let total: u64 = steps.values().sum();
     println!(
@@ -1699,21 +2541,22 @@ async fn ten_thousand_documents_are_deleted_one_bounded_page_per_step() {
         counting.time.lock().unwrap()
     );
     println!(
-        "deleted a space of {DOCS} documents, {DOCS} objects and {DOCS} nodes in {took:?}: {total} steps {steps:?}, \
+        "deleted a space of {DOCS} documents, objects, artifacts and nodes in {took:?}: {total} steps {steps:?}, \
          {} slices",
         driver.engine.counters.slices.load(Ordering::Relaxed)
     );
     // Every step holds at most one page: the inventory needs ≥ DOCS/page steps, the objects
-    // ≥ 2·DOCS/batch (object + cache key per document), derived and primary ≥ DOCS/page each.
+    // ≥ DOCS/batch, the derived data ≥ 2·DOCS/page (nodes, artifacts), the primary rows
+    // ≥ DOCS/page.
     let page = cfg.page_size as u64;
     let at = |cp: &str| steps.get(cp).copied().unwrap_or(0);
     assert!(at("quiescing") >= DOCS as u64 / page, "{steps:?}");
     assert!(
-        at("deleting_objects") >= 2 * DOCS as u64 / cfg.item_batch as u64,
+        at("deleting_objects") >= DOCS as u64 / cfg.item_batch as u64,
         "{steps:?}"
     );
     assert!(
-        at("deleting_derived_data") >= DOCS as u64 / page,
+        at("deleting_derived_data") >= 2 * DOCS as u64 / page,
         "{steps:?}"
     );
     assert!(
@@ -1723,23 +2566,22 @@ async fn ten_thousand_documents_are_deleted_one_bounded_page_per_step() {
     let items: i64 =
         sqlx::query_scalar("SELECT count(*) FROM deletion_job_items WHERE deletion_job_id = $1")
             .bind(job)
-            .fetch_one(&env.pool)
+            .fetch_one(pool)
             .await
             .unwrap();
-    assert_eq!(items, 2 * DOCS + 1);
-    env.cleanup().await;
+    assert_eq!(items, DOCS);
+    fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_cli_requests_and_refuses_with_one_line() {
-    let env = TestEnv::new().await;
-    let objects = Objects::new();
-    let s = seed(&env.pool, &objects, "tenant-t", "docs", 0, 2).await;
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 1).await;
     let run = |args: Vec<String>| {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
         cmd.args(&args)
-            .env("DATABASE_URL", &env.url)
-            .env("KFS_OBJECT_STORE", objects.url());
+            .env("DATABASE_URL", &fx.env.url)
+            .env("KFS_OBJECT_STORE", &fx.store_url);
         cmd.output().unwrap()
     };
     let doc = s.docs[0].to_string();
@@ -1753,7 +2595,7 @@ async fn the_cli_requests_and_refuses_with_one_line() {
             "--tenant",
             &s.tenant,
             "--as",
-            "alice",
+            OWNER,
             "--snapshot",
             &s.owner_snapshot.to_string(),
             "--idempotency-key",
@@ -1788,7 +2630,7 @@ async fn the_cli_requests_and_refuses_with_one_line() {
         "retry",
         &job,
         "--as",
-        "alice",
+        OWNER,
         "--snapshot",
         &s.owner_snapshot.to_string(),
         "--channel",
@@ -1807,7 +2649,8 @@ async fn the_cli_requests_and_refuses_with_one_line() {
     let show = run(vec!["delete".into(), "show".into(), job.clone()]);
     let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
     assert_eq!(v["runState"], "dispatch_pending");
-    env.cleanup().await;
+    assert_eq!(v["items"]["pending"], 1, "the raw object's item: {v}");
+    fx.cleanup().await;
 }
 
 #[cfg(feature = "crash-points")]
@@ -1817,28 +2660,35 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
         "after-claim-commit",
         "after-step-commit:2",
         "after-step-commit:6",
-        "after-step-commit:12",
+        "after-step-commit:7",
         "before-ack:2",
     ] {
-        let env = TestEnv::new().await;
-        let objects = Objects::new();
-        let s = seed(&env.pool, &objects, "tenant-t", "docs", 2, 8).await;
-        let other = seed(&env.pool, &objects, "tenant-u", "docs", 1, 3).await;
-        let before_other = footprint(&env.pool, &other.tenant, other.id).await;
-        let job = request(&env.pool, &space_request(&s, "crash"))
-            .await
-            .unwrap();
-        let store = objects.url();
+        let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+        let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+        let other = seed(&fx, "tenant-u", "main", "Docs", 0, 1).await;
+        let pool = fx.pool();
+        let cat = catalog(pool).await;
+        let before = untouched(&fx, &cat, &[&other]).await;
+        let job = request(pool, &space_request(&s, "crash")).await.unwrap();
+        // The workers run the relay, the consumers and maintenance, not the leased runner: its
+        // profile backfills would change the other tenant's rows this test proves untouched.
         let common_env = [
-            ("KFS_OBJECT_STORE", store.as_str()),
+            ("KFS_OBJECT_STORE", fx.store_url.as_str()),
             ("KFS_SLICE_STEPS", "3"),
             ("KFS_RELAY_POLL", "100ms"),
         ];
         let mut crash_env = common_env.to_vec();
         crash_env.push(("KFS_CRASH_AT", point));
-        let mut doomed = env.spawn_worker(
+        let mut doomed = fx.env.spawn_worker(
             &format!("doomed-{point}"),
-            &["run", "--kinds", "deletion"],
+            &[
+                "run",
+                "--relay",
+                "--consumer",
+                "--maintenance",
+                "--kinds",
+                "deletion",
+            ],
             &crash_env,
         );
         let exited = doomed.wait_exit(Duration::from_secs(60));
@@ -1851,39 +2701,120 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             !exited.unwrap().success(),
             "{point}: the worker exited normally"
         );
-        let (state, cp) = job_state(&env.pool, job).await;
+        let (state, cp) = job_state(pool, job).await;
         assert_ne!(
             state, "succeeded",
             "{point}: finished before the kill ({cp})"
         );
 
-        let mut rescuer = env.spawn_worker(
+        let mut rescuer = fx.env.spawn_worker(
             &format!("rescuer-{point}"),
-            &["run", "--kinds", "deletion"],
+            &[
+                "run",
+                "--relay",
+                "--consumer",
+                "--maintenance",
+                "--kinds",
+                "deletion",
+            ],
             &common_env,
         );
-        let pool = env.pool.clone();
-        let done = env
+        let p = pool.clone();
+        let done = fx
+            .env
             .wait_until(Duration::from_secs(90), || {
-                let pool = pool.clone();
-                async move { job_state(&pool, job).await.0 == "succeeded" }
+                let p = p.clone();
+                async move { job_state(&p, job).await.0 == "succeeded" }
             })
             .await;
         assert!(
             done,
             "{point}: {:?}\n{}",
-            job_state(&env.pool, job).await,
+            job_state(pool, job).await,
             rescuer.log_text()
         );
         common::stop_cleanly([&mut rescuer], Duration::from_secs(30)).await;
-        assert_finished_clean(&env.pool, job).await;
-        assert_empty(&footprint(&env.pool, &s.tenant, s.id).await);
-        assert_eq!(objects.count(s.id), 0, "{point}: objects left behind");
-        assert_eq!(
-            footprint(&env.pool, &other.tenant, other.id).await,
-            before_other
+        assert_finished_clean(pool, job).await;
+        let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
+        assert!(left.is_empty(), "{point}: {left:?}");
+        assert!(
+            files_under(&fx.dir, &s.prefix).is_empty(),
+            "{point}: objects left behind"
         );
-        assert_eq!(objects.count(other.id), 3);
-        env.cleanup().await;
+        assert_untouched(&fx, &cat, &[&other], &before).await;
+        fx.cleanup().await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_for_not_deleted() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 0).await;
+    let pool = fx.pool();
+    let doc = fx
+        .add("gone.md", "text/markdown", note(1, "gone").as_bytes())
+        .await;
+    fx.compile(doc).await;
+    // Another document's compile has composed and evaluated its candidate over the head that
+    // serves `doc`; it only has to publish.
+    let other = fx
+        .add("other.md", "text/markdown", note(2, "other").as_bytes())
+        .await;
+    let attempt = fx.request(other, false).await.unwrap();
+    fx.drive_to(&fx.engine("w-step", 1), attempt, "smoke_eval_passed")
+        .await;
+    let candidate = fx.status(attempt).await.candidate_publication_id.unwrap();
+    let mut c = conn(pool).await;
+    let inherited = publication::members(&mut c, &s.tenant, s.id, candidate)
+        .await
+        .unwrap();
+    drop(c);
+    assert!(inherited.iter().any(|m| m.document_asset_id == Some(doc)));
+
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: doc }, "held"),
+    )
+    .await
+    .unwrap();
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let mut held = false;
+    for _ in 0..200 {
+        driver.turn().await;
+        let (state, cp, why): (String, String, Option<String>) = sqlx::query_as(
+            "SELECT run_state, checkpoint, last_error_message FROM deletion_jobs WHERE id = $1",
+        )
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        assert_ne!(
+            state, "succeeded",
+            "the deletion did not wait for the compile"
+        );
+        assert_ne!(state, "failed");
+        if state == "retry_wait" && cp == "deleting_derived_data" {
+            assert!(why.unwrap_or_default().contains("active compile attempt"));
+            held = true;
+            break;
+        }
+        skip_wait(pool, job).await;
+    }
+    assert!(held, "the deletion waits at deleting_derived_data");
+    let st = fx.status(attempt).await;
+    assert_eq!(
+        (st.active_slot, st.run_state.as_str()),
+        (Some(1), "queued"),
+        "{st:?}"
+    );
+
+    // The compile goes on: it rebases onto the head without `doc` and publishes; then the
+    // deletion finishes, and the compile's attempt is still there.
+    let st = fx.drive(&fx.engine("w-rest", 64), attempt).await;
+    assert_eq!(st.run_state, "succeeded", "{st:?}");
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert_eq!(fx.status(attempt).await.run_state, "succeeded");
+    assert_eq!(served(pool, &s).await, BTreeSet::from([other]));
+    fx.cleanup().await;
 }

@@ -30,8 +30,10 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "== Summary",
             "all jobs succeeded",
             "deletion  succeeded=1",
+            "compile   succeeded=5",
             "research  completed=2",
-            "(5 compiled",
+            "read model: head revision 5, 5 documents,",
+            "ready dense-vector projections (dimension 64)",
             "deletion of source \"notes\" (succeeded):",
             "documents left in the space: 3 of 5",
             "takeover: demo-a was killed holding",
@@ -51,9 +53,13 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             .collect();
         assert_eq!(cites.len(), 2, "{stdout}");
         assert!(cites.iter().all(|l| !l.contains("nothing")), "{stdout}");
-        // Keys of deleted items are redacted.
+        // Keys of deleted items are redacted: the two documents' bytes and the source's secret.
         assert!(
             stdout.contains("object            2 removed, 2 keys redacted"),
+            "{stdout}"
+        );
+        assert!(
+            stdout.contains("secret_ref        1 removed, 1 keys redacted"),
             "{stdout}"
         );
     }

@@ -34,6 +34,7 @@ fn options(env: &TestEnv, worker: &str) -> RunOptions {
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: None,
         admin_token: None,
+        embedder: kfs_worker::embed::EmbedderConfig::Offline,
     }
 }
 

@@ -1,34 +1,33 @@
-//! The jobs leased straight from Postgres — legacy space publication bootstraps and profile
-//! backfills — against the real Postgres (and RabbitMQ where compiles travel the outbox).
+//! The jobs leased straight from Postgres — legacy space publication bootstraps (0009) and
+//! profile backfills (0018) — on the platform's real tables, against the real Postgres (and
+//! RabbitMQ where compiles travel the outbox).
 //!
-//! Most tests drive slices in-process with `leased::run_once`, and run the compile attempts a
-//! bootstrap requests with the compile engine's `process_ref` (the outbox row is put out for
-//! delivery by SQL, as the relay's mark leaves it), so interleavings are exact. The process
-//! tests run real `kfs-worker run` children, one of them SIGKILLed in the middle of a walk.
+//! Spaces, documents and manifests are written by the platform fixtures (`SpaceFx`,
+//! `kfs_worker::platform`). Most tests drive slices in-process with `leased::run_once` and run
+//! the compile attempts a bootstrap requests with the real compile handler (`SpaceFx::slice`),
+//! so interleavings are exact. The process tests run real `kfs-worker run` children, one of them
+//! SIGKILLed in the middle of a walk, others aborted at crash points.
 //!
-//! Every test installs a trigger that logs each state the walk writes to the job tables, so the
+//! Every test installs a trigger that logs each state written to the two job tables, so the
 //! tests can inspect every written state, not only the last one.
 
 mod common;
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use common::space::SpaceFx;
-use kfs_worker::consumer::lease::{DeliveryRef, End};
+use common::space::{SpaceFx, OWNER};
+use kfs_worker::consumer::lease::End;
 use kfs_worker::consumer::slice::Budget;
-use kfs_worker::consumer::{ConsumerConfig, Engine};
-use kfs_worker::jobs::backfill::{self, BackfillKind, BackfillRequest};
-use kfs_worker::jobs::bootstrap::walk::{self, Checkpoint, Waits};
+use kfs_worker::consumer::Engine;
+use kfs_worker::jobs::backfill::{self, profile, BackfillKind};
+use kfs_worker::jobs::bootstrap::walk::{self, Checkpoint};
 use kfs_worker::jobs::bootstrap::{self, BootstrapKind};
-use kfs_worker::jobs::compile::{self, CompileHandler};
+use kfs_worker::jobs::compile;
 use kfs_worker::jobs::leased::{self, Lease, LeasedKind, Outcome};
-use kfs_worker::jobs::{Deps, Kind};
+use kfs_worker::jobs::Kind;
 use kfs_worker::platform;
-use kfs_worker::publication;
-use serde_json::json;
+use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
-use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 const TENANT: &str = "tenant-leased";
@@ -63,6 +62,54 @@ CREATE TRIGGER leased_state_log_backfill AFTER INSERT OR UPDATE ON knowledge_spa
 
 common::space::space_fixture!(Fx);
 
+/// A legacy embedding profile as a 0018-era API wrote it into the manifest.
+fn embedding_profile() -> Value {
+    json!({ "dimension": 8, "model": "text-embedding-3-small", "pluginId": "langgenius/openai",
+            "provider": "openai", "revision": 1,
+            "vectorSpaceId": platform::vector_space_id("text-embedding-3-small", "langgenius/openai", "openai", 1) })
+}
+
+/// A legacy retrieval profile as a 0018-era API wrote it into the manifest.
+fn retrieval_profile() -> Value {
+    json!({ "defaultMode": "research", "rerank": {"enabled": false}, "revision": 1, "topK": 8,
+            "reasoningModel": {"model": "gpt-4o-mini", "pluginId": "langgenius/openai", "provider": "openai"} })
+}
+
+/// Writes manifest profile keys (a manifest change: version + 1). Returns the new version.
+async fn set_manifest_keys(pool: &PgPool, space: Uuid, keys: Value) -> i32 {
+    sqlx::query_scalar(
+        "UPDATE knowledge_space_manifests SET metadata = metadata || $3, manifest_version = manifest_version + 1, \
+           updated_at = now() WHERE tenant_id = $1 AND knowledge_space_id = $2 RETURNING manifest_version",
+    )
+    .bind(TENANT)
+    .bind(space)
+    .bind(keys)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn new_space(pool: &PgPool, slug: &str) -> Uuid {
+    let mut conn = pool.acquire().await.unwrap();
+    platform::create_space(&mut conn, TENANT, slug, slug, OWNER)
+        .await
+        .unwrap()
+}
+
+/// Runs backfill slices until none is claimable.
+async fn run_backfills(pool: &PgPool, kind: &BackfillKind) -> usize {
+    let mut n = 0;
+    while leased::run_once(pool, kind, "leased-in-test", Budget::default())
+        .await
+        .unwrap()
+        .is_some()
+    {
+        n += 1;
+        assert!(n < 50, "backfills never ran out");
+    }
+    n
+}
+
 impl Fx {
     async fn new() -> Fx {
         let fx = SpaceFx::new(TENANT, "legacy", "Legacy space").await;
@@ -74,12 +121,31 @@ impl Fx {
         self.0.cleanup().await;
     }
 
+    /// Three documents, in id order (the snapshot's order).
     async fn three_documents(&self) -> Vec<Uuid> {
-        vec![
+        let mut docs = vec![
             self.add("guide.md", "text/markdown", GUIDE_MD).await,
             self.add("page.html", "text/html", PAGE_HTML).await,
             self.add("notes.txt", "text/plain", NOTES_TXT).await,
-        ]
+        ];
+        docs.sort();
+        docs
+    }
+
+    /// The legacy profiles in the manifest, installed by the backfill as the platform's
+    /// runtime installs them, so that compiles embed with the space's embedding profile.
+    async fn install_profiles(&self) {
+        set_manifest_keys(
+            self.pool(),
+            self.space,
+            json!({ "__knowledgeFsEmbeddingProfile": embedding_profile(),
+                    "__knowledgeFsRetrievalProfile": retrieval_profile() }),
+        )
+        .await;
+        assert_eq!(
+            run_backfills(self.pool(), &BackfillKind::default()).await,
+            2
+        );
     }
 
     async fn enqueue_bootstrap(&self) -> Uuid {
@@ -87,19 +153,6 @@ impl Fx {
         bootstrap::enqueue(&mut conn, TENANT, self.space)
             .await
             .unwrap()
-    }
-
-    fn engine(&self) -> Engine {
-        let handler = CompileHandler::new(Deps {
-            store: self.store.clone(),
-        })
-        .unwrap();
-        Engine::new(
-            self.pool().clone(),
-            "compile-in-test",
-            vec![Arc::new(handler)],
-            ConsumerConfig::default(),
-        )
     }
 
     /// Runs every compile attempt of the space that has not ended, to its end, in-process.
@@ -117,36 +170,13 @@ impl Fx {
                 return;
             }
             for attempt in open {
-                let (outbox, delivery_id): (Uuid, String) = sqlx::query_as(
-                    "UPDATE document_compilation_outbox SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
-                       dispatch_attempts = dispatch_attempts + 1, available_at = now() + interval '5 minutes', \
-                       lock_token = NULL, locked_by = NULL, locked_until = NULL, updated_at = now() \
-                     WHERE attempt_id = $1 RETURNING id, queue_job_id",
-                )
-                .bind(attempt)
-                .fetch_one(self.pool())
-                .await
-                .unwrap();
                 // A slice that only waits (retry_wait) is fine: the next round dispatches again.
-                sqlx::query(
-                    "UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1 AND run_state = 'retry_wait'",
-                )
-                .bind(attempt)
-                .execute(self.pool())
-                .await
-                .unwrap();
-                let d = DeliveryRef {
-                    kind: Kind::Compile,
-                    job_id: attempt,
-                    outbox_id: outbox,
-                    delivery_id,
-                };
-                tokio::time::timeout(
-                    Duration::from_secs(60),
-                    engine.process_ref(&d, &CancellationToken::new()),
-                )
-                .await
-                .expect("compile slice hung");
+                sqlx::query("UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1 AND run_state = 'retry_wait'")
+                    .bind(attempt)
+                    .execute(self.pool())
+                    .await
+                    .unwrap();
+                self.slice(engine, attempt).await;
             }
         }
         panic!("compile attempts did not end");
@@ -163,13 +193,17 @@ impl Fx {
         .unwrap();
     }
 
+    async fn run_bootstrap(&self, kind: &BootstrapKind) -> Option<(Lease, Outcome)> {
+        leased::run_once(self.pool(), kind, "leased-in-test", Budget::default())
+            .await
+            .unwrap()
+    }
+
     /// Slices and compiles until the bootstrap ends (succeeded or failed).
     async fn drive_bootstrap(&self, kind: &BootstrapKind, engine: &Engine, id: Uuid) -> Row {
         for _ in 0..30 {
             self.due_now(id).await;
-            leased::run_once(self.pool(), kind, "leased-in-test", Budget::default())
-                .await
-                .unwrap();
+            self.run_bootstrap(kind).await;
             let row = self.bootstrap(id).await;
             if row.run_state == "succeeded" || row.run_state == "failed" {
                 return row;
@@ -181,9 +215,11 @@ impl Fx {
 
     async fn bootstrap(&self, id: Uuid) -> Row {
         sqlx::query_as::<_, Row>(
-            "SELECT checkpoint::text AS checkpoint, run_state::text AS run_state, total_documents, completed_documents, \
+            "SELECT id, tenant_id::text AS tenant_id, knowledge_space_id, idempotency_key::text AS idempotency_key, \
+               checkpoint::text AS checkpoint, run_state::text AS run_state, total_documents, completed_documents, \
                published_publication_id, published_fingerprint::text AS published_fingerprint, published_head_revision, \
-               last_error_code::text AS last_error_code, snapshot_metadata, row_version, lease_token \
+               last_error_code::text AS last_error_code, last_error_message, snapshot_metadata, row_version, \
+               lease_token, completed_at IS NOT NULL AS completed \
              FROM legacy_space_publication_bootstraps WHERE id = $1",
         )
         .bind(id)
@@ -211,7 +247,14 @@ impl Fx {
             .unwrap()
     }
 
-    /// Every logged state of one job, in order: (run_state, checkpoint, row_version, token).
+    async fn retry_bootstrap(&self) -> bool {
+        let mut conn = self.pool().acquire().await.unwrap();
+        bootstrap::retry(&mut conn, TENANT, self.space)
+            .await
+            .unwrap()
+    }
+
+    /// Every logged state of one job, in order.
     async fn states(&self, job: Uuid) -> Vec<LoggedState> {
         sqlx::query_as(
             "SELECT run_state, checkpoint, row_version, lease_token, completed, total, last_error_code \
@@ -227,11 +270,23 @@ impl Fx {
         vec![
             ("KFS_OBJECT_STORE".into(), self.store_url.clone()),
             ("KFS_KINDS".into(), "compile".into()),
+            ("KFS_EMBEDDER".into(), "offline".into()),
             ("KFS_WORKER_ID".into(), id.into()),
             ("KFS_RELAY_POLL".into(), "200ms".into()),
             ("KFS_LEASED_POLL".into(), "100ms".into()),
             ("KFS_SHUTDOWN_GRACE".into(), "5s".into()),
         ]
+    }
+
+    fn spawn(&self, id: &str, args: &[&str], extra: &[(&str, &str)]) -> common::Worker {
+        let mut env = self.worker_env(id);
+        env.extend(
+            extra
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        );
+        let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        self.env.spawn_worker(id, args, &e)
     }
 }
 
@@ -248,6 +303,10 @@ type LoggedState = (
 #[derive(Debug, sqlx::FromRow)]
 #[allow(dead_code)]
 struct Row {
+    id: Uuid,
+    tenant_id: String,
+    knowledge_space_id: Uuid,
+    idempotency_key: String,
     checkpoint: String,
     run_state: String,
     total_documents: i32,
@@ -256,9 +315,11 @@ struct Row {
     published_fingerprint: Option<String>,
     published_head_revision: Option<i32>,
     last_error_code: Option<String>,
-    snapshot_metadata: serde_json::Value,
+    last_error_message: Option<String>,
+    snapshot_metadata: Value,
     row_version: i32,
     lease_token: Option<Uuid>,
+    completed: bool,
 }
 
 #[derive(Debug, sqlx::FromRow)]
@@ -272,9 +333,8 @@ struct Item {
     last_error: Option<String>,
 }
 
-/// Checks every logged state of a bootstrap: checkpoints only move forward one phase at a time,
-/// row versions never go back, a lease is held exactly while running, and `published` comes
-/// only with success.
+/// Checks every logged state of a bootstrap: checkpoints only move forward, row versions never
+/// go back, a lease is held exactly while running, and `published` comes only with success.
 fn assert_bootstrap_states(states: &[LoggedState]) {
     assert!(!states.is_empty());
     for w in states.windows(2) {
@@ -294,10 +354,12 @@ fn assert_bootstrap_states(states: &[LoggedState]) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn bootstrap_walk_rebuilds_every_document_publishes_the_head_and_sets_the_latch() {
+async fn bootstrap_walk_rebuilds_every_document_verifies_the_head_and_sets_the_latch() {
     let fx = Fx::new().await;
+    fx.install_profiles().await;
     let docs = fx.three_documents().await;
     let id = fx.enqueue_bootstrap().await;
+    assert_eq!(id, fx.space, "the marker's id is the space's");
     assert_eq!(id, fx.enqueue_bootstrap().await, "enqueue is idempotent");
     assert!(
         !fx.ready().await,
@@ -305,51 +367,93 @@ async fn bootstrap_walk_rebuilds_every_document_publishes_the_head_and_sets_the_
     );
 
     let kind = BootstrapKind::default();
-    let engine = fx.engine();
+    let engine = fx.engine("compile-in-test", 64);
     let row = fx.drive_bootstrap(&kind, &engine, id).await;
-    assert_eq!(row.run_state, "succeeded", "{row:?}");
-    assert_eq!(row.checkpoint, "published");
+    assert_eq!(
+        (row.run_state.as_str(), row.checkpoint.as_str()),
+        ("succeeded", "published"),
+        "{row:?}"
+    );
     assert_eq!((row.total_documents, row.completed_documents), (3, 3));
-    assert!(row.lease_token.is_none());
+    assert_eq!(
+        (row.tenant_id.as_str(), row.knowledge_space_id),
+        (TENANT, fx.space)
+    );
+    assert_eq!(row.idempotency_key, bootstrap::IDEMPOTENCY_KEY);
+    assert!(row.lease_token.is_none() && row.completed && row.last_error_code.is_none());
+    let meta = &row.snapshot_metadata;
+    assert_eq!(meta["documentCount"], json!(3));
+    assert_eq!(meta["directLegacyAdoption"], json!(false));
+    assert_eq!(meta["strategy"], json!("full-generation-rebuild"));
+    assert_eq!(meta["source"], json!("migration-marker"));
+    assert_eq!(
+        meta["reason"],
+        json!("legacy graph ownership and immutable generation cannot be proven")
+    );
+    assert!(meta["capturedAt"].as_str().unwrap().ends_with('Z'));
     assert!(fx.ready().await, "success is the readiness latch");
 
-    // The frozen items: document, version, hash and ordinal, each rebuilt by one attempt.
+    // The frozen items, in document id order, each rebuilt by one ordinary compile attempt
+    // that published it (an internal starter: no requester binding).
     let items = fx.items(id).await;
     assert_eq!(items.len(), 3);
     for (i, it) in items.iter().enumerate() {
-        assert_eq!(it.ordinal, i as i32);
-        assert_eq!(it.document_asset_id, docs[i]);
-        assert_eq!(it.document_version, 1);
+        assert_eq!(
+            (it.ordinal, it.document_asset_id, it.document_version),
+            (i as i32, docs[i], 1)
+        );
         let sha: String = sqlx::query_scalar("SELECT sha256 FROM document_assets WHERE id = $1")
             .bind(it.document_asset_id)
             .fetch_one(fx.pool())
             .await
             .unwrap();
         assert_eq!(it.document_sha256, sha);
-        assert_eq!(it.status, "succeeded", "{it:?}");
-        let mut conn = fx.pool().acquire().await.unwrap();
-        let attempt = compile::show(&mut conn, it.compilation_attempt_id.unwrap())
-            .await
-            .unwrap();
-        assert_eq!(attempt.run_state, "succeeded");
-        assert_eq!(attempt.document_asset_id, it.document_asset_id);
+        assert_eq!(
+            (it.status.as_str(), it.last_error.as_deref()),
+            ("succeeded", None)
+        );
+        let a = fx.status(it.compilation_attempt_id.unwrap()).await;
+        assert_eq!(
+            (a.run_state.as_str(), a.checkpoint.as_str()),
+            ("succeeded", "published")
+        );
+        assert_eq!(
+            (a.document_asset_id, a.document_version, a.active_slot),
+            (docs[i], 1, None)
+        );
+        assert_eq!(
+            (
+                a.requested_by_subject_id,
+                a.permission_snapshot_id,
+                a.access_channel
+            ),
+            (None, None, None)
+        );
     }
 
-    // The recorded head is the space's head and serves every document.
-    let mut conn = fx.pool().acquire().await.unwrap();
-    let head = publication::head(&mut conn, TENANT, fx.space, false)
-        .await
-        .unwrap()
-        .unwrap();
+    // The recorded head is the space's head, and it serves every frozen document at its frozen
+    // version, with ready dense projections of the manifest's vector space.
+    let head = fx.head().await.unwrap();
     assert_eq!(row.published_publication_id, Some(head.publication_id));
     assert_eq!(row.published_head_revision, Some(head.revision));
     assert_eq!(
         row.published_fingerprint.as_deref(),
-        Some(publication::fingerprint(&head.members).as_str())
+        Some(head.fingerprint.as_str())
     );
-    for d in &docs {
-        assert!(head.members.contains_key(d), "head lacks {d}");
-    }
+    let served = fx.served().await;
+    assert_eq!(served.keys().copied().collect::<Vec<_>>(), docs);
+    assert!(served.values().all(|s| s.version == 1));
+    let dense: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT m.document_asset_id) FROM projection_set_publication_members m \
+         JOIN index_projections p ON p.id = m.component_key AND p.type = 'dense-vector' AND p.status = 'ready' \
+         WHERE m.publication_id = $1 AND p.model = $2",
+    )
+    .bind(head.publication_id)
+    .bind(embedding_profile()["vectorSpaceId"].as_str())
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(dense, 3);
 
     // Every state the walk wrote.
     let states = fx.states(id).await;
@@ -365,78 +469,150 @@ async fn bootstrap_walk_rebuilds_every_document_publishes_the_head_and_sets_the_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_space_without_documents_bootstraps_without_a_publication() {
+async fn a_space_without_documents_bootstraps_without_a_publication_unless_legacy_state_remains() {
     let fx = Fx::new().await;
     let id = fx.enqueue_bootstrap().await;
-    let engine = fx.engine();
+    let engine = fx.engine("compile-in-test", 64);
     let row = fx
         .drive_bootstrap(&BootstrapKind::default(), &engine, id)
         .await;
-    assert_eq!(row.run_state, "succeeded");
-    assert_eq!(row.checkpoint, "published");
+    assert_eq!(
+        (row.run_state.as_str(), row.checkpoint.as_str()),
+        ("succeeded", "published")
+    );
     assert_eq!((row.total_documents, row.completed_documents), (0, 0));
     assert_eq!(row.published_publication_id, None);
     assert!(fx.ready().await);
+    let seen: Vec<String> = fx
+        .states(id)
+        .await
+        .into_iter()
+        .filter_map(|s| s.1)
+        .collect();
+    assert!(
+        !seen.iter().any(|c| c == "rebuilding"),
+        "nothing to rebuild: {seen:?}"
+    );
+    assert_bootstrap_states(&fx.states(id).await);
+
+    // Null-generation state without documents cannot be rebuilt: the platform refuses.
+    let other = new_space(fx.pool(), "residue").await;
+    sqlx::query(
+        "INSERT INTO knowledge_paths (id, knowledge_space_id, publication_generation_id, virtual_path, resource_type, \
+           target_id, version, view_name, view_type, metadata) \
+         VALUES (gen_random_uuid(), $1, NULL, '/knowledge/docs/gone', 'document', 'gone', 1, 'docs', 'physical', '{}')",
+    )
+    .bind(other)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let mut conn = fx.pool().acquire().await.unwrap();
+    assert!(
+        !bootstrap::ready(&mut conn, TENANT, other).await.unwrap(),
+        "legacy state without a bootstrap is not ready"
+    );
+    let other_id = bootstrap::enqueue(&mut conn, TENANT, other).await.unwrap();
+    drop(conn);
+    let (_, outcome) = fx.run_bootstrap(&BootstrapKind::default()).await.unwrap();
+    assert_eq!(outcome, Outcome::Ended("failed"));
+    let row = fx.bootstrap(other_id).await;
+    assert_eq!(
+        (row.run_state.as_str(), row.checkpoint.as_str()),
+        ("failed", "verifying")
+    );
+    assert_eq!(
+        row.last_error_code.as_deref(),
+        Some(walk::PROCESSING_FAILED)
+    );
+    assert_eq!(
+        row.last_error_message.as_deref(),
+        Some("Legacy null-generation derived state remains after rebuilding an empty document snapshot")
+    );
     fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn failed_bootstrap_retries_in_place_and_compiles_the_failed_document_again() {
+async fn a_failed_compile_fails_the_bootstrap_until_an_operator_retry_compiles_it_again() {
     let fx = Fx::new().await;
+    fx.install_profiles().await;
     let docs = fx.three_documents().await;
-    // The stored hash of one document does not match its bytes: its compile fails for good.
-    sqlx::query("UPDATE document_assets SET sha256 = repeat('0', 64) WHERE id = $1")
+    // The bytes of one document are missing from the store: its compile fails for good.
+    let key: String = sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
         .bind(docs[1])
-        .execute(fx.pool())
+        .fetch_one(fx.pool())
         .await
         .unwrap();
+    let bytes = fx.store.get(&key).await.unwrap();
+    fx.store.delete(&key).await.unwrap();
     let id = fx.enqueue_bootstrap().await;
     let kind = BootstrapKind::default();
-    let engine = fx.engine();
+    let engine = fx.engine("compile-in-test", 64);
     let row = fx.drive_bootstrap(&kind, &engine, id).await;
-    assert_eq!(row.run_state, "failed", "{row:?}");
-    assert_eq!(row.checkpoint, "rebuilding");
+    assert_eq!(
+        (row.run_state.as_str(), row.checkpoint.as_str()),
+        ("failed", "rebuilding"),
+        "{row:?}"
+    );
     assert_eq!(
         row.last_error_code.as_deref(),
-        Some("document_compile_failed")
+        Some(walk::COMPILATION_FAILED)
     );
-    assert_eq!(row.snapshot_metadata["failures"], json!(1));
-    assert!(
-        row.snapshot_metadata["notBefore"].as_i64().is_some(),
-        "a retry time is set: {row:?}"
-    );
+    assert!(row.completed && row.lease_token.is_none());
     assert!(!fx.ready().await);
     let items = fx.items(id).await;
     let failed: Vec<&Item> = items.iter().filter(|i| i.status == "failed").collect();
     assert_eq!(failed.len(), 1);
     assert_eq!(failed[0].document_asset_id, docs[1]);
-    assert!(failed[0]
-        .last_error
-        .as_deref()
-        .unwrap()
-        .starts_with("failed"));
     let first_attempt = failed[0].compilation_attempt_id.unwrap();
+    let attempt = fx.status(first_attempt).await;
+    assert_eq!(attempt.run_state, "failed");
+    assert_eq!(
+        failed[0].last_error, attempt.last_error_message,
+        "the compile's own error"
+    );
+    assert_eq!(row.last_error_message, attempt.last_error_message);
 
-    // Not before its backoff ran out.
-    let early = leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-        .await
-        .unwrap();
-    assert!(early.is_none(), "claimed before its retry time");
+    // A failed bootstrap is final: not claimed again, however long one waits.
+    fx.due_now(id).await;
+    assert!(
+        fx.run_bootstrap(&kind).await.is_none(),
+        "a failed bootstrap was claimed"
+    );
 
-    // Repair the document; once due, the same row is retried and the document compiled again.
-    let sha = platform::sha256_hex(PAGE_HTML);
-    sqlx::query("UPDATE document_assets SET sha256 = $2 WHERE id = $1")
-        .bind(docs[1])
-        .bind(sha)
-        .execute(fx.pool())
+    // Restore the bytes; the operator's retry queues the same row, the failed item pending
+    // again with no attempt, and the document is compiled again by a new attempt.
+    fx.store.put(&key, bytes).await.unwrap();
+    assert!(fx.retry_bootstrap().await);
+    assert!(
+        !fx.retry_bootstrap().await,
+        "only a failed bootstrap is retried"
+    );
+    let row = fx.bootstrap(id).await;
+    assert_eq!(
+        (row.run_state.as_str(), row.last_error_code, row.completed),
+        ("queued", None, false)
+    );
+    let again = fx
+        .items(id)
         .await
+        .into_iter()
+        .find(|i| i.document_asset_id == docs[1])
         .unwrap();
+    assert_eq!(
+        (
+            again.status.as_str(),
+            again.compilation_attempt_id,
+            again.last_error
+        ),
+        ("pending", None, None)
+    );
     let row = fx.drive_bootstrap(&kind, &engine, id).await;
     assert_eq!(row.run_state, "succeeded", "{row:?}");
     assert_eq!(row.last_error_code, None);
-    let items = fx.items(id).await;
-    let again = items
-        .iter()
+    let again = fx
+        .items(id)
+        .await
+        .into_iter()
         .find(|i| i.document_asset_id == docs[1])
         .unwrap();
     assert_eq!(again.status, "succeeded");
@@ -453,12 +629,6 @@ async fn failed_bootstrap_retries_in_place_and_compiles_the_failed_document_agai
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bootstrap_fails_for_good_after_its_attempts() {
     let fx = Fx::new().await;
-    let docs = fx.three_documents().await;
-    sqlx::query("UPDATE document_assets SET sha256 = repeat('0', 64) WHERE id = $1")
-        .bind(docs[0])
-        .execute(fx.pool())
-        .await
-        .unwrap();
     let id = fx.enqueue_bootstrap().await;
     let kind = BootstrapKind {
         policy: kfs_worker::jobs::Policy {
@@ -467,97 +637,130 @@ async fn bootstrap_fails_for_good_after_its_attempts() {
         },
         ..BootstrapKind::default()
     };
-    let engine = fx.engine();
-    let row = fx.drive_bootstrap(&kind, &engine, id).await;
-    assert_eq!(row.run_state, "failed");
+    let mut conn = fx.pool().acquire().await.unwrap();
+    // A transient failure queues it again after the backoff, the run counted.
+    let job = kind.claim(&mut conn, "w-live").await.unwrap().unwrap();
+    let transient = End::Wait {
+        delay: Duration::from_secs(60),
+        code: "db_unavailable".into(),
+        message: "connection reset".into(),
+        refund: false,
+    };
+    assert!(kind.end(&mut conn, &job, &transient).await.unwrap());
+    let row = fx.bootstrap(id).await;
+    assert_eq!(
+        (row.run_state.as_str(), row.last_error_code.as_deref()),
+        ("queued", Some("db_unavailable"))
+    );
     assert_eq!(row.snapshot_metadata["failures"], json!(1));
-    let row = fx.drive_bootstrap(&kind, &engine, id).await;
-    assert_eq!(row.run_state, "failed");
+    assert!(row.snapshot_metadata["notBefore"].as_i64().is_some());
+    assert!(
+        kind.claim(&mut conn, "w-live").await.unwrap().is_none(),
+        "claimed before its retry time"
+    );
+    fx.due_now(id).await;
+    // Workers that die holding it (no liveness lock) use up the rest.
+    let held = kind.claim(&mut conn, "ghost-1").await.unwrap().unwrap();
+    assert_eq!(held.attempt, 2);
+    let taken = kind.claim(&mut conn, "ghost-2").await.unwrap().unwrap();
+    assert!(taken.taken_over);
+    assert!(
+        kind.claim(&mut conn, "w-live").await.unwrap().is_none(),
+        "out of attempts"
+    );
+    let row = fx.bootstrap(id).await;
+    assert_eq!(
+        (row.run_state.as_str(), row.last_error_code.as_deref()),
+        ("failed", Some(bootstrap::EXHAUSTED))
+    );
     assert_eq!(row.snapshot_metadata["failures"], json!(2));
     fx.due_now(id).await;
-    let claimed = leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-        .await
-        .unwrap();
     assert!(
-        claimed.is_none(),
+        fx.run_bootstrap(&kind).await.is_none(),
         "a bootstrap out of attempts is not run again"
     );
+    // The operator's retry gives it a fresh budget.
+    assert!(fx.retry_bootstrap().await);
+    assert_eq!(
+        fx.bootstrap(id).await.snapshot_metadata.get("failures"),
+        None
+    );
+    let (_, outcome) = fx
+        .run_bootstrap(&kind)
+        .await
+        .expect("claimed after the retry");
+    assert_eq!(outcome, Outcome::Ended("succeeded"));
+    assert_bootstrap_states(&fx.states(id).await);
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_mutation_lease_blocks_the_snapshot_and_an_expired_one_is_reclaimed() {
-    let fx = Fx::new().await;
-    let docs = fx.three_documents().await;
-    let lease = Uuid::new_v4();
-    sqlx::query(
+async fn add_mutation_lease(pool: &PgPool, space: Uuid, expires: &str) -> Uuid {
+    sqlx::query_scalar(&format!(
         "INSERT INTO knowledge_space_mutation_leases (id, tenant_id, knowledge_space_id, operation, acquired_at, \
            lease_token, heartbeat_at, expires_at) \
-         VALUES ($1, $2, $3, 'document.upload', now(), $1, now(), now() + interval '1 hour')",
-    )
-    .bind(lease)
+         VALUES (gen_random_uuid(), $1, $2, 'upload', now(), gen_random_uuid(), now(), {expires}) RETURNING id"
+    ))
     .bind(TENANT)
-    .bind(fx.space)
-    .execute(fx.pool())
+    .bind(space)
+    .fetch_one(pool)
     .await
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_live_mutation_lease_or_an_active_compile_fails_the_snapshot_and_an_expired_lease_does_not(
+) {
+    let fx = Fx::new().await;
+    let docs = fx.three_documents().await;
+    let lease = add_mutation_lease(fx.pool(), fx.space, "now() + interval '1 hour'").await;
     let id = fx.enqueue_bootstrap().await;
     let kind = BootstrapKind {
-        waits: Waits {
-            poll: Duration::from_millis(100),
-            max_lease_wait: Duration::from_secs(5),
+        waits: walk::Waits {
+            poll: Duration::from_secs(60),
         },
         ..BootstrapKind::default()
     };
-    let (_, outcome) = leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-        .await
-        .unwrap()
-        .expect("claimed");
-    assert_eq!(outcome, Outcome::Ended("wait"));
+    let (_, outcome) = fx.run_bootstrap(&kind).await.expect("claimed");
+    assert_eq!(outcome, Outcome::Ended("failed"));
     let row = fx.bootstrap(id).await;
     assert_eq!(
         (row.run_state.as_str(), row.checkpoint.as_str()),
-        ("queued", "pending_snapshot")
+        ("failed", "pending_snapshot")
+    );
+    assert_eq!(
+        row.last_error_code.as_deref(),
+        Some(walk::PROCESSING_FAILED)
+    );
+    assert_eq!(
+        row.last_error_message.as_deref(),
+        Some("Knowledge space already has an active document mutation lease")
     );
     assert_eq!(row.total_documents, 0);
     assert!(
         fx.items(id).await.is_empty(),
         "nothing frozen under a live lease"
     );
-    assert_eq!(row.snapshot_metadata.get("failures"), Some(&json!(0)));
+    assert!(fx.run_bootstrap(&kind).await.is_none(), "failed for good");
 
-    // Still waiting: not claimable before its wait ran out.
-    assert!(
-        leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-            .await
-            .unwrap()
-            .is_none()
-    );
-
-    // The lease expires: the next capture reclaims it and freezes the set.
+    // The lease expires (it stays, as the platform's capture leaves it): after the operator's
+    // retry the capture freezes the set and requests the compiles.
     sqlx::query("UPDATE knowledge_space_mutation_leases SET expires_at = now() - interval '1 second' WHERE id = $1")
         .bind(lease)
         .execute(fx.pool())
         .await
         .unwrap();
-    fx.due_now(id).await;
-    let (_, outcome) = leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-        .await
-        .unwrap()
-        .expect("claimed");
+    assert!(fx.retry_bootstrap().await);
+    let (_, outcome) = fx.run_bootstrap(&kind).await.expect("claimed");
     assert_eq!(
         outcome,
         Outcome::Ended("wait"),
         "waits for its compiles now"
     );
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM knowledge_space_mutation_leases")
-        .fetch_one(fx.pool())
-        .await
-        .unwrap();
-    assert_eq!(left, 0, "the expired lease was reclaimed");
     let row = fx.bootstrap(id).await;
-    assert_eq!(row.checkpoint, "rebuilding");
-    assert_eq!(row.total_documents, 3);
+    assert_eq!(
+        (row.checkpoint.as_str(), row.total_documents),
+        ("rebuilding", 3)
+    );
     let items = fx.items(id).await;
     assert_eq!(
         items
@@ -566,87 +769,44 @@ async fn a_mutation_lease_blocks_the_snapshot_and_an_expired_one_is_reclaimed() 
             .collect::<Vec<_>>(),
         docs
     );
-    assert!(items.iter().all(|i| i.status == "running"));
+    assert!(items
+        .iter()
+        .all(|i| i.status == "running" && i.compilation_attempt_id.is_some()));
 
-    // A lease taken after the snapshot changes nothing frozen; a lease without an expiry
-    // blocks another space's snapshot for good (fails closed).
+    // Another space: a lease without an expiry is not live for the platform's capture, but an
+    // active compile attempt is refused.
+    let other = new_space(fx.pool(), "other").await;
+    add_mutation_lease(fx.pool(), other, "NULL").await;
     let mut conn = fx.pool().acquire().await.unwrap();
-    let other = platform::create_space(&mut conn, TENANT, "other", "Other")
-        .await
-        .unwrap();
-    sqlx::query(
-        "INSERT INTO knowledge_space_mutation_leases (id, tenant_id, knowledge_space_id, operation, acquired_at, \
-           lease_token, heartbeat_at, expires_at) \
-         VALUES (gen_random_uuid(), $1, $2, 'document.upload', now(), gen_random_uuid(), now(), NULL)",
+    let doc = platform::add_document(
+        &mut conn,
+        &fx.store,
+        other,
+        None,
+        "notes.txt",
+        "text/plain",
+        NOTES_TXT.to_vec().into(),
     )
-    .bind(TENANT)
-    .bind(other)
-    .execute(fx.pool())
     .await
     .unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    compile::request(&mut tx, doc, Default::default())
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
     let other_id = bootstrap::enqueue(&mut conn, TENANT, other).await.unwrap();
     drop(conn);
-    for _ in 0..3 {
-        sqlx::query(
-            "UPDATE legacy_space_publication_bootstraps SET snapshot_metadata = snapshot_metadata - 'notBefore'",
-        )
-        .execute(fx.pool())
-        .await
-        .unwrap();
-        leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-            .await
-            .unwrap();
-    }
+    let (lease, outcome) = fx.run_bootstrap(&kind).await.expect("claimed");
+    assert_eq!(
+        (lease.job_id, outcome),
+        (other_id, Outcome::Ended("failed"))
+    );
     let row = fx.bootstrap(other_id).await;
-    assert_eq!(row.checkpoint, "pending_snapshot");
-    assert_eq!(row.run_state, "queued");
+    assert_eq!(
+        row.last_error_message.as_deref(),
+        Some("Legacy publication bootstrap requires all document compilation attempts to be idle")
+    );
     fx.cleanup().await;
-}
-
-fn embedding_snapshot() -> serde_json::Value {
-    json!({
-        "pluginId": "openai-embeddings",
-        "provider": "openai",
-        "model": "text-embedding-3-small",
-        "vectorSpaceId": "openai:text-embedding-3-small:1536",
-        "dimension": 1536,
-        "capabilities": {"batch": true, "maxInput": 8191}
-    })
-}
-
-async fn add_manifest(pool: &PgPool, space: Uuid, version: i32) {
-    sqlx::query(
-        "INSERT INTO knowledge_space_manifests (id, tenant_id, knowledge_space_id, version, manifest, created_at, updated_at) \
-         VALUES (gen_random_uuid(), $1, $2, $3, '{}'::jsonb, now(), now())",
-    )
-    .bind(TENANT)
-    .bind(space)
-    .bind(version)
-    .execute(pool)
-    .await
-    .unwrap();
-}
-
-async fn enqueue_backfill(
-    pool: &PgPool,
-    space: Uuid,
-    kind: &str,
-    version: i32,
-    snap: serde_json::Value,
-) -> Uuid {
-    let mut conn = pool.acquire().await.unwrap();
-    backfill::enqueue(
-        &mut conn,
-        &BackfillRequest {
-            tenant: TENANT.into(),
-            space,
-            kind: kind.into(),
-            manifest_version: version,
-            snapshot: snap,
-        },
-    )
-    .await
-    .unwrap()
 }
 
 type BackfillRow = (String, i32, i32, Option<String>, Option<Uuid>);
@@ -662,171 +822,406 @@ async fn backfill_row(pool: &PgPool, id: Uuid) -> BackfillRow {
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn backfill_installs_the_revision_and_the_initial_head() {
-    let fx = Fx::new().await;
-    add_manifest(fx.pool(), fx.space, 1).await;
-    add_manifest(fx.pool(), fx.space, 2).await;
-    let snap = embedding_snapshot();
-    let id = enqueue_backfill(fx.pool(), fx.space, "embedding", 2, snap.clone()).await;
-    assert_eq!(
-        id,
-        enqueue_backfill(fx.pool(), fx.space, "embedding", 2, snap.clone()).await,
-        "idempotent on its source"
-    );
-    let kind = BackfillKind::default();
-    let (lease, outcome) = leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-        .await
-        .unwrap()
-        .expect("claimed");
-    assert_eq!(lease.job_id, id);
-    assert_eq!(outcome, Outcome::Ended("succeeded"));
-    let (state, attempts, _, err, token) = backfill_row(fx.pool(), id).await;
-    assert_eq!(
-        (state.as_str(), attempts, err, token),
-        ("succeeded", 1, None, None)
-    );
-
-    type Rev = (
-        Uuid,
-        i32,
-        String,
-        String,
-        String,
-        Option<String>,
-        Option<i32>,
-        serde_json::Value,
-        String,
-    );
-    let (rev_id, revision, state, digest, model, vs, dim, caps, cap_digest): Rev = sqlx::query_as(
-        "SELECT id, revision, state::text, snapshot_digest::text, model::text, vector_space_id::text, dimension, \
-           capability_snapshot, capability_snapshot_digest::text \
-         FROM knowledge_space_profile_revisions WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = 'embedding'",
+/// The backfills of a space: kind, source manifest version, id, run state, error code.
+async fn backfills(pool: &PgPool, space: Uuid) -> Vec<(String, i32, Uuid, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT kind::text, source_manifest_version, id, run_state::text, last_error_code::text \
+         FROM knowledge_space_profile_backfills WHERE knowledge_space_id = $1 \
+         ORDER BY kind, source_manifest_version, created_at",
     )
-    .bind(TENANT)
-    .bind(fx.space)
-    .fetch_one(fx.pool())
+    .bind(space)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A row as JSON, without the columns named in `drop`.
+async fn row_json(pool: &PgPool, table: &str, args: (Uuid, &str), drop: &[&str]) -> Value {
+    let mut v: Value = sqlx::query_scalar(&format!(
+        "SELECT to_jsonb(t) FROM {table} t WHERE t.knowledge_space_id = $1 AND t.kind = $2"
+    ))
+    .bind(args.0)
+    .bind(args.1)
+    .fetch_one(pool)
     .await
     .unwrap();
-    assert_eq!((revision, state.as_str()), (1, "active"));
-    assert_eq!(digest, backfill::walk::digest(&snap));
-    assert_eq!(model, "text-embedding-3-small");
-    assert_eq!(vs.as_deref(), Some("openai:text-embedding-3-small:1536"));
-    assert_eq!(dim, Some(1536));
-    assert_eq!(caps, json!({"batch": true, "maxInput": 8191}));
-    assert_eq!(cap_digest, backfill::walk::digest(&caps));
-    let (head_rev_id, active, row_version): (Uuid, i32, i32) = sqlx::query_as(
-        "SELECT profile_revision_id, active_revision, row_version FROM knowledge_space_profile_heads \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = 'embedding'",
-    )
-    .bind(TENANT)
-    .bind(fx.space)
-    .fetch_one(fx.pool())
-    .await
-    .unwrap();
-    assert_eq!((head_rev_id, active, row_version), (rev_id, 1, 1));
-
-    // Every state written: queued → running → succeeded, row version bumped each time.
-    let states = fx.states(id).await;
-    let runs: Vec<&str> = states.iter().map(|s| s.0.as_str()).collect();
-    assert_eq!(
-        runs,
-        ["queued", "running", "running", "succeeded"],
-        "{states:?}"
-    );
-    assert!(states.windows(2).all(|w| w[1].2 > w[0].2));
-    fx.cleanup().await;
+    for k in drop {
+        v.as_object_mut().unwrap().remove(*k);
+    }
+    v
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn backfill_refuses_a_moved_manifest_a_bad_digest_and_an_existing_head() {
+async fn backfill_discovers_the_manifest_profiles_and_installs_revision_and_head_as_the_platform_does(
+) {
     let fx = Fx::new().await;
-    let kind = BackfillKind::default();
-    let retrieval = json!({"pluginId": "pg-fts", "provider": "postgres", "model": "ts_rank"});
-
-    // (space, setup, expected code)
-    let mut conn = fx.pool().acquire().await.unwrap();
-    let moved = platform::create_space(&mut conn, TENANT, "moved", "m")
-        .await
-        .unwrap();
-    let tampered = platform::create_space(&mut conn, TENANT, "tampered", "t")
-        .await
-        .unwrap();
-    let headed = platform::create_space(&mut conn, TENANT, "headed", "h")
-        .await
-        .unwrap();
-    let missing = platform::create_space(&mut conn, TENANT, "missing", "x")
-        .await
-        .unwrap();
-    let invalid = platform::create_space(&mut conn, TENANT, "invalid", "i")
-        .await
-        .unwrap();
-    drop(conn);
-    for s in [moved, tampered, headed, invalid] {
-        add_manifest(fx.pool(), s, 1).await;
-    }
-    // The manifest moved on after discovery.
-    let moved_id = enqueue_backfill(fx.pool(), moved, "retrieval", 1, retrieval.clone()).await;
-    add_manifest(fx.pool(), moved, 2).await;
-    // The stored snapshot no longer matches its digest.
-    let tampered_id =
-        enqueue_backfill(fx.pool(), tampered, "retrieval", 1, retrieval.clone()).await;
-    sqlx::query("UPDATE knowledge_space_profile_backfills SET source_snapshot = source_snapshot || '{\"model\":\"other\"}' WHERE id = $1")
-        .bind(tampered_id)
-        .execute(fx.pool())
-        .await
-        .unwrap();
-    // A head exists already (installed by an earlier backfill of another snapshot).
-    let first = enqueue_backfill(fx.pool(), headed, "retrieval", 1, retrieval.clone()).await;
-    let second = enqueue_backfill(
+    let version = set_manifest_keys(
         fx.pool(),
-        headed,
-        "retrieval",
-        1,
-        json!({"pluginId": "pg-fts", "provider": "postgres", "model": "bm25"}),
+        fx.space,
+        json!({ "__knowledgeFsEmbeddingProfile": embedding_profile(),
+                "__knowledgeFsRetrievalProfile": retrieval_profile(), "__knowledgeFsEmbeddingProfileFrozenAt": "x" }),
     )
     .await;
-    let no_manifest = enqueue_backfill(fx.pool(), missing, "retrieval", 1, retrieval.clone()).await;
-    let bad_shape = enqueue_backfill(fx.pool(), invalid, "embedding", 1, retrieval.clone()).await;
-
-    for _ in 0..6 {
-        leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-            .await
-            .unwrap()
-            .expect("claimed");
-    }
-    assert!(
-        leased::run_once(fx.pool(), &kind, "leased-in-test", Budget::default())
-            .await
-            .unwrap()
-            .is_none()
+    // Discovery freezes each profile key once per manifest version and digest.
+    let mut conn = fx.pool().acquire().await.unwrap();
+    let page = backfill::discover(&mut conn, None, 10, 5).await.unwrap();
+    assert_eq!(
+        (page.scanned, page.created, page.next),
+        (1, 2, Some(fx.space))
     );
-    let (s, ..) = backfill_row(fx.pool(), first).await;
-    assert_eq!(s, "succeeded");
-    for (id, code) in [
-        (moved_id, "manifest_moved"),
-        (tampered_id, "snapshot_digest_mismatch"),
-        (second, "profile_head_exists"),
-        (no_manifest, "manifest_missing"),
-        (bad_shape, "invalid_snapshot"),
-    ] {
-        let (state, _, _, err, token) = backfill_row(fx.pool(), id).await;
+    assert_eq!(
+        backfill::discover(&mut conn, None, 10, 5)
+            .await
+            .unwrap()
+            .created,
+        0
+    );
+    assert_eq!(
+        backfill::discover(&mut conn, Some(fx.space), 10, 5)
+            .await
+            .unwrap()
+            .scanned,
+        0
+    );
+    drop(conn);
+    let rows = backfills(fx.pool(), fx.space).await;
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.0.as_str(), r.1, r.3.as_str()))
+            .collect::<Vec<_>>(),
+        [
+            ("embedding", version, "queued"),
+            ("retrieval", version, "queued")
+        ]
+    );
+    let queued = row_json(
+        fx.pool(),
+        "knowledge_space_profile_backfills",
+        (fx.space, "embedding"),
+        &["id", "created_at", "updated_at"],
+    )
+    .await;
+    assert_eq!(
+        queued,
+        json!({ "tenant_id": TENANT, "knowledge_space_id": fx.space, "kind": "embedding", "source_manifest_version": version,
+                "source_snapshot": embedding_profile(), "source_snapshot_digest": backfill::walk::digest(&embedding_profile()),
+                "run_state": "queued", "execution_attempts": 0, "max_execution_attempts": 5, "worker_id": null,
+                "lease_token": null, "lease_expires_at": null, "heartbeat_at": null, "row_version": 1,
+                "last_error_code": null, "last_error_message": null, "completed_at": null })
+    );
+
+    let kind = BackfillKind::default();
+    assert_eq!(run_backfills(fx.pool(), &kind).await, 2);
+    for (kind_name, _, id, state, err) in backfills(fx.pool(), fx.space).await {
+        assert_eq!((state.as_str(), err), ("succeeded", None), "{kind_name}");
+        let (_, attempts, _, _, token) = backfill_row(fx.pool(), id).await;
+        assert_eq!((attempts, token), (1, None));
+        // Every state written: queued → running → running (the step's fence) → succeeded.
+        let states = fx.states(id).await;
+        let runs: Vec<&str> = states.iter().map(|s| s.0.as_str()).collect();
         assert_eq!(
-            (state.as_str(), err.as_deref(), token),
-            ("failed", Some(code), None)
+            runs,
+            ["queued", "running", "running", "succeeded"],
+            "{states:?}"
+        );
+        assert!(states.windows(2).all(|w| w[1].2 > w[0].2));
+    }
+
+    // The revision and head rows, every column as the platform's process writes them, all in
+    // the transaction that ended the backfill.
+    for (kind_name, source) in [
+        ("embedding", embedding_profile()),
+        ("retrieval", retrieval_profile()),
+    ] {
+        let (discovered_at, revision_id, one_tx): (String, Uuid, bool) = sqlx::query_as(
+            "SELECT to_char(b.created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), r.id, r.created_at = b.completed_at AND r.updated_at = b.completed_at \
+               AND r.activated_at = b.completed_at AND h.created_at = b.completed_at AND h.updated_at = b.completed_at \
+             FROM knowledge_space_profile_backfills b \
+             JOIN knowledge_space_profile_revisions r ON r.knowledge_space_id = b.knowledge_space_id AND r.kind = b.kind \
+             JOIN knowledge_space_profile_heads h ON h.profile_revision_id = r.id \
+             WHERE b.knowledge_space_id = $1 AND b.kind = $2",
+        )
+        .bind(fx.space)
+        .bind(kind_name)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+        assert!(
+            one_tx,
+            "{kind_name}: revision, head and success share one transaction's time"
+        );
+        let capability = profile::derive_capability(kind_name, &source, &discovered_at).unwrap();
+        let (model, vsid, dim) = if kind_name == "embedding" {
+            (
+                "text-embedding-3-small",
+                source["vectorSpaceId"].clone(),
+                json!(8),
+            )
+        } else {
+            ("gpt-4o-mini", Value::Null, Value::Null)
+        };
+        let drop = ["id", "created_at", "updated_at", "activated_at"];
+        assert_eq!(
+            row_json(
+                fx.pool(),
+                "knowledge_space_profile_revisions",
+                (fx.space, kind_name),
+                &drop
+            )
+            .await,
+            json!({ "tenant_id": TENANT, "knowledge_space_id": fx.space, "kind": kind_name, "revision": 1, "state": "active",
+                    "snapshot": source, "snapshot_digest": backfill::walk::digest(&source),
+                    "capability_snapshot": capability, "capability_snapshot_digest": backfill::walk::digest(&capability),
+                    "plugin_id": "langgenius/openai", "provider": "openai", "model": model, "vector_space_id": vsid,
+                    "dimension": dim, "created_by_subject_id": "system:legacy-profile-backfill", "failure_code": null,
+                    "failure_message": null, "superseded_at": null, "failed_at": null }),
+            "{kind_name}"
+        );
+        assert_eq!(
+            row_json(
+                fx.pool(),
+                "knowledge_space_profile_heads",
+                (fx.space, kind_name),
+                &drop
+            )
+            .await,
+            json!({ "tenant_id": TENANT, "knowledge_space_id": fx.space, "kind": kind_name,
+                    "profile_revision_id": revision_id, "active_revision": 1, "row_version": 1 }),
+            "{kind_name}"
         );
     }
+
+    // A repeated process (the row queued again) finds its own head and succeeds without writing.
+    let (_, _, emb, _, _) = backfills(fx.pool(), fx.space).await.remove(0);
+    sqlx::query(
+        "UPDATE knowledge_space_profile_backfills SET run_state = 'queued', completed_at = NULL, updated_at = now() - interval '1 hour' WHERE id = $1",
+    )
+    .bind(emb)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(run_backfills(fx.pool(), &kind).await, 1);
+    assert_eq!(backfill_row(fx.pool(), emb).await.0, "succeeded");
     let revisions: i64 =
         sqlx::query_scalar("SELECT count(*) FROM knowledge_space_profile_revisions")
             .fetch_one(fx.pool())
             .await
             .unwrap();
-    assert_eq!(revisions, 1, "refusals write no revision");
-    let heads: i64 = sqlx::query_scalar("SELECT count(*) FROM knowledge_space_profile_heads")
-        .fetch_one(fx.pool())
+    assert_eq!(revisions, 2);
+    // And compiles now embed with the installed profile (the space has a head of each kind).
+    let mut conn = fx.pool().acquire().await.unwrap();
+    assert_eq!(
+        backfill::discover(&mut conn, None, 10, 5)
+            .await
+            .unwrap()
+            .scanned,
+        0
+    );
+    fx.cleanup().await;
+}
+
+/// A backfill's kind, run state and error code.
+type Fill<'a> = (&'a str, &'a str, Option<&'a str>);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn backfill_refuses_with_the_platforms_codes_and_writes_nothing() {
+    let fx = Fx::new().await;
+    let pool = fx.pool();
+    let emb = |v: Value| json!({ "__knowledgeFsEmbeddingProfile": v });
+    let ret = json!({ "__knowledgeFsRetrievalProfile": retrieval_profile() });
+    let mut conn = pool.acquire().await.unwrap();
+
+    // The manifest moved on after discovery: the stale snapshot fails, the new version's succeeds.
+    let moved = new_space(pool, "moved").await;
+    set_manifest_keys(pool, moved, ret.clone()).await;
+    backfill::discover(&mut conn, None, 100, 5).await.unwrap();
+    set_manifest_keys(pool, moved, json!({})).await;
+    // The manifest's profile is no longer an object (no version change): nothing new is discovered.
+    let replaced = new_space(pool, "replaced").await;
+    set_manifest_keys(pool, replaced, ret.clone()).await;
+    // The stored snapshot no longer hashes to its digest.
+    let tampered = new_space(pool, "tampered").await;
+    set_manifest_keys(pool, tampered, ret.clone()).await;
+    // A different head exists (the platform's own activation, with its own capability).
+    let headed = new_space(pool, "headed").await;
+    platform::activate_embedding_profile(
+        &mut conn,
+        TENANT,
+        headed,
+        "text-embedding-3-small",
+        "openai",
+        8,
+    )
+    .await
+    .unwrap();
+    // A revision of the same number exists without a head.
+    let orphan = new_space(pool, "orphan").await;
+    platform::activate_embedding_profile(
+        &mut conn,
+        TENANT,
+        orphan,
+        "text-embedding-3-small",
+        "openai",
+        8,
+    )
+    .await
+    .unwrap();
+    sqlx::query("DELETE FROM knowledge_space_profile_heads WHERE knowledge_space_id = $1")
+        .bind(orphan)
+        .execute(pool)
         .await
         .unwrap();
-    assert_eq!(heads, 1);
+    // No manifest, a space being deleted, and profiles the platform rejects.
+    let unmanifested = new_space(pool, "unmanifested").await;
+    set_manifest_keys(pool, unmanifested, ret.clone()).await;
+    let deleting = new_space(pool, "deleting").await;
+    set_manifest_keys(pool, deleting, ret.clone()).await;
+    let undimensioned = new_space(pool, "undimensioned").await;
+    let mut no_dim = embedding_profile();
+    no_dim.as_object_mut().unwrap().remove("dimension");
+    set_manifest_keys(pool, undimensioned, emb(no_dim)).await;
+    let unproven = new_space(pool, "unproven").await;
+    let mut other_vsid = embedding_profile();
+    other_vsid["vectorSpaceId"] = json!(format!("embedding-space-sha256:{}", "a".repeat(64)));
+    set_manifest_keys(pool, unproven, emb(other_vsid)).await;
+    let malformed = new_space(pool, "malformed").await;
+    let mut extra = embedding_profile();
+    extra["capabilities"] = json!({"batch": true});
+    set_manifest_keys(pool, malformed, emb(extra)).await;
+    backfill::discover(&mut conn, None, 100, 5).await.unwrap();
+
+    set_manifest_keys(
+        pool,
+        replaced,
+        json!({ "__knowledgeFsRetrievalProfile": "gone" }),
+    )
+    .await;
+    // (set_manifest_keys bumps the version; put it back so only the profile changed.)
+    sqlx::query("UPDATE knowledge_space_manifests SET manifest_version = manifest_version - 1 WHERE knowledge_space_id = $1")
+        .bind(replaced)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE knowledge_space_profile_backfills SET source_snapshot = source_snapshot || '{\"topK\": 9}' WHERE knowledge_space_id = $1")
+        .bind(tampered)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM knowledge_space_manifests WHERE knowledge_space_id = $1")
+        .bind(unmanifested)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE knowledge_spaces SET lifecycle_state = 'deleting', deletion_job_id = gen_random_uuid(), deleting_at = now() WHERE id = $1")
+        .bind(deleting)
+        .execute(pool)
+        .await
+        .unwrap();
+    drop(conn);
+
+    run_backfills(pool, &BackfillKind::default()).await;
+    let want: Vec<(Uuid, Vec<Fill>)> = vec![
+        (
+            moved,
+            vec![
+                ("retrieval", "failed", Some("LEGACY_PROFILE_SOURCE_CHANGED")),
+                ("retrieval", "succeeded", None),
+            ],
+        ),
+        (
+            replaced,
+            vec![("retrieval", "failed", Some("LEGACY_PROFILE_SOURCE_CHANGED"))],
+        ),
+        (
+            tampered,
+            vec![("retrieval", "failed", Some("LEGACY_PROFILE_SOURCE_CHANGED"))],
+        ),
+        (
+            headed,
+            vec![("embedding", "failed", Some("PROFILE_HEAD_ALREADY_EXISTS"))],
+        ),
+        (
+            orphan,
+            vec![(
+                "embedding",
+                "failed",
+                Some("PROFILE_REVISION_ALREADY_EXISTS"),
+            )],
+        ),
+        (
+            unmanifested,
+            vec![("retrieval", "failed", Some("LEGACY_MANIFEST_NOT_FOUND"))],
+        ),
+        (
+            deleting,
+            vec![("retrieval", "failed", Some("KNOWLEDGE_SPACE_NOT_WRITABLE"))],
+        ),
+        (
+            undimensioned,
+            vec![("embedding", "failed", Some("LEGACY_PROFILE_INVALID"))],
+        ),
+        (
+            unproven,
+            vec![("embedding", "failed", Some("LEGACY_PROFILE_INVALID"))],
+        ),
+        (
+            malformed,
+            vec![(
+                "embedding",
+                "failed",
+                Some("PROFILE_BACKFILL_CAPABILITY_INVALID"),
+            )],
+        ),
+    ];
+    for (space, rows) in want {
+        let got = backfills(pool, space).await;
+        let got: Vec<Fill> = got
+            .iter()
+            .map(|r| (r.0.as_str(), r.3.as_str(), r.4.as_deref()))
+            .collect();
+        assert_eq!(got, rows, "space {space}");
+    }
+    let failed: Vec<(Option<Uuid>, Option<String>, bool)> = sqlx::query_as(
+        "SELECT lease_token, last_error_message, completed_at IS NOT NULL FROM knowledge_space_profile_backfills \
+         WHERE run_state = 'failed'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(failed.len(), 10);
+    assert!(failed
+        .iter()
+        .all(|(t, m, done)| t.is_none() && m.is_some() && *done));
+    // Refusals write no revision: only the moved space's fresh profile and the fixtures' own.
+    let revisions: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT knowledge_space_id, created_by_subject_id::text FROM knowledge_space_profile_revisions ORDER BY 2, 1",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let backfilled: Vec<Uuid> = revisions
+        .iter()
+        .filter(|r| r.1 == "system:legacy-profile-backfill")
+        .map(|r| r.0)
+        .collect();
+    assert_eq!(backfilled, [moved]);
+    assert_eq!(revisions.len(), 3);
+
+    // The operator's retry queues the latest failed backfill of a kind again, attempts reset.
+    let mut conn = pool.acquire().await.unwrap();
+    let again = backfill::retry(&mut conn, TENANT, undimensioned, "embedding")
+        .await
+        .unwrap();
+    assert!(again.is_some());
+    assert_eq!(
+        backfill::retry(&mut conn, TENANT, moved, "retrieval")
+            .await
+            .unwrap(),
+        None,
+        "its latest succeeded"
+    );
+    let (state, attempts, _, err, _) = backfill_row(pool, again.unwrap()).await;
+    assert_eq!((state.as_str(), attempts, err), ("queued", 0, None));
     fx.cleanup().await;
 }
 
@@ -853,20 +1248,25 @@ async fn sqlstate(pool: &PgPool, sql: &str, id: Uuid) -> Option<String> {
     }
 }
 
+/// A queued bootstrap and a queued (discovered) retrieval backfill of the fixture space.
+async fn one_of_each(fx: &Fx) -> (Uuid, Uuid) {
+    set_manifest_keys(
+        fx.pool(),
+        fx.space,
+        json!({ "__knowledgeFsRetrievalProfile": retrieval_profile() }),
+    )
+    .await;
+    let mut conn = fx.pool().acquire().await.unwrap();
+    backfill::discover(&mut conn, None, 100, 5).await.unwrap();
+    let fill = backfills(fx.pool(), fx.space).await[0].2;
+    (fx.enqueue_bootstrap().await, fill)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn stale_lease_tokens_and_row_versions_cannot_write() {
     let fx = Fx::new().await;
     fx.three_documents().await;
-    add_manifest(fx.pool(), fx.space, 1).await;
-    let boot = fx.enqueue_bootstrap().await;
-    let fill = enqueue_backfill(
-        fx.pool(),
-        fx.space,
-        "retrieval",
-        1,
-        json!({"pluginId": "p", "provider": "pg", "model": "m"}),
-    )
-    .await;
+    let (boot, fill) = one_of_each(&fx).await;
     // Worker w1 is alive (it holds its liveness lock), so its leases are not taken over early.
     let services = fx.env.services();
     let _alive = kfs_worker::liveness::acquire(&services.database_url, "w1")
@@ -979,16 +1379,7 @@ async fn stale_lease_tokens_and_row_versions_cannot_write() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn check_constraints_refuse_invalid_states_of_both_tables() {
     let fx = Fx::new().await;
-    add_manifest(fx.pool(), fx.space, 1).await;
-    let boot = fx.enqueue_bootstrap().await;
-    let fill = enqueue_backfill(
-        fx.pool(),
-        fx.space,
-        "retrieval",
-        1,
-        json!({"pluginId": "p", "provider": "pg", "model": "m"}),
-    )
-    .await;
+    let (boot, fill) = one_of_each(&fx).await;
     let b = "UPDATE legacy_space_publication_bootstraps SET";
     let f = "UPDATE knowledge_space_profile_backfills SET";
     let refused = [
@@ -1025,30 +1416,38 @@ async fn check_constraints_refuse_invalid_states_of_both_tables() {
     let _alive = kfs_worker::liveness::acquire(&services.database_url, "w1")
         .await
         .unwrap();
-    let ends = [
-        End::Continue,
-        End::Wait {
-            delay: Duration::from_millis(1),
-            code: "waiting".into(),
-            message: "m".into(),
-            refund: true,
-        },
-        End::Wait {
-            delay: Duration::from_millis(1),
-            code: "db_unavailable".into(),
-            message: "m".into(),
-            refund: false,
-        },
-        End::Cancel {
-            code: "c".into(),
-            message: "m".into(),
-        },
+    let kinds: [(&dyn LeasedKind, Uuid, &str); 2] = [
+        (&BootstrapKind::default(), boot, walk::PROCESSING_FAILED),
+        (&BackfillKind::default(), fill, "LEGACY_PROFILE_INVALID"),
     ];
-    let kinds: [(&dyn LeasedKind, Uuid); 2] = [
-        (&BootstrapKind::default(), boot),
-        (&BackfillKind::default(), fill),
-    ];
-    for (kind, id) in kinds {
+    for (kind, id, refusal) in kinds {
+        let ends = [
+            End::Continue,
+            End::Wait {
+                delay: Duration::from_millis(1),
+                code: "waiting".into(),
+                message: "m".into(),
+                refund: true,
+            },
+            End::Wait {
+                delay: Duration::from_millis(1),
+                code: "db_unavailable".into(),
+                message: "m".into(),
+                refund: false,
+            },
+            End::Fail {
+                code: refusal.into(),
+                message: "m".into(),
+            },
+            End::Fail {
+                code: "db_unavailable".into(),
+                message: "m (no attempts left)".into(),
+            },
+            End::Cancel {
+                code: "c".into(),
+                message: "m".into(),
+            },
+        ];
         for end in &ends {
             sqlx::query(&format!(
                 "UPDATE {} SET run_state = 'queued', completed_at = NULL, last_error_code = NULL, last_error_message = NULL, \
@@ -1069,37 +1468,65 @@ async fn check_constraints_refuse_invalid_states_of_both_tables() {
             );
         }
     }
+    // A refusal keeps its code; a transient failure out of attempts is recorded as exhausted.
+    let codes: Vec<Option<String>> = sqlx::query_scalar(
+        "SELECT last_error_code FROM leased_state_log WHERE run_state = 'failed' ORDER BY seq",
+    )
+    .fetch_all(fx.pool())
+    .await
+    .unwrap();
+    let codes: Vec<&str> = codes.iter().map(|c| c.as_deref().unwrap()).collect();
+    assert_eq!(
+        codes,
+        [
+            walk::PROCESSING_FAILED,
+            bootstrap::EXHAUSTED,
+            "LEGACY_PROFILE_INVALID",
+            backfill::walk::EXHAUSTED,
+            "c"
+        ]
+    );
     fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     let fx = Fx::new().await;
+    fx.install_profiles().await;
     fx.three_documents().await;
-    add_manifest(fx.pool(), fx.space, 1).await;
     let boot = fx.enqueue_bootstrap().await;
-    let fill = enqueue_backfill(fx.pool(), fx.space, "embedding", 1, embedding_snapshot()).await;
+    // Another space whose retrieval profile the worker's own discovery finds.
+    let other = new_space(fx.pool(), "discovered").await;
+    set_manifest_keys(
+        fx.pool(),
+        other,
+        json!({ "__knowledgeFsRetrievalProfile": retrieval_profile() }),
+    )
+    .await;
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let mut env: Vec<(String, String)> = fx.worker_env("leased-proc");
-    env.push(("KFS_HTTP_ADDR".into(), format!("127.0.0.1:{port}")));
-    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut w = fx.env.spawn_worker("leased-proc", &["run"], &e);
+    let addr = format!("127.0.0.1:{port}");
+    let mut w = fx.spawn("leased-proc", &["run"], &[("KFS_HTTP_ADDR", addr.as_str())]);
+    let filled = || async {
+        backfills(fx.pool(), other)
+            .await
+            .first()
+            .is_some_and(|r| r.3 == "succeeded")
+    };
     let done = fx
         .env
         .wait_until(Duration::from_secs(120), || async {
-            fx.bootstrap(boot).await.run_state == "succeeded"
-                && backfill_row(fx.pool(), fill).await.0 == "succeeded"
+            fx.bootstrap(boot).await.run_state == "succeeded" && filled().await
         })
         .await;
     assert!(
         done,
         "not done: {:?} {:?}\n{}",
         fx.bootstrap(boot).await,
-        backfill_row(fx.pool(), fill).await,
+        backfills(fx.pool(), other).await,
         w.log_text()
     );
     assert!(fx.ready().await);
@@ -1111,7 +1538,7 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     let by_kind = |k: &str| st.leased.iter().find(|l| l.kind == k).cloned().unwrap();
     assert_eq!(by_kind("bootstrap").jobs.get("succeeded"), Some(&1));
     assert_eq!(by_kind("bootstrap").checkpoints.get("published"), Some(&1));
-    assert_eq!(by_kind("backfill").jobs.get("succeeded"), Some(&1));
+    assert_eq!(by_kind("backfill").jobs.get("succeeded"), Some(&3));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .args(["status", "--json", "--kinds", "compile"])
         .env("DATABASE_URL", &fx.env.url)
@@ -1119,14 +1546,14 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
         .env("KFS_QUEUE_PREFIX", &fx.env.prefix)
         .output()
         .unwrap();
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let json: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(json["leased"][0]["kind"], "bootstrap");
     assert_eq!(json["leased"][0]["jobs"]["succeeded"], 1);
-    assert_eq!(json["leased"][1]["jobs"]["succeeded"], 1);
+    assert_eq!(json["leased"][1]["jobs"]["succeeded"], 3);
     let metrics = http_get(port, "/metrics");
     for want in [
         r#"kfs_jobs{kind="bootstrap",state="succeeded"} 1"#,
-        r#"kfs_jobs{kind="backfill",state="succeeded"} 1"#,
+        r#"kfs_jobs{kind="backfill",state="succeeded"} 3"#,
         r#"kfs_leased_checkpoints{kind="bootstrap",checkpoint="published"} 1"#,
         r#"kfs_slices_total{kind="backfill",end="succeeded"} 1"#,
     ] {
@@ -1139,13 +1566,12 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
     let fx = Fx::new().await;
+    fx.install_profiles().await;
     fx.three_documents().await;
     let boot = fx.enqueue_bootstrap().await;
     // The first worker runs only the leased jobs: it freezes the set and requests the compiles,
     // then waits for compiles nobody runs — and is SIGKILLed in the middle of the walk.
-    let env = fx.worker_env("leased-a");
-    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut a = fx.env.spawn_worker("leased-a", &["run", "--leased"], &e);
+    let mut a = fx.spawn("leased-a", &["run", "--leased"], &[]);
     let rebuilding = fx
         .env
         .wait_until(Duration::from_secs(60), || async {
@@ -1154,12 +1580,9 @@ async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
         .await;
     assert!(rebuilding, "{}", a.log_text());
     a.kill();
-    let row = fx.bootstrap(boot).await;
-    assert_ne!(row.run_state, "succeeded");
+    assert_ne!(fx.bootstrap(boot).await.run_state, "succeeded");
 
-    let env = fx.worker_env("leased-b");
-    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut b = fx.env.spawn_worker("leased-b", &["run"], &e);
+    let mut b = fx.spawn("leased-b", &["run"], &[]);
     let done = fx
         .env
         .wait_until(Duration::from_secs(120), || async {
@@ -1188,12 +1611,14 @@ async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
 async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes() {
     use std::os::unix::process::ExitStatusExt;
     let fx = Fx::new().await;
+    fx.install_profiles().await;
     fx.three_documents().await;
     let boot = fx.enqueue_bootstrap().await;
-    let mut env = fx.worker_env("crash-a");
-    env.push(("KFS_CRASH_AT".into(), "leased-after-step-commit:2".into()));
-    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut a = fx.env.spawn_worker("crash-a", &["run"], &e);
+    let mut a = fx.spawn(
+        "crash-a",
+        &["run"],
+        &[("KFS_CRASH_AT", "leased-after-step-commit:2")],
+    );
     let status = a
         .wait_exit(Duration::from_secs(60))
         .expect("worker a reached its kill point");
@@ -1202,9 +1627,7 @@ async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes(
     assert_eq!(row.run_state, "running", "died holding the lease: {row:?}");
     assert_eq!(row.checkpoint, "rebuilding");
 
-    let env = fx.worker_env("crash-b");
-    let e: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let mut b = fx.env.spawn_worker("crash-b", &["run"], &e);
+    let mut b = fx.spawn("crash-b", &["run"], &[]);
     let done = fx
         .env
         .wait_until(Duration::from_secs(120), || async {
@@ -1216,12 +1639,71 @@ async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes(
     assert_eq!(
         row.snapshot_metadata["failures"],
         json!(1),
-        "the takeover counts as a failed run"
+        "the takeover counts as a retried run"
     );
     let states = fx.states(boot).await;
     assert_bootstrap_states(&states);
     let tokens: std::collections::BTreeSet<Uuid> = states.iter().filter_map(|s| s.3).collect();
     assert!(tokens.len() >= 2, "a second lease finished the walk");
+    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
+    fx.cleanup().await;
+}
+
+/// A worker aborted inside the backfill's one transaction, just before it commits, leaves no
+/// revision and no head; another worker takes the backfill over and installs them once.
+#[cfg(feature = "crash-points")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_worker_dying_inside_the_backfill_transaction_leaves_nothing_and_is_taken_over() {
+    use std::os::unix::process::ExitStatusExt;
+    let fx = Fx::new().await;
+    set_manifest_keys(
+        fx.pool(),
+        fx.space,
+        json!({ "__knowledgeFsRetrievalProfile": retrieval_profile() }),
+    )
+    .await;
+    let mut a = fx.spawn(
+        "fill-a",
+        &["run", "--leased"],
+        &[("KFS_CRASH_AT", "backfill-before-commit")],
+    );
+    let status = a
+        .wait_exit(Duration::from_secs(60))
+        .expect("worker a reached its kill point");
+    assert_eq!(status.signal(), Some(6), "{}", a.log_text());
+    let (_, _, id, state, _) = backfills(fx.pool(), fx.space).await.remove(0);
+    assert_eq!(state, "running", "died holding the lease");
+    let heads: i64 = sqlx::query_scalar("SELECT count(*) FROM knowledge_space_profile_heads")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    assert_eq!(heads, 0, "nothing of the aborted transaction is visible");
+
+    let mut b = fx.spawn("fill-b", &["run", "--leased"], &[]);
+    let done = fx
+        .env
+        .wait_until(Duration::from_secs(60), || async {
+            backfill_row(fx.pool(), id).await.0 == "succeeded"
+        })
+        .await;
+    assert!(
+        done,
+        "{:?}\n{}",
+        backfill_row(fx.pool(), id).await,
+        b.log_text()
+    );
+    assert_eq!(
+        backfill_row(fx.pool(), id).await.1,
+        2,
+        "the takeover used a second attempt"
+    );
+    let (revisions, heads): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM knowledge_space_profile_revisions), (SELECT count(*) FROM knowledge_space_profile_heads)",
+    )
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!((revisions, heads), (1, 1));
     common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }

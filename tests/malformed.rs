@@ -265,7 +265,7 @@ fn bad_messages(rng: &mut StdRng, real: &[(Uuid, Uuid, String)]) -> Vec<Bad> {
 async fn digest(pool: &PgPool, finished: &[Uuid]) -> BTreeMap<String, String> {
     let tables: Vec<String> = sqlx::query_scalar(
         "SELECT c.relname::text FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-         WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname <> '_sqlx_migrations' ORDER BY 1",
+         WHERE n.nspname = current_schema() AND c.relkind = 'r' AND c.relname <> 'kfs_worker_migrations' ORDER BY 1",
     )
     .fetch_all(pool)
     .await

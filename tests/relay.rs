@@ -1192,27 +1192,28 @@ async fn a_row_going_dead_does_not_wait_for_its_locked_job_row() {
 
 const TENANT: &str = "tenant-relay";
 
-/// The FK targets every platform job needs: a space and one document.
+/// The FK targets every platform job needs: a space (owned by `user-1`) and one document.
 async fn platform_space(pool: &PgPool) -> (Uuid, Uuid) {
-    let space = Uuid::new_v4();
-    let doc = Uuid::new_v4();
-    sqlx::query(
-        "INSERT INTO knowledge_spaces (id, tenant_id, slug, name, description, created_at, updated_at) \
-         VALUES ($1, $2, 'space-' || $1::text, 'Relay space', NULL, now(), now())",
+    let mut conn = pool.acquire().await.unwrap();
+    let space = kfs_worker::platform::create_space(
+        &mut conn,
+        TENANT,
+        &format!("space-{}", Uuid::new_v4()),
+        "Relay space",
+        "user-1",
     )
-    .bind(space)
-    .bind(TENANT)
-    .execute(pool)
     .await
     .unwrap();
+    let doc = Uuid::new_v4();
     sqlx::query(
         "INSERT INTO document_assets (id, knowledge_space_id, source_id, filename, mime_type, object_key, sha256, \
-           size_bytes, version, parser_status, metadata, created_at, updated_at) \
-         VALUES ($1, $2, NULL, 'a.pdf', 'application/pdf', 'objects/a.pdf', repeat('0', 64), 10, 1, 'pending', '{}', now(), now())",
+           size_bytes, version, parser_status, metadata, created_at) \
+         VALUES ($1, $2, NULL, 'a.pdf', 'application/pdf', 'objects/a.pdf', repeat('0', 64), 10, 1, 'pending', \
+           '{\"permissionScope\": []}', now())",
     )
     .bind(doc)
     .bind(space)
-    .execute(pool)
+    .execute(&mut *conn)
     .await
     .unwrap();
     (space, doc)
@@ -1222,14 +1223,22 @@ async fn platform_space(pool: &PgPool) -> (Uuid, Uuid) {
 /// Returns (compile attempt, deletion job, research job).
 async fn platform_jobs(pool: &PgPool) -> (Uuid, Uuid, Uuid) {
     let (space, doc) = platform_space(pool).await;
-    let (attempt, deletion, research, snapshot) = (
-        Uuid::new_v4(),
-        Uuid::new_v4(),
-        Uuid::new_v4(),
-        Uuid::new_v4(),
-    );
+    let snapshot = {
+        let mut conn = pool.acquire().await.unwrap();
+        kfs_worker::platform::create_permission_snapshot(
+            &mut conn,
+            TENANT,
+            space,
+            "user-1",
+            "interactive",
+            None,
+        )
+        .await
+        .unwrap()
+    };
+    let (attempt, deletion, research) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
     let mut tx = pool.begin().await.unwrap();
-    let statements: [&str; 7] = [
+    let statements: [&str; 6] = [
         "INSERT INTO document_compilation_attempts (id, tenant_id, knowledge_space_id, document_asset_id, document_version, \
            publication_generation_id, base_head_revision, checkpoint, run_state, active_slot, execution_attempts, \
            max_execution_attempts, row_version, created_at, updated_at) \
@@ -1248,9 +1257,6 @@ async fn platform_jobs(pool: &PgPool) -> (Uuid, Uuid, Uuid) {
            request_idempotency_key, request_fingerprint, payload, status, available_at, dispatch_attempts, created_at, updated_at) \
          VALUES (gen_random_uuid(), $2, 1, 'deletion.job', 1, 'deletion:' || $2::text || ':1', 'req-' || $2::text, \
            repeat('a', 64), jsonb_build_object('deletionJobId', $2::text), 'pending', now(), 0, now(), now())",
-        "INSERT INTO knowledge_space_permission_snapshots (id, tenant_id, knowledge_space_id, subject_id, access_channel, \
-           revision, status, expires_at, revoked_at, scopes, created_at) \
-         VALUES ($4, $5, $6, 'user-1', 'interactive', 1, 'active', NULL, NULL, '[\"read\"]', now())",
         "INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, \
            permission_snapshot_revision, access_channel, query, limits, metadata, cost, stage, row_version, \
            execution_attempts, max_execution_attempts, created_at, updated_at) \

@@ -1,12 +1,15 @@
-//! research.task against real Postgres and RabbitMQ: the whole walk, replayed steps, pause in
-//! each stage, cancel, the budget, a revoked snapshot mid-run, tenant isolation, the HTTP
-//! generator against a local stand-in, the command line, and workers killed at each kill point.
+//! research.task on the platform's real schema, against real Postgres and RabbitMQ: the whole
+//! walk with the platform's progress payloads and final evidence bundle, replayed steps, pause in
+//! each stage, cancel, the budget (reserved before each call, in the platform's `cost.entries`),
+//! a retry, a permission snapshot revoked, expired or outdated mid-run, another tenant's space,
+//! unpublished generations, permission scopes, a document deleted and a space being deleted
+//! mid-task, the dense leg of a space with an embedding profile, the HTTP generator against a
+//! local stand-in, the command line, and workers killed at each kill point.
 //!
-//! Knowledge is seeded directly (nodes + projections under a generation, published by moving the
-//! space's head with `publication::create` + `swap_head`), so these tests do not depend on the
-//! compile handler. Jobs are driven in-process (a real relay round, the message taken off the
-//! queue, `Engine::process`) or by hand through the engine's own lease API, or by spawned
-//! workers.
+//! Knowledge is seeded by really compiling documents (`SpaceFx::compile` runs the compile
+//! handler in-process through the engine), so every row retrieval reads is one the worker wrote.
+//! Research jobs are driven in-process (a real relay round, the message taken off the queue,
+//! `Engine::process`), by hand through the engine's own lease API, or by spawned workers.
 
 mod common;
 
@@ -14,7 +17,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::TestEnv;
+use bytes::Bytes;
+use common::space::SpaceFx;
 use kfs_worker::consumer::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::jobs::research::generator::{
@@ -23,8 +27,8 @@ use kfs_worker::jobs::research::generator::{
 use kfs_worker::jobs::research::{
     self, control, walk::Refusal, ControlError, RequestError, ResearchHandler, ResearchRequest,
 };
-use kfs_worker::jobs::{Handler, JobCtx, JobError, Kind, Step, RESEARCH};
-use kfs_worker::publication::{self, Member, Members};
+use kfs_worker::jobs::{Handler, JobCtx, JobError, Kind, Policy, RetryPolicy, Step, RESEARCH};
+use kfs_worker::platform::{self, Upload};
 use kfs_worker::relay::{Relay, RelayConfig};
 use lapin::options::BasicGetOptions;
 use serde_json::{json, Value};
@@ -38,226 +42,88 @@ const TENANT: &str = "t-acme";
 const OTHER_TENANT: &str = "t-other";
 const SUBJECT: &str = "alice";
 const QUESTION: &str = "How does fencing use the lease token, and when does a lease expire?";
+const INVALID: &str = "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID";
+
+const LEASES: &str = "# Leases\n\nWorkers hold a lease on each job. A lease will expire after thirty \
+seconds unless a heartbeat extends it.\n\n## Heartbeats\n\nThe heartbeat runs every ten seconds while \
+the worker is alive.\n";
+const FENCING: &str = "# Fencing\n\nFencing will use the lease token and the row version on every \
+write. A worker whose lease was lost finds every write refused.\n";
+const COOKING: &str = "# Bread\n\nBake the bread at two hundred degrees for forty minutes.\n";
+const SECRET: &str =
+    "# Fencing\n\nOTHER-TENANT-SECRET: fencing will use the lease token; a lease will \
+expire; the quokka sleeps here.\n";
 
 // ---------------------------------------------------------------------------------------------
 // Seeding
 
 struct Seeded {
-    space: Uuid,
+    fx: SpaceFx,
     snapshot: Uuid,
-    /// The documents published in the space: leases.md, fencing.md, cooking.md.
+    /// leases.md, fencing.md, cooking.md: compiled and published.
     docs: Vec<Uuid>,
-    /// Nodes in the space whose generation is not published.
-    unpublished_nodes: Vec<Uuid>,
     other_space: Uuid,
-    other_nodes: Vec<Uuid>,
+    other_doc: Uuid,
 }
 
-async fn insert_document(conn: &mut PgConnection, space: Uuid, filename: &str) -> Uuid {
-    let id = Uuid::now_v7();
-    sqlx::query(
-        "INSERT INTO document_assets (id, knowledge_space_id, source_id, filename, mime_type, object_key, sha256, \
-           size_bytes, version, parser_status, metadata, created_at, updated_at) \
-         VALUES ($1, $2, NULL, $3, 'text/markdown', $4, repeat('0', 64), 0, 1, 'parsed', '{}'::jsonb, now(), now())",
-    )
-    .bind(id)
-    .bind(space)
-    .bind(filename)
-    .bind(format!("spaces/{space}/documents/{id}/v1/{filename}"))
-    .execute(conn)
-    .await
-    .unwrap();
-    id
-}
+impl std::ops::Deref for Seeded {
+    type Target = SpaceFx;
 
-/// Writes nodes and their projections under `generation`. Returns the node ids.
-async fn insert_nodes(
-    conn: &mut PgConnection,
-    tenant: &str,
-    space: Uuid,
-    doc: Uuid,
-    generation: Uuid,
-    contents: &[&str],
-) -> Vec<Uuid> {
-    let mut ids = Vec::new();
-    for (i, content) in contents.iter().enumerate() {
-        let node = Uuid::now_v7();
-        sqlx::query(
-            "INSERT INTO knowledge_nodes (id, tenant_id, knowledge_space_id, document_asset_id, document_version, \
-               publication_generation_id, ordinal, heading_path, content, content_sha256, token_count, metadata, created_at) \
-             VALUES ($1, $2, $3, $4, 1, $5, $6, $7, $8, repeat('0', 64), 10, '{}'::jsonb, now())",
-        )
-        .bind(node)
-        .bind(tenant)
-        .bind(space)
-        .bind(doc)
-        .bind(generation)
-        .bind(i32::try_from(i).unwrap())
-        .bind(json!(["Section", i]))
-        .bind(*content)
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        sqlx::query(
-            "INSERT INTO index_projections (id, tenant_id, knowledge_space_id, document_asset_id, \
-               publication_generation_id, node_id, search_vector, created_at) \
-             VALUES (gen_random_uuid(), $1, $2, $3, $4, $5, to_tsvector('english', $6), now())",
-        )
-        .bind(tenant)
-        .bind(space)
-        .bind(doc)
-        .bind(generation)
-        .bind(node)
-        .bind(*content)
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        ids.push(node);
+    fn deref(&self) -> &SpaceFx {
+        &self.fx
     }
-    ids
 }
 
-async fn publish(conn: &mut PgConnection, tenant: &str, space: Uuid, members: Members) {
-    let (publication_id, _) = publication::create(conn, tenant, space, &members, json!({}))
-        .await
-        .unwrap();
-    publication::swap_head(conn, tenant, space, 0, publication_id)
-        .await
-        .unwrap()
-        .expect("head moved");
-}
-
-async fn seed(pool: &PgPool) -> Seeded {
-    let mut conn = pool.acquire().await.unwrap();
-    let c = &mut *conn;
-    let space = kfs_worker::platform::create_space(c, TENANT, "docs", "Docs")
-        .await
-        .unwrap();
-    let snapshot = kfs_worker::platform::create_permission_snapshot(
-        c,
-        TENANT,
+async fn upload(fx: &SpaceFx, space: Uuid, name: &str, text: &str, scope: Vec<String>) -> Uuid {
+    let mut conn = fx.pool().acquire().await.unwrap();
+    let how = Upload {
+        permission_scope: scope,
+        uploaded_by: None,
+    };
+    let bytes = Bytes::copy_from_slice(text.as_bytes());
+    platform::upload(
+        &mut conn,
+        &fx.store,
         space,
-        SUBJECT,
-        "interactive",
         None,
+        name,
+        "text/markdown",
+        bytes,
+        &how,
     )
     .await
-    .unwrap();
+    .unwrap()
+}
 
-    let leases = insert_document(c, space, "leases.md").await;
-    let fencing = insert_document(c, space, "fencing.md").await;
-    let cooking = insert_document(c, space, "cooking.md").await;
-    let (g1, g2, g3, g_old) = (
-        Uuid::now_v7(),
-        Uuid::now_v7(),
-        Uuid::now_v7(),
-        Uuid::now_v7(),
-    );
-    insert_nodes(
-        c,
-        TENANT,
-        space,
-        leases,
-        g1,
-        &[
-            "Workers hold a lease on each job. A lease expires after thirty seconds unless a heartbeat extends it.",
-            "The heartbeat runs every ten seconds while the worker is alive.",
-        ],
-    )
-    .await;
-    insert_nodes(
-        c,
-        TENANT,
-        space,
-        fencing,
-        g2,
-        &["Fencing compares the lease token and the row version on every write. A worker whose lease was lost finds every write refused."],
-    )
-    .await;
-    insert_nodes(
-        c,
-        TENANT,
-        space,
-        cooking,
-        g3,
-        &["Bake the bread at two hundred degrees for forty minutes."],
-    )
-    .await;
-    // An older generation of fencing.md, never published: it must never be found.
-    let unpublished_nodes = insert_nodes(
-        c,
-        TENANT,
-        space,
-        fencing,
-        g_old,
-        &["Outdated fencing notes: the lease token quokka was once ignored."],
-    )
-    .await;
-    let members: Members = [
-        (
-            leases,
-            Member {
-                generation: g1,
-                version: 1,
-            },
-        ),
-        (
-            fencing,
-            Member {
-                generation: g2,
-                version: 1,
-            },
-        ),
-        (
-            cooking,
-            Member {
-                generation: g3,
-                version: 1,
-            },
-        ),
-    ]
-    .into_iter()
-    .collect();
-    publish(c, TENANT, space, members).await;
-
-    // Another tenant's space with the very same words (and a word only it has), published.
-    let other_space = kfs_worker::platform::create_space(c, OTHER_TENANT, "docs", "Docs")
-        .await
-        .unwrap();
-    let other_doc = insert_document(c, other_space, "secret.md").await;
-    let g_other = Uuid::now_v7();
-    let other_nodes = insert_nodes(
-        c,
-        OTHER_TENANT,
+/// A space with three compiled documents and an interactive snapshot of alice, and another
+/// tenant's space in the same database with the same words, also compiled.
+async fn seed(slug: &str) -> Seeded {
+    let fx = SpaceFx::new(TENANT, slug, "Docs").await;
+    let snapshot = fx.snapshot(SUBJECT).await;
+    let mut docs = Vec::new();
+    for (name, text) in [
+        ("leases.md", LEASES),
+        ("fencing.md", FENCING),
+        ("cooking.md", COOKING),
+    ] {
+        let d = fx.add(name, "text/markdown", text.as_bytes()).await;
+        fx.compile(d).await;
+        docs.push(d);
+    }
+    let other_space = {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::create_space(&mut conn, OTHER_TENANT, slug, "Docs", common::space::OWNER)
+            .await
+            .unwrap()
+    };
+    let other_doc = upload(&fx, other_space, "secret.md", SECRET, vec![]).await;
+    fx.compile(other_doc).await;
+    Seeded {
+        fx,
+        snapshot,
+        docs,
         other_space,
         other_doc,
-        g_other,
-        &["OTHER-TENANT-SECRET: fencing compares the lease token; a lease expires; the quokka knows."],
-    )
-    .await;
-    publish(
-        c,
-        OTHER_TENANT,
-        other_space,
-        [(
-            other_doc,
-            Member {
-                generation: g_other,
-                version: 1,
-            },
-        )]
-        .into_iter()
-        .collect(),
-    )
-    .await;
-
-    Seeded {
-        space,
-        snapshot,
-        docs: vec![leases, fencing, cooking],
-        unpublished_nodes,
-        other_space,
-        other_nodes,
     }
 }
 
@@ -288,7 +154,7 @@ struct JobState {
 }
 
 async fn job(pool: &PgPool, id: Uuid) -> JobState {
-    let (stage, paused_from, error, row_version, lease_token, metadata, cost): (
+    type Row = (
         String,
         Option<String>,
         Option<String>,
@@ -296,14 +162,16 @@ async fn job(pool: &PgPool, id: Uuid) -> JobState {
         Option<Uuid>,
         Value,
         Value,
-    ) = sqlx::query_as(
-        "SELECT stage, paused_from_stage, error, row_version, lease_token, metadata, cost \
-         FROM research_task_jobs WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_one(pool)
-    .await
-    .unwrap();
+    );
+    let (stage, paused_from, error, row_version, lease_token, metadata, cost): Row =
+        sqlx::query_as(
+            "SELECT stage, paused_from_stage, error, row_version, lease_token, metadata, cost \
+             FROM research_task_jobs WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap();
     JobState {
         stage,
         paused_from,
@@ -315,8 +183,10 @@ async fn job(pool: &PgPool, id: Uuid) -> JobState {
     }
 }
 
+type Event = (i32, String, String, String, Value);
+
 /// (sequence, event_type, stage, idempotency_key, payload)
-async fn events(pool: &PgPool, id: Uuid) -> Vec<(i32, String, String, String, Value)> {
+async fn events(pool: &PgPool, id: Uuid) -> Vec<Event> {
     sqlx::query_as(
         "SELECT sequence, event_type, stage, idempotency_key, payload FROM research_task_progress_events \
          WHERE research_task_job_id = $1 ORDER BY sequence",
@@ -327,6 +197,7 @@ async fn events(pool: &PgPool, id: Uuid) -> Vec<(i32, String, String, String, Va
     .unwrap()
 }
 
+/// (sequence, idempotency_key, evidence_bundle)
 async fn partials(pool: &PgPool, id: Uuid) -> Vec<(i32, String, Value)> {
     sqlx::query_as(
         "SELECT sequence, idempotency_key, evidence_bundle FROM research_task_partial_results \
@@ -336,6 +207,15 @@ async fn partials(pool: &PgPool, id: Uuid) -> Vec<(i32, String, Value)> {
     .fetch_all(pool)
     .await
     .unwrap()
+}
+
+/// The final evidence bundle: the one partial, under the platform's key.
+async fn bundle(pool: &PgPool, id: Uuid) -> Value {
+    let ps = partials(pool, id).await;
+    assert_eq!(ps.len(), 1, "one partial: {ps:#?}");
+    assert_eq!(ps[0].0, 1);
+    assert_eq!(ps[0].1, format!("research-task:{id}:final-evidence"));
+    ps[0].2.clone()
 }
 
 /// (delivery_revision, status, idempotency_key)
@@ -350,15 +230,20 @@ async fn outbox(pool: &PgPool, id: Uuid) -> Vec<(i32, String, String)> {
     .unwrap()
 }
 
-/// Sequences 1..n, keys of the documented shape, one event per key.
-fn assert_contiguous(id: Uuid, evs: &[(i32, String, String, String, Value)]) {
+async fn outbox_states(pool: &PgPool, id: Uuid) -> Vec<String> {
+    outbox(pool, id).await.into_iter().map(|o| o.1).collect()
+}
+
+/// Sequences 1..n, keys `research-task-progress:<jobId>:<rowVersion>:<type>`, one event per key.
+fn assert_contiguous(id: Uuid, evs: &[Event]) {
     for (i, (seq, ty, _, key, _)) in evs.iter().enumerate() {
         assert_eq!(*seq, i32::try_from(i).unwrap() + 1, "sequences: {evs:#?}");
-        let prefix = format!("research-task-progress:{id}:");
-        assert!(
-            key.starts_with(&prefix) && key.ends_with(&format!(":{ty}")),
-            "{key}"
-        );
+        let rest = key
+            .strip_prefix(&format!("research-task-progress:{id}:"))
+            .unwrap_or_else(|| panic!("{key}"));
+        let (rv, t) = rest.split_once(':').unwrap();
+        assert!(rv.parse::<i32>().unwrap() >= 1, "{key}");
+        assert_eq!(t, ty, "{key}");
     }
     let mut keys: Vec<&String> = evs.iter().map(|e| &e.3).collect();
     keys.sort();
@@ -366,18 +251,40 @@ fn assert_contiguous(id: Uuid, evs: &[(i32, String, String, String, Value)]) {
     assert_eq!(keys.len(), evs.len(), "a key repeats: {evs:#?}");
 }
 
-fn types(evs: &[(i32, String, String, String, Value)]) -> Vec<String> {
+/// (type without its prefix, stage, payload)
+fn shape(evs: &[Event]) -> Vec<(String, String, Value)> {
     evs.iter()
-        .map(|e| e.1.trim_start_matches("research_task.").to_owned())
+        .map(|e| {
+            (
+                e.1.trim_start_matches("research_task.").to_owned(),
+                e.2.clone(),
+                e.4.clone(),
+            )
+        })
         .collect()
 }
 
-fn stages(evs: &[(i32, String, String, String, Value)]) -> Vec<&str> {
-    evs.iter().map(|e| e.2.as_str()).collect()
+fn types(evs: &[Event]) -> Vec<String> {
+    shape(evs).into_iter().map(|e| e.0).collect()
 }
 
-const WALK: [&str; 6] = [
-    "queued",
+fn is_claim(e: &Event) -> bool {
+    e.4.get("workerClaimed") == Some(&json!(true))
+}
+
+/// The stage advances (stage changes that are neither claims nor retries), by their stage.
+fn advances(evs: &[Event]) -> Vec<&str> {
+    evs.iter()
+        .filter(|e| e.1 == "research_task.stage_changed" && e.4.get("previousStage").is_some())
+        .map(|e| e.2.as_str())
+        .collect()
+}
+
+fn claim(attempt: i32) -> Value {
+    json!({ "executionAttempt": attempt, "workerClaimed": true })
+}
+
+const ADVANCES: [&str; 5] = [
     "planning",
     "retrieving",
     "analyzing",
@@ -385,12 +292,26 @@ const WALK: [&str; 6] = [
     "completed",
 ];
 
+/// The documents the bundle's items cite.
+fn cited_documents(bundle: &Value) -> Vec<Uuid> {
+    let mut out: Vec<Uuid> = bundle["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|i| i["citations"].as_array().unwrap().clone())
+        .map(|c| Uuid::parse_str(c["documentAssetId"].as_str().unwrap()).unwrap())
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 // ---------------------------------------------------------------------------------------------
 // Driving
 
-fn engine(env: &TestEnv, worker: &str, handler: Arc<dyn Handler>) -> Engine {
+fn engine(pool: &PgPool, worker: &str, handler: Arc<dyn Handler>) -> Engine {
     Engine::new(
-        env.pool.clone(),
+        pool.clone(),
         worker,
         vec![handler],
         ConsumerConfig::default(),
@@ -405,7 +326,8 @@ fn extractive() -> Arc<dyn Handler> {
 
 /// One real relay round; the published message taken off the queue and handed to the engine.
 /// `None`: nothing was due.
-async fn deliver(env: &TestEnv, engine: &Engine) -> Option<Handled> {
+async fn deliver(fx: &SpaceFx, engine: &Engine) -> Option<Handled> {
+    let env = &fx.env;
     let relay = Relay::new(
         env.pool.clone(),
         env.topology.clone(),
@@ -445,25 +367,25 @@ async fn deliver(env: &TestEnv, engine: &Engine) -> Option<Handled> {
 }
 
 /// Delivers until the job is terminal (or paused).
-async fn run_until_settled(env: &TestEnv, engine: &Engine, id: Uuid) -> JobState {
+async fn run_until_settled(fx: &SpaceFx, engine: &Engine, id: Uuid) -> JobState {
     for _ in 0..40 {
-        let j = job(&env.pool, id).await;
+        let j = job(fx.pool(), id).await;
         if matches!(
             j.stage.as_str(),
             "completed" | "failed" | "canceled" | "paused"
         ) {
             return j;
         }
-        if deliver(env, engine).await.is_none() {
+        if deliver(fx, engine).await.is_none() {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    panic!("job {id} did not settle: {:?}", job(&env.pool, id).await);
+    panic!("job {id} did not settle: {:?}", job(fx.pool(), id).await);
 }
 
 /// Puts the job's live outbox row out for delivery as the relay's mark would, and claims it
 /// with the engine's own claim. The context a worker holds.
-async fn claim(env: &TestEnv, id: Uuid, worker: &str) -> JobCtx {
+async fn claim_by_hand(pool: &PgPool, id: Uuid, worker: &str) -> JobCtx {
     let (outbox_id, delivery_id): (Uuid, String) = sqlx::query_as(
         "UPDATE research_task_outbox SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
            dispatch_attempts = dispatch_attempts + 1, \
@@ -471,7 +393,7 @@ async fn claim(env: &TestEnv, id: Uuid, worker: &str) -> JobCtx {
          WHERE research_task_job_id = $1 AND status = 'pending' RETURNING id, queue_job_id",
     )
     .bind(id)
-    .fetch_one(&env.pool)
+    .fetch_one(pool)
     .await
     .unwrap();
     let d = DeliveryRef {
@@ -480,8 +402,8 @@ async fn claim(env: &TestEnv, id: Uuid, worker: &str) -> JobCtx {
         outbox_id,
         delivery_id,
     };
-    let mut conn = env.pool.acquire().await.unwrap();
-    match lease::claim(
+    let mut conn = pool.acquire().await.unwrap();
+    let claimed = lease::claim(
         &mut conn,
         &Statements::new(&RESEARCH),
         &d,
@@ -489,8 +411,8 @@ async fn claim(env: &TestEnv, id: Uuid, worker: &str) -> JobCtx {
         Duration::from_secs(30),
     )
     .await
-    .unwrap()
-    {
+    .unwrap();
+    match claimed {
         Claim::Claimed(ctx) => ctx,
         other => panic!("not claimed: {other:?}"),
     }
@@ -516,68 +438,93 @@ async fn step_by_hand(
             return Err(e);
         }
     };
-    match &step {
+    commit_step(&mut tx, &st, ctx, &step).await;
+    tx.commit().await.unwrap();
+    Ok(Some(step))
+}
+
+async fn commit_step(tx: &mut PgConnection, st: &Statements, ctx: &mut JobCtx, step: &Step) {
+    let end = match step {
         Step::Advance(cp) => {
-            ctx.row_version = lease::advance(&mut tx, &st, ctx, cp)
+            ctx.row_version = lease::advance(tx, st, ctx, cp)
                 .await
                 .unwrap()
                 .expect("ours");
             ctx.checkpoint = cp.clone();
+            return;
         }
-        Step::Succeed(cp) => {
-            assert!(lease::end(
-                &mut tx,
-                &st,
-                ctx,
-                &End::Succeed {
-                    checkpoint: cp.clone()
-                }
-            )
-            .await
-            .unwrap());
-        }
-        Step::Cancel { code, message } => {
-            assert!(lease::end(
-                &mut tx,
-                &st,
-                ctx,
-                &End::Cancel {
-                    code: code.clone(),
-                    message: message.clone()
-                }
-            )
-            .await
-            .unwrap());
-        }
+        Step::Succeed(cp) => End::Succeed {
+            checkpoint: cp.clone(),
+        },
+        Step::Cancel { code, message } => End::Cancel {
+            code: code.clone(),
+            message: message.clone(),
+        },
         other => panic!("research never returns {other:?}"),
-    }
-    tx.commit().await.unwrap();
-    Ok(Some(step))
+    };
+    assert!(lease::end(tx, st, ctx, &end).await.unwrap());
+}
+
+/// Makes a job a worker holds claimable again at once (its lease run out, its outbox due).
+async fn expire(pool: &PgPool, id: Uuid) {
+    sqlx::query("UPDATE research_task_jobs SET lease_expires_at = 0 WHERE id = $1")
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE research_task_outbox SET status = 'pending', available_at = 0 \
+         WHERE research_task_job_id = $1 AND status IN ('dispatched', 'leased')",
+    )
+    .bind(id)
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 // ---------------------------------------------------------------------------------------------
 // The whole walk
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn the_whole_walk_answers_from_published_knowledge_with_ordered_events() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let id = request(&env.pool, &req(&s, QUESTION)).await;
+async fn the_whole_walk_answers_from_published_knowledge_with_the_platforms_payloads() {
+    let s = seed("walk").await;
+    let pool = s.pool().clone();
+    let id = request(&pool, &req(&s, QUESTION)).await;
 
-    // As requested: queued, version 1, no attempt yet, revision 1 pending, the started event.
-    let j = job(&env.pool, id).await;
+    // As requested: queued, version 1, routed to research, top-k 10, the head frozen.
+    let j = job(&pool, id).await;
     assert_eq!((j.stage.as_str(), j.row_version), ("queued", 1));
-    let (tenant, attempts, max, rev): (String, i32, i32, i32) = sqlx::query_as(
-        "SELECT tenant_id, execution_attempts, max_execution_attempts, permission_snapshot_revision \
+    type Admitted = (String, i32, i32, i32, Option<String>, Option<i32>);
+    let (tenant, attempts, max, rev, mode, top_k): Admitted = sqlx::query_as(
+        "SELECT tenant_id, execution_attempts, max_execution_attempts, permission_snapshot_revision, mode, top_k \
          FROM research_task_jobs WHERE id = $1",
     )
     .bind(id)
-    .fetch_one(&env.pool)
+    .fetch_one(&pool)
     .await
     .unwrap();
-    assert_eq!((tenant.as_str(), attempts, max, rev), (TENANT, 0, 5, 1));
     assert_eq!(
-        outbox(&env.pool, id).await,
+        (tenant.as_str(), attempts, max, rev, mode.as_deref(), top_k),
+        (TENANT, 0, 5, 1, Some("research"), Some(10))
+    );
+    let head = s.head().await.unwrap();
+    assert_eq!(
+        j.metadata["__knowledgeFsPublishedRuntimeSnapshot"],
+        json!({
+            "projectionSnapshot": {"fingerprint": head.fingerprint, "headRevision": head.revision,
+              "knowledgeSpaceId": s.space, "projectionVersion": head.projection_version,
+              "publicationId": head.publication_id, "tenantId": TENANT},
+            "retrievalCapabilitySnapshot": {}, "retrievalProfile": null
+        })
+    );
+    assert_eq!(
+        j.metadata["__knowledgeFsAutoRetrievalModeDecision"],
+        json!({"degraded": true, "durationMs": 0, "errorClass": "AutoRetrievalModeResolverUnavailable",
+               "requestedMode": "auto", "resolvedMode": "research", "resolver": "fallback"})
+    );
+    assert_eq!(j.cost, json!({"entries": [], "totalUsd": 0.0}));
+    assert_eq!(
+        outbox(&pool, id).await,
         vec![(
             1,
             "pending".into(),
@@ -588,146 +535,289 @@ async fn the_whole_walk_answers_from_published_knowledge_with_ordered_events() {
         "SELECT payload FROM research_task_outbox WHERE research_task_job_id = $1",
     )
     .bind(id)
-    .fetch_one(&env.pool)
+    .fetch_one(&pool)
     .await
     .unwrap();
     assert_eq!(payload, json!({ "researchTaskJobId": id }));
-    let evs = events(&env.pool, id).await;
-    assert_eq!(types(&evs), vec!["started"]);
+    let evs = events(&pool, id).await;
+    assert_eq!(
+        shape(&evs),
+        vec![("started".into(), "queued".into(), json!({}))]
+    );
     assert_eq!(
         evs[0].3,
         format!("research-task-progress:{id}:1:research_task.started")
     );
 
-    let e = engine(&env, "w-walk", extractive());
-    let j = run_until_settled(&env, &e, id).await;
+    let e = engine(&pool, "w-walk", extractive());
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "completed", "{j:?}");
     assert_eq!(j.lease_token, None);
 
-    let evs = events(&env.pool, id).await;
+    // Every event, exactly: the claim, then each stage with the runtime's details.
+    let evs = events(&pool, id).await;
     assert_contiguous(id, &evs);
+    let sc = |stage: &str, payload: Value| ("stage_changed".to_owned(), stage.to_owned(), payload);
     assert_eq!(
-        types(&evs),
+        shape(&evs),
         vec![
-            "started",
-            "stage_changed",
-            "stage_changed",
-            "stage_changed",
-            "stage_changed",
-            "stage_changed"
+            ("started".into(), "queued".into(), json!({})),
+            sc("queued", claim(1)),
+            sc("planning", json!({"previousStage": "queued"})),
+            sc(
+                "retrieving",
+                json!({"details": {"questions": [QUESTION, "How does fencing use the lease token",
+                  "when does a lease expire"], "topK": 10}, "previousStage": "planning"})
+            ),
+            sc(
+                "analyzing",
+                json!({"details": {"results": [
+                    {"chunkCount": 0, "question": QUESTION},
+                    {"chunkCount": 1, "question": "How does fencing use the lease token"},
+                    {"chunkCount": 1, "question": "when does a lease expire"}],
+                  "retrievalCount": 2}, "previousStage": "retrieving"})
+            ),
+            sc(
+                "generating",
+                json!({"details": {"chunks": 2, "retrievalCount": 2}, "previousStage": "analyzing"})
+            ),
+            sc(
+                "completed",
+                json!({"details": {"chunks": 2, "documents": 2, "sources": 2}, "previousStage": "generating"})
+            ),
         ]
     );
-    assert_eq!(stages(&evs), WALK.to_vec());
-    for w in evs.windows(2).skip(1) {
-        assert_eq!(w[1].4["from"], json!(w[0].2), "from/to chain: {evs:#?}");
+    // Keyed by the row version each transition wrote: the claim wrote 2, each step one more.
+    let rvs: Vec<&str> = evs.iter().map(|e| e.3.split(':').nth(2).unwrap()).collect();
+    assert_eq!(rvs, vec!["1", "2", "3", "4", "5", "6", "7"]);
+
+    // The final evidence bundle, in the platform's shape.
+    let b = bundle(&pool, id).await;
+    assert_eq!(b["traceId"], json!(id.to_string()));
+    assert_eq!(b["query"], json!(QUESTION));
+    assert_eq!(b["state"], "answerable");
+    assert_eq!(b["missingEvidence"], json!([]));
+    let items = b["items"].as_array().unwrap();
+    assert_eq!(items.len(), 2);
+    for item in items {
+        let c = &item["citations"][0];
+        assert_eq!(c["documentVersion"], 1);
+        assert!(c["artifactHash"].as_str().unwrap().len() > 8, "{c}");
+        assert!(c["endOffset"].as_i64() > c["startOffset"].as_i64(), "{c}");
+        assert_eq!(item["metadata"]["sources"], json!(["fts"]));
+        assert_eq!(
+            item["metadata"]["projectionIds"].as_array().unwrap().len(),
+            1
+        );
+        assert_eq!(item["freshness"], json!({"status": "unknown"}));
+        assert_eq!(item["scores"]["final"], item["score"]);
     }
-
-    // The plan: the whole question and its two clauses.
-    let plan = &j.metadata["plan"]["subQueries"];
-    assert_eq!(plan.as_array().unwrap().len(), 3, "{plan}");
-
-    // Evidence partials: one per sub-query, then the ranked set, then the answer; contiguous.
-    let ps = partials(&env.pool, id).await;
-    let kinds: Vec<&str> = ps.iter().map(|p| p.2["kind"].as_str().unwrap()).collect();
-    assert_eq!(
-        kinds,
-        vec!["retrieval", "retrieval", "retrieval", "ranked", "answer"]
-    );
-    for (i, p) in ps.iter().enumerate() {
-        assert_eq!(p.0, i32::try_from(i).unwrap() + 1);
-        assert!(p.1.starts_with(&format!("research-task-partial:{id}:")));
-    }
-    let ranked = ps[3].2["evidence"].as_array().unwrap();
-    assert!(!ranked.is_empty());
-    let all_text = serde_json::to_string(&ps).unwrap();
+    assert_eq!(cited_documents(&b), {
+        let mut d = vec![s.docs[0], s.docs[1]];
+        d.sort();
+        d
+    });
+    let text = b.to_string();
     assert!(
-        !all_text.contains("OTHER-TENANT-SECRET"),
-        "another tenant's text leaked"
+        !text.contains("OTHER-TENANT-SECRET"),
+        "another tenant leaked"
     );
-    assert!(
-        !all_text.contains("quokka"),
-        "an unpublished generation leaked"
-    );
-    assert!(
-        !all_text.contains("bread"),
-        "irrelevant node retrieved: {all_text}"
-    );
+    assert!(!text.contains("bread"), "irrelevant node retrieved: {text}");
 
-    // The answer cites the seeded documents it quotes.
+    // The answer (kept in metadata.result) cites what it quotes.
     let result = &j.metadata["result"];
     let answer = result["answer"].as_str().unwrap();
     assert!(
-        answer.contains("Fencing compares the lease token"),
+        answer.contains("Fencing will use the lease token"),
         "{answer}"
     );
-    assert!(answer.contains('['), "{answer}");
     let cited: Vec<Uuid> = result["citations"]
         .as_array()
         .unwrap()
         .iter()
         .map(|c| Uuid::parse_str(c["documentId"].as_str().unwrap()).unwrap())
         .collect();
-    assert!(cited.contains(&s.docs[1]), "fencing.md cited: {result}");
-    assert!(cited.contains(&s.docs[0]), "leases.md cited: {result}");
-    assert!(!cited.contains(&s.docs[2]));
-    assert_eq!(result["generator"], "extractive");
-    assert_eq!(j.cost["usd"], json!(0.0));
-    assert_eq!(
-        outbox(&env.pool, id)
-            .await
-            .iter()
-            .map(|o| o.1.as_str())
-            .collect::<Vec<_>>(),
-        vec!["completed"]
+    assert!(
+        cited.contains(&s.docs[0]) && cited.contains(&s.docs[1]),
+        "{result}"
     );
+    assert_eq!(result["generator"], "extractive");
+    // One free call, reserved and settled in the platform's entry shape.
+    let mut cost = j.cost.clone();
+    assert!(cost["entries"][0]["recordedAt"].as_i64().unwrap() > 0);
+    cost["entries"][0]["recordedAt"] = json!(0);
+    assert_eq!(
+        cost,
+        json!({"entries": [{"costUsd": 0.0, "provider": "extractive", "recordedAt": 0, "step": "query.answer",
+          "usage": {"completionTokens": 0, "estimated": false, "promptTokens": 0,
+            "researchModelCallId": format!("attempt:1:query-answer:{id}:1:extractive"), "reserved": false,
+            "status": "succeeded", "totalTokens": 0}}], "totalUsd": 0.0})
+    );
+    assert_eq!(outbox_states(&pool, id).await, vec!["completed"]);
 
     // A late duplicate of the finished job's delivery changes nothing.
-    let before = (
-        events(&env.pool, id).await.len(),
-        partials(&env.pool, id).await.len(),
-    );
-    assert!(deliver(&env, &e).await.is_none(), "nothing is due any more");
-    assert_eq!(
-        before,
-        (
-            events(&env.pool, id).await.len(),
-            partials(&env.pool, id).await.len()
-        )
-    );
-    env.cleanup().await;
+    assert!(deliver(&s, &e).await.is_none(), "nothing is due any more");
+    assert_eq!(events(&pool, id).await.len(), evs.len());
+    assert_eq!(partials(&pool, id).await.len(), 1);
+    s.fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn another_tenants_space_and_unpublished_generations_are_never_searched() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    // Only the other tenant's space and our unpublished generation have "quokka".
-    let id = request(&env.pool, &req(&s, "What does the quokka know?")).await;
-    let e = engine(&env, "w-iso", extractive());
-    let j = run_until_settled(&env, &e, id).await;
+    let s = seed("iso").await;
+    let pool = s.pool().clone();
+    // A draft compiled up to its candidate publication, never published.
+    let draft = s
+        .add(
+            "draft.md",
+            "text/markdown",
+            b"# Draft\n\nThe quokka draft was never published.\n",
+        )
+        .await;
+    let attempt = s.request(draft, false).await.unwrap();
+    s.drive_to(&s.engine("w-draft", 1), attempt, "projection_built")
+        .await;
+    // Only the other tenant's space and our unpublished draft have "quokka".
+    let id = request(&pool, &req(&s, "Where is the quokka?")).await;
+    let e = engine(&pool, "w-iso", extractive());
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "completed", "{j:?}");
-    let ps = partials(&env.pool, id).await;
-    for p in &ps {
-        if p.2["kind"] == "retrieval" {
-            assert_eq!(p.2["hits"], json!([]), "found: {}", p.2);
-        }
-    }
-    let text = serde_json::to_string(&ps).unwrap();
-    for n in s.other_nodes.iter().chain(&s.unpublished_nodes) {
-        assert!(!text.contains(&n.to_string()));
-    }
-    assert!(!text.contains(&s.other_space.to_string()));
+    let b = bundle(&pool, id).await;
+    assert_eq!(b["items"], json!([]));
+    assert_eq!(b["state"], "not-enough-evidence");
     assert_eq!(j.metadata["result"]["answer"], NO_EVIDENCE_ANSWER);
     assert_eq!(j.metadata["result"]["citations"], json!([]));
+    assert_eq!(j.cost["entries"], json!([]), "no evidence, no model call");
+    let all = format!("{} {}", j.metadata, b);
+    assert!(!all.contains(&s.other_doc.to_string()));
+    assert!(!all.contains(&s.other_space.to_string()));
+    assert!(!all.contains(&draft.to_string()));
+    let evs = events(&pool, id).await;
+    assert_eq!(
+        evs.last().unwrap().4,
+        json!({"details": {"chunks": 0, "documents": 0, "sources": 0}, "previousStage": "generating"})
+    );
 
     // And the words both spaces share find only ours.
-    let id = request(&env.pool, &req(&s, "fencing lease token")).await;
-    let j = run_until_settled(&env, &e, id).await;
+    let id = request(&pool, &req(&s, "fencing lease token")).await;
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "completed");
-    let text = serde_json::to_string(&partials(&env.pool, id).await).unwrap();
-    assert!(text.contains("Fencing compares"));
-    assert!(!text.contains("OTHER-TENANT-SECRET"));
-    env.cleanup().await;
+    let b = bundle(&pool, id).await;
+    assert_eq!(cited_documents(&b), vec![s.docs[1]]);
+    assert!(!b.to_string().contains("OTHER-TENANT-SECRET"));
+    s.fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_document_the_snapshot_does_not_cover_is_never_cited() {
+    let s = seed("scope").await;
+    let pool = s.pool().clone();
+    let carols = vec![format!("knowledge-space:{}:member:carol", s.space)];
+    let alices = vec![format!("knowledge-space:{}:member:{SUBJECT}", s.space)];
+    let zebra = upload(
+        &s,
+        s.space,
+        "zebra.md",
+        "# Zebra\n\nThe zebra stripes are carol's notes.\n",
+        carols,
+    )
+    .await;
+    let giraffe = upload(
+        &s,
+        s.space,
+        "giraffe.md",
+        "# Giraffe\n\nThe giraffe neck is alice's.\n",
+        alices,
+    )
+    .await;
+    s.compile(zebra).await;
+    s.compile(giraffe).await;
+    let e = engine(&pool, "w-scope", extractive());
+
+    // Alice: her own scoped document, never carol's.
+    let id = request(&pool, &req(&s, "zebra stripes")).await;
+    assert_eq!(run_until_settled(&s, &e, id).await.stage, "completed");
+    assert_eq!(bundle(&pool, id).await["items"], json!([]));
+    let id = request(&pool, &req(&s, "giraffe neck")).await;
+    assert_eq!(run_until_settled(&s, &e, id).await.stage, "completed");
+    assert_eq!(cited_documents(&bundle(&pool, id).await), vec![giraffe]);
+
+    // Carol's snapshot covers carol's document (and unscoped ones), not alice's.
+    let carol = s.snapshot("carol").await;
+    for (question, want) in [("zebra stripes", vec![zebra]), ("giraffe neck", vec![])] {
+        let r = ResearchRequest::new(s.space, question, "carol", carol);
+        let id = request(&pool, &r).await;
+        assert_eq!(run_until_settled(&s, &e, id).await.stage, "completed");
+        assert_eq!(
+            cited_documents(&bundle(&pool, id).await),
+            want,
+            "{question}"
+        );
+    }
+    s.fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_space_with_an_embedding_profile_is_searched_by_its_dense_leg_too() {
+    let fx = SpaceFx::new(TENANT, "dense", "Dense").await;
+    let pool = fx.pool().clone();
+    let profile = {
+        let mut conn = pool.acquire().await.unwrap();
+        platform::activate_embedding_profile(
+            &mut conn,
+            TENANT,
+            fx.space,
+            "embed-small",
+            "openai",
+            256,
+        )
+        .await
+        .unwrap()
+    };
+    let mut docs = Vec::new();
+    for (name, text) in [("leases.md", LEASES), ("cooking.md", COOKING)] {
+        let d = fx.add(name, "text/markdown", text.as_bytes()).await;
+        fx.compile(d).await;
+        docs.push(d);
+    }
+    let question = "Is the heartbeat alive every ten seconds tomorrow?";
+    // No passage has every word: the full-text leg alone finds nothing.
+    assert!(fx
+        .search("heartbeat alive every ten seconds tomorrow")
+        .await
+        .is_empty());
+    let snapshot = fx.snapshot(SUBJECT).await;
+    let id = request(
+        &pool,
+        &ResearchRequest::new(fx.space, question, SUBJECT, snapshot),
+    )
+    .await;
+    let frozen = &job(&pool, id).await.metadata["__knowledgeFsPublishedRuntimeSnapshot"];
+    assert_eq!(
+        frozen["embeddingProfile"],
+        json!({"dimension": 256, "model": "embed-small", "pluginId": "langgenius/openai", "provider": "openai",
+               "revision": 1, "vectorSpaceId": profile.vector_space_id})
+    );
+    assert_eq!(frozen["embeddingCapabilitySnapshot"]["kind"], "embedding");
+
+    let e = engine(&pool, "w-dense", extractive());
+    let j = run_until_settled(&fx, &e, id).await;
+    assert_eq!(j.stage, "completed", "{j:?}");
+    let b = bundle(&pool, id).await;
+    let first = &b["items"][0];
+    assert!(
+        first["text"].as_str().unwrap().contains("heartbeat runs"),
+        "{b}"
+    );
+    assert_eq!(first["metadata"]["sources"], json!(["dense"]));
+    assert_eq!(first["citations"][0]["documentAssetId"], json!(docs[0]));
+    // Nearest first over two legs: 1/61 of the best 2/61.
+    assert_eq!(first["scores"]["final"], json!(0.5));
+    assert!(j.metadata["result"]["answer"]
+        .as_str()
+        .unwrap()
+        .contains("The heartbeat runs every ten seconds"));
+    fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -735,29 +825,29 @@ async fn another_tenants_space_and_unpublished_generations_are_never_searched() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replayed_step_adds_no_event_and_no_partial() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let id = request(&env.pool, &req(&s, QUESTION)).await;
+    let s = seed("replay").await;
+    let pool = s.pool().clone();
+    let id = request(&pool, &req(&s, QUESTION)).await;
     let handler = extractive();
     let st = Statements::new(&RESEARCH);
-    let mut ctx = claim(&env, id, "w-replay").await;
+    let mut ctx = claim_by_hand(&pool, id, "w-replay").await;
     loop {
         // First run: effects commit, but (as if the process died) the stage does not move.
-        let mut tx = env.pool.begin().await.unwrap();
-        let rv = lease::fence(&mut tx, &st, &ctx)
+        let mut tx = pool.begin().await.unwrap();
+        ctx.row_version = lease::fence(&mut tx, &st, &ctx)
             .await
             .unwrap()
             .expect("ours");
-        ctx.row_version = rv;
         let first = handler.step(&mut tx, &ctx).await.unwrap();
         tx.commit().await.unwrap();
         let counts = (
-            events(&env.pool, id).await.len(),
-            partials(&env.pool, id).await.len(),
+            events(&pool, id).await.len(),
+            partials(&pool, id).await.len(),
+            job(&pool, id).await.cost,
         );
 
         // The replay, with the same row version, then the stage moves with it.
-        let mut tx = env.pool.begin().await.unwrap();
+        let mut tx = pool.begin().await.unwrap();
         sqlx::query("SELECT 1 FROM research_task_jobs WHERE id = $1 FOR UPDATE")
             .bind(id)
             .execute(&mut *tx)
@@ -765,48 +855,29 @@ async fn a_replayed_step_adds_no_event_and_no_partial() {
             .unwrap();
         let again = handler.step(&mut tx, &ctx).await.unwrap();
         assert_eq!(first, again, "a replay decides the same");
-        match &again {
-            Step::Advance(cp) => {
-                ctx.row_version = lease::advance(&mut tx, &st, &ctx, cp)
-                    .await
-                    .unwrap()
-                    .expect("ours");
-                ctx.checkpoint = cp.clone();
-            }
-            Step::Succeed(cp) => {
-                assert!(lease::end(
-                    &mut tx,
-                    &st,
-                    &ctx,
-                    &End::Succeed {
-                        checkpoint: cp.clone()
-                    }
-                )
-                .await
-                .unwrap());
-            }
-            other => panic!("unexpected {other:?}"),
-        }
+        commit_step(&mut tx, &st, &mut ctx, &again).await;
         tx.commit().await.unwrap();
         assert_eq!(
             counts,
             (
-                events(&env.pool, id).await.len(),
-                partials(&env.pool, id).await.len()
+                events(&pool, id).await.len(),
+                partials(&pool, id).await.len(),
+                job(&pool, id).await.cost,
             ),
-            "the replay of the step at {} added rows",
+            "the replay of the step at {} added rows or spent again",
             ctx.checkpoint
         );
         if matches!(again, Step::Succeed(_)) {
             break;
         }
     }
-    assert_eq!(job(&env.pool, id).await.stage, "completed");
-    let evs = events(&env.pool, id).await;
+    assert_eq!(job(&pool, id).await.stage, "completed");
+    let evs = events(&pool, id).await;
     assert_contiguous(id, &evs);
-    assert_eq!(stages(&evs), WALK.to_vec());
-    assert_eq!(partials(&env.pool, id).await.len(), 5);
-    env.cleanup().await;
+    assert_eq!(advances(&evs), ADVANCES.to_vec());
+    assert_eq!(evs.iter().filter(|e| is_claim(e)).count(), 1);
+    assert_eq!(partials(&pool, id).await.len(), 1);
+    s.fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -884,27 +955,27 @@ impl Handler for PauseDuring {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the_walk() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
+    let s = seed("pause").await;
+    let pool = s.pool().clone();
     for stage in ["planning", "retrieving", "analyzing", "generating"] {
-        let id = request(&env.pool, &req(&s, QUESTION)).await;
+        let id = request(&pool, &req(&s, QUESTION)).await;
         let pauser = Arc::new(PauseDuring {
             inner: extractive(),
             stage: stage.into(),
-            pool: env.pool.clone(),
+            pool: pool.clone(),
             fired: AtomicBool::new(false),
             pause: Mutex::new(None),
             paused: Mutex::new(None),
         });
         let e = Engine::new(
-            env.pool.clone(),
+            pool.clone(),
             format!("w-pause-{stage}"),
             vec![pauser.clone() as Arc<dyn Handler>],
             ConsumerConfig::default(),
         );
         // Up to the stage: the walk goes queued → planning → ... in one slice, and the pause
         // lands between the step at `stage` and the next one.
-        let handled = deliver(&env, &e).await.expect("a delivery");
+        let handled = deliver(&s, &e).await.expect("a delivery");
         let paused = pauser.outcome().await;
         let next = research::walk::next_stage(research::Stage::parse(stage).unwrap()).unwrap();
         if next == research::Stage::Completed {
@@ -926,8 +997,8 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
                 ),
                 "{paused:?}"
             );
-            assert_eq!(job(&env.pool, id).await.stage, "completed");
-            assert_contiguous(id, &events(&env.pool, id).await);
+            assert_eq!(job(&pool, id).await.stage, "completed");
+            assert_contiguous(id, &events(&pool, id).await);
             continue;
         }
         let paused = paused.unwrap();
@@ -944,29 +1015,27 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
         );
         assert_eq!(e.counters.lease_lost.load(Ordering::Relaxed), 1);
 
-        let j = job(&env.pool, id).await;
+        let j = job(&pool, id).await;
         assert_eq!(j.stage, "paused");
         assert_eq!(j.paused_from.as_deref(), Some(next.as_str()));
-        assert_eq!(j.lease_token, None);
-        assert_eq!(
-            outbox(&env.pool, id)
-                .await
-                .iter()
-                .map(|o| o.1.as_str())
-                .collect::<Vec<_>>(),
-            vec!["canceled"]
+        assert_eq!(j.error, None, "a pause without a reason records none");
+        assert!(
+            j.lease_token.is_some(),
+            "as on the platform, a pause keeps the lease columns"
         );
+        assert_eq!(outbox_states(&pool, id).await, vec!["canceled"]);
         // Nothing is due while paused.
-        assert!(deliver(&env, &e).await.is_none());
+        assert!(deliver(&s, &e).await.is_none());
 
-        let resumed = control::resume(&mut env.pool.acquire().await.unwrap(), id)
+        let resumed = control::resume(&mut pool.acquire().await.unwrap(), id)
             .await
             .unwrap();
         assert_eq!(
             (resumed.from, resumed.to, resumed.outbox_revision),
             (research::Stage::Paused, next, Some(2))
         );
-        let ob = outbox(&env.pool, id).await;
+        assert_eq!(job(&pool, id).await.lease_token, None);
+        let ob = outbox(&pool, id).await;
         assert_eq!(
             ob[1],
             (
@@ -975,57 +1044,71 @@ async fn a_pause_in_each_stage_fences_the_running_worker_and_resume_finishes_the
                 format!("research.task:{TENANT}:{}:{id}:2", s.space)
             )
         );
-        let j = run_until_settled(&env, &e, id).await;
+        let j = run_until_settled(&s, &e, id).await;
         assert_eq!(j.stage, "completed", "after a pause at {stage}: {j:?}");
-        let evs = events(&env.pool, id).await;
+        let evs = events(&pool, id).await;
         assert_contiguous(id, &evs);
-        let ts = types(&evs);
+        assert_eq!(advances(&evs), ADVANCES.to_vec());
+        let sh = shape(&evs);
+        let p = sh.iter().position(|t| t.0 == "paused").unwrap();
+        assert_eq!(sh[p], ("paused".into(), "paused".into(), json!({})));
         assert_eq!(
-            ts.iter().filter(|t| *t == "stage_changed").count(),
-            5,
-            "{ts:?}"
+            sh[p + 1],
+            (
+                "resumed".into(),
+                next.as_str().into(),
+                json!({"resumedFrom": "paused"})
+            )
         );
-        let p = ts.iter().position(|t| t == "paused").unwrap();
-        assert_eq!(ts[p + 1], "resumed");
-        assert_eq!(evs[p].2, "paused");
-        assert_eq!(evs[p + 1].2, next.as_str());
-        assert_eq!(partials(&env.pool, id).await.len(), 5, "no partial twice");
+        // The resumed run is a new execution attempt, and says so.
+        assert_eq!(
+            sh[p + 2],
+            ("stage_changed".into(), next.as_str().into(), claim(2))
+        );
+        assert_eq!(partials(&pool, id).await.len(), 1, "no partial twice");
     }
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 /// The same at the lease level, deterministically, for every runnable stage: a worker holds the
 /// job at `stage`, the task is paused, and every write the worker tries is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_holding_the_job_at_any_stage_is_fenced_out_by_a_pause() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
+    let s = seed("hold").await;
+    let pool = s.pool().clone();
     let handler = extractive();
     let st = Statements::new(&RESEARCH);
-    for (steps, stage) in WALK[..5].iter().enumerate() {
-        let id = request(&env.pool, &req(&s, QUESTION)).await;
-        let mut ctx = claim(&env, id, &format!("w-{stage}")).await;
+    let walk = [
+        "queued",
+        "planning",
+        "retrieving",
+        "analyzing",
+        "generating",
+    ];
+    for (steps, stage) in walk.iter().enumerate() {
+        let id = request(&pool, &req(&s, QUESTION)).await;
+        let mut ctx = claim_by_hand(&pool, id, &format!("w-{stage}")).await;
         for _ in 0..steps {
-            step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+            step_by_hand(&pool, handler.as_ref(), &mut ctx)
                 .await
                 .unwrap()
                 .unwrap();
         }
         assert_eq!(ctx.checkpoint, *stage);
-        let mut conn = env.pool.acquire().await.unwrap();
+        let mut conn = pool.acquire().await.unwrap();
         let p = control::pause(&mut conn, id).await.unwrap();
         assert_eq!(p.from.as_str(), *stage);
-        let j = job(&env.pool, id).await;
+        let j = job(&pool, id).await;
         assert_eq!(
             (j.stage.as_str(), j.paused_from.as_deref()),
             ("paused", Some(*stage))
         );
         let before = (
-            events(&env.pool, id).await.len(),
-            partials(&env.pool, id).await.len(),
+            events(&pool, id).await.len(),
+            partials(&pool, id).await.len(),
         );
         assert_eq!(
-            step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+            step_by_hand(&pool, handler.as_ref(), &mut ctx)
                 .await
                 .unwrap(),
             None,
@@ -1036,92 +1119,86 @@ async fn a_worker_holding_the_job_at_any_stage_is_fenced_out_by_a_pause() {
                 .await
                 .unwrap()
         );
-        assert!(!lease::end(
-            &mut conn,
-            &st,
-            &ctx,
-            &End::Succeed {
-                checkpoint: "completed".into()
-            }
-        )
-        .await
-        .unwrap());
+        let done = End::Succeed {
+            checkpoint: "completed".into(),
+        };
+        assert!(!lease::end(&mut conn, &st, &ctx, &done).await.unwrap());
         assert_eq!(
             before,
             (
-                events(&env.pool, id).await.len(),
-                partials(&env.pool, id).await.len()
+                events(&pool, id).await.len(),
+                partials(&pool, id).await.len()
             )
         );
         let r = control::resume(&mut conn, id).await.unwrap();
         assert_eq!(r.to.as_str(), *stage);
         drop(conn);
-        let e = engine(&env, &format!("w-finish-{stage}"), extractive());
+        let e = engine(&pool, &format!("w-finish-{stage}"), extractive());
         assert_eq!(
-            run_until_settled(&env, &e, id).await.stage,
+            run_until_settled(&s, &e, id).await.stage,
             "completed",
             "at {stage}"
         );
-        let evs = events(&env.pool, id).await;
+        let evs = events(&pool, id).await;
         assert_contiguous(id, &evs);
         let ts = types(&evs);
         let at = ts.iter().position(|t| t == "paused").unwrap();
-        assert_eq!(at, steps + 1, "{ts:?}");
+        // started, then (when a step ran) the claim and one advance per step.
+        let want = if steps == 0 { 1 } else { steps + 2 };
+        assert_eq!(at, want, "{ts:?}");
         assert_eq!(ts[at + 1], "resumed");
-        assert_eq!(ts.iter().filter(|t| *t == "stage_changed").count(), 5);
-        assert_eq!(partials(&env.pool, id).await.len(), 5);
+        assert_eq!(advances(&evs), ADVANCES.to_vec());
+        assert_eq!(partials(&pool, id).await.len(), 1);
     }
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_paused_worker_finds_every_write_refused_and_controls_are_idempotent() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let id = request(&env.pool, &req(&s, QUESTION)).await;
+    let s = seed("idem").await;
+    let pool = s.pool().clone();
+    let id = request(&pool, &req(&s, QUESTION)).await;
 
     // Paused while queued, before any worker: nothing runs until resumed.
-    let p = control::pause(&mut env.pool.acquire().await.unwrap(), id)
+    let p = control::pause(&mut pool.acquire().await.unwrap(), id)
         .await
         .unwrap();
     assert_eq!(
         (p.from, p.to, p.changed),
         (research::Stage::Queued, research::Stage::Paused, true)
     );
-    let again = control::pause(&mut env.pool.acquire().await.unwrap(), id)
+    let again = control::pause(&mut pool.acquire().await.unwrap(), id)
         .await
         .unwrap();
     assert!(!again.changed, "a repeated pause changes nothing");
-    control::resume(&mut env.pool.acquire().await.unwrap(), id)
+    control::resume(&mut pool.acquire().await.unwrap(), id)
         .await
         .unwrap();
 
-    // A worker holds the job at retrieving; a pause fences it out of every write.
+    // A worker holds the job at retrieving; a pause (with a reason) fences it out of every write.
     let handler = extractive();
-    let mut ctx = claim(&env, id, "w-hand").await;
+    let mut ctx = claim_by_hand(&pool, id, "w-hand").await;
     for _ in 0..2 {
-        step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+        step_by_hand(&pool, handler.as_ref(), &mut ctx)
             .await
             .unwrap()
             .unwrap();
     }
     assert_eq!(ctx.checkpoint, "retrieving");
-    let p = control::pause(&mut env.pool.acquire().await.unwrap(), id)
+    let p = control::pause_with(&mut pool.acquire().await.unwrap(), id, Some("lunch"))
         .await
         .unwrap();
     assert_eq!(p.from, research::Stage::Retrieving);
-    let before = (
-        events(&env.pool, id).await,
-        partials(&env.pool, id).await.len(),
-    );
+    assert_eq!(job(&pool, id).await.error.as_deref(), Some("lunch"));
+    let before = (events(&pool, id).await, partials(&pool, id).await.len());
     assert_eq!(
-        step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+        step_by_hand(&pool, handler.as_ref(), &mut ctx)
             .await
             .unwrap(),
         None
     );
     let st = Statements::new(&RESEARCH);
-    let mut conn = env.pool.acquire().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
     assert!(
         !lease::heartbeat(&mut conn, &st, &ctx, Duration::from_secs(30))
             .await
@@ -1132,48 +1209,79 @@ async fn a_paused_worker_finds_every_write_refused_and_controls_are_idempotent()
         .unwrap());
     assert_eq!(
         before,
-        (
-            events(&env.pool, id).await,
-            partials(&env.pool, id).await.len()
-        )
+        (events(&pool, id).await, partials(&pool, id).await.len())
     );
 
-    // Resume: back to retrieving, a new revision; the old worker stays fenced out.
+    // Resume: back to retrieving, a new revision, the error cleared; the old worker stays out.
     let r = control::resume(&mut conn, id).await.unwrap();
     assert_eq!(
         (r.to, r.outbox_revision),
         (research::Stage::Retrieving, Some(3))
     );
+    assert_eq!(job(&pool, id).await.error, None);
     assert_eq!(
-        step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+        step_by_hand(&pool, handler.as_ref(), &mut ctx)
             .await
             .unwrap(),
         None
     );
     let again = control::resume(&mut conn, id).await.unwrap();
     assert!(!again.changed, "resuming a running task changes nothing");
-    let ob = outbox(&env.pool, id).await;
+    let ob = outbox(&pool, id).await;
     assert_eq!(
         ob.iter().map(|o| (o.0, o.1.as_str())).collect::<Vec<_>>(),
         vec![(1, "canceled"), (2, "canceled"), (3, "pending")]
     );
-    let e = engine(&env, "w-after", extractive());
-    assert_eq!(run_until_settled(&env, &e, id).await.stage, "completed");
-    let evs = events(&env.pool, id).await;
+    let e = engine(&pool, "w-after", extractive());
+    assert_eq!(run_until_settled(&s, &e, id).await.stage, "completed");
+    let evs = events(&pool, id).await;
     assert_contiguous(id, &evs);
+    let sh: Vec<(String, String, Value)> = shape(&evs)
+        .into_iter()
+        .map(|(t, st, mut p)| {
+            // The details are asserted in the whole-walk test.
+            if let Some(o) = p.as_object_mut() {
+                o.remove("details");
+            }
+            (t, st, p)
+        })
+        .collect();
+    let ev = |t: &str, stage: &str, p: Value| (t.to_owned(), stage.to_owned(), p);
     assert_eq!(
-        types(&evs),
+        sh,
         vec![
-            "started",
-            "paused",
-            "resumed",
-            "stage_changed",
-            "stage_changed",
-            "paused",
-            "resumed",
-            "stage_changed",
-            "stage_changed",
-            "stage_changed"
+            ev("started", "queued", json!({})),
+            ev("paused", "paused", json!({})),
+            ev("resumed", "queued", json!({"resumedFrom": "paused"})),
+            ev("stage_changed", "queued", claim(1)),
+            ev(
+                "stage_changed",
+                "planning",
+                json!({"previousStage": "queued"})
+            ),
+            ev(
+                "stage_changed",
+                "retrieving",
+                json!({"previousStage": "planning"})
+            ),
+            ev("paused", "paused", json!({"reason": "lunch"})),
+            ev("resumed", "retrieving", json!({"resumedFrom": "paused"})),
+            ev("stage_changed", "retrieving", claim(2)),
+            ev(
+                "stage_changed",
+                "analyzing",
+                json!({"previousStage": "retrieving"})
+            ),
+            ev(
+                "stage_changed",
+                "generating",
+                json!({"previousStage": "analyzing"})
+            ),
+            ev(
+                "stage_changed",
+                "completed",
+                json!({"previousStage": "generating"})
+            ),
         ]
     );
     // A finished task can be neither paused nor resumed nor canceled.
@@ -1192,21 +1300,21 @@ async fn a_paused_worker_finds_every_write_refused_and_controls_are_idempotent()
         Err(ControlError::NotFound(_))
     ));
     drop(conn);
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cancel_ends_the_task_for_good() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let id = request(&env.pool, &req(&s, QUESTION)).await;
+    let s = seed("cancel").await;
+    let pool = s.pool().clone();
+    let id = request(&pool, &req(&s, QUESTION)).await;
     let handler = extractive();
-    let mut ctx = claim(&env, id, "w-cancel").await;
-    step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+    let mut ctx = claim_by_hand(&pool, id, "w-cancel").await;
+    step_by_hand(&pool, handler.as_ref(), &mut ctx)
         .await
         .unwrap()
         .unwrap();
-    let mut conn = env.pool.acquire().await.unwrap();
+    let mut conn = pool.acquire().await.unwrap();
     let c = control::cancel(&mut conn, id, Some("the user lost interest"))
         .await
         .unwrap();
@@ -1214,28 +1322,21 @@ async fn cancel_ends_the_task_for_good() {
         (c.from, c.to),
         (research::Stage::Planning, research::Stage::Canceled)
     );
-    let j = job(&env.pool, id).await;
+    let j = job(&pool, id).await;
     assert_eq!(j.stage, "canceled");
-    assert_eq!(j.error.as_deref(), Some("canceled: the user lost interest"));
+    assert_eq!(j.error.as_deref(), Some("the user lost interest"));
     assert_eq!(j.lease_token, None);
     let completed_at: Option<i64> =
         sqlx::query_scalar("SELECT completed_at FROM research_task_jobs WHERE id = $1")
             .bind(id)
-            .fetch_one(&env.pool)
+            .fetch_one(&pool)
             .await
             .unwrap();
     assert!(completed_at.is_some());
-    assert_eq!(
-        outbox(&env.pool, id)
-            .await
-            .iter()
-            .map(|o| o.1.as_str())
-            .collect::<Vec<_>>(),
-        vec!["canceled"]
-    );
+    assert_eq!(outbox_states(&pool, id).await, vec!["canceled"]);
     // The worker is fenced out; the task stays canceled.
     assert_eq!(
-        step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+        step_by_hand(&pool, handler.as_ref(), &mut ctx)
             .await
             .unwrap(),
         None
@@ -1248,121 +1349,239 @@ async fn cancel_ends_the_task_for_good() {
             Refusal::Terminal(research::Stage::Canceled, _)
         ))
     ));
-    let evs = events(&env.pool, id).await;
+    let evs = events(&pool, id).await;
     assert_contiguous(id, &evs);
-    assert_eq!(types(&evs), vec!["started", "stage_changed", "canceled"]);
-    assert_eq!(evs[2].4["reason"], "the user lost interest");
-    let e = engine(&env, "w-x", extractive());
-    assert!(deliver(&env, &e).await.is_none(), "nothing is due");
+    assert_eq!(
+        shape(&evs),
+        vec![
+            ("started".into(), "queued".into(), json!({})),
+            ("stage_changed".into(), "queued".into(), claim(1)),
+            (
+                "stage_changed".into(),
+                "planning".into(),
+                json!({"previousStage": "queued"})
+            ),
+            (
+                "canceled".into(),
+                "canceled".into(),
+                json!({"reason": "the user lost interest"})
+            ),
+        ]
+    );
+    let e = engine(&pool, "w-x", extractive());
+    assert!(deliver(&s, &e).await.is_none(), "nothing is due");
     drop(conn);
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Permission, refusals
+// Permission, deletion, refusals
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_snapshot_revoked_or_expired_mid_run_fails_the_task_closed() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
+async fn a_snapshot_revoked_expired_or_outdated_mid_run_fails_the_task_closed() {
+    let s = seed("revoke").await;
+    let pool = s.pool().clone();
     let handler = extractive();
-    for change in [
-        "status = 'revoked', revoked_at = now()",
-        "expires_at = now() - interval '1 second'",
-        "revision = revision + 1",
-    ] {
-        let snapshot = kfs_worker::platform::create_permission_snapshot(
-            &mut env.pool.acquire().await.unwrap(),
-            TENANT,
-            s.space,
-            SUBJECT,
-            "interactive",
-            None,
-        )
-        .await
-        .unwrap();
+    for change in ["revoke", "expire", "revision", "member"] {
+        let snapshot = s.snapshot(SUBJECT).await;
         let r = ResearchRequest::new(s.space, QUESTION, SUBJECT, snapshot);
-        let id = request(&env.pool, &r).await;
-        let mut ctx = claim(&env, id, "w-revoke").await;
+        let id = request(&pool, &r).await;
+        let mut ctx = claim_by_hand(&pool, id, "w-revoke").await;
         for _ in 0..2 {
-            step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+            step_by_hand(&pool, handler.as_ref(), &mut ctx)
                 .await
                 .unwrap()
                 .unwrap();
         }
         assert_eq!(ctx.checkpoint, "retrieving");
-        sqlx::query(&format!(
-            "UPDATE knowledge_space_permission_snapshots SET {change} WHERE id = $1"
-        ))
-        .bind(snapshot)
-        .execute(&env.pool)
-        .await
-        .unwrap();
-        let err = step_by_hand(&env.pool, handler.as_ref(), &mut ctx)
+        let mut conn = pool.acquire().await.unwrap();
+        let sql = match change {
+            "revoke" => {
+                platform::revoke_permission_snapshot(&mut conn, TENANT, snapshot)
+                    .await
+                    .unwrap();
+                None
+            }
+            "expire" => Some(
+                "UPDATE knowledge_space_permission_snapshots SET expires_at = now() - interval '1 second' WHERE id = $1",
+            ),
+            "revision" => Some(
+                "UPDATE knowledge_space_permission_snapshots SET revision = revision + 1 WHERE id = $1",
+            ),
+            // The member's role changed: the snapshot's member revision is no longer current.
+            _ => Some(
+                "UPDATE knowledge_space_members m SET revision = m.revision + 1 \
+                 FROM knowledge_space_permission_snapshots s \
+                 WHERE s.id = $1 AND m.tenant_id = s.tenant_id AND m.knowledge_space_id = s.knowledge_space_id \
+                   AND m.subject_id = s.subject_id",
+            ),
+        };
+        if let Some(sql) = sql {
+            sqlx::query(sql)
+                .bind(snapshot)
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+        }
+        drop(conn);
+        let err = step_by_hand(&pool, handler.as_ref(), &mut ctx)
             .await
             .unwrap_err();
         assert!(
-            matches!(&err, JobError::Fatal { code, .. } if code == "permission_revoked"),
-            "{err:?}"
-        );
-        assert!(
-            partials(&env.pool, id).await.is_empty(),
-            "no evidence after {change}"
+            matches!(&err, JobError::Fatal { code, .. } if code == INVALID),
+            "{change}: {err:?}"
         );
 
         // Through the engine: the task fails, with nothing retrieved.
-        let mut conn = env.pool.acquire().await.unwrap();
-        sqlx::query("UPDATE research_task_jobs SET lease_expires_at = 0 WHERE id = $1")
-            .bind(id)
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-        sqlx::query(
-            "UPDATE research_task_outbox SET status = 'pending', available_at = 0 WHERE research_task_job_id = $1",
-        )
-        .bind(id)
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        drop(conn);
-        let e = engine(&env, "w-revoke-engine", extractive());
-        let j = run_until_settled(&env, &e, id).await;
+        expire(&pool, id).await;
+        let e = engine(&pool, "w-revoke-engine", extractive());
+        let j = run_until_settled(&s, &e, id).await;
         assert_eq!(j.stage, "failed", "{j:?}");
         assert!(
             j.error
                 .as_deref()
                 .unwrap()
-                .starts_with("permission_revoked: "),
+                .starts_with(&format!("{INVALID}: ")),
             "{j:?}"
         );
-        assert!(partials(&env.pool, id).await.is_empty());
-        let evs = events(&env.pool, id).await;
+        assert!(
+            j.metadata.get("retrieval").is_none(),
+            "{change}: nothing retrieved"
+        );
+        assert!(partials(&pool, id).await.is_empty());
+        let evs = events(&pool, id).await;
         assert_contiguous(id, &evs);
-        // The failure itself is the last event, so a follower sees how the task ended.
+        // The failure's own attempt is claimed, then the failure is the last event.
+        let sh = shape(&evs);
         assert_eq!(
-            stages(&evs),
-            vec!["queued", "planning", "retrieving", "failed"]
+            sh[sh.len() - 2..],
+            [
+                ("stage_changed".into(), "retrieving".into(), claim(2)),
+                ("failed".into(), "failed".into(), json!({"error": INVALID})),
+            ]
         );
-        assert_eq!(
-            evs.last().map(|e| e.1.as_str()),
-            Some("research_task.failed")
-        );
+        assert_eq!(outbox_states(&pool, id).await, vec!["dead"]);
     }
-    env.cleanup().await;
+    s.fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_document_deleted_or_a_space_being_deleted_mid_task_is_never_read() {
+    let s = seed("deleted").await;
+    let pool = s.pool().clone();
+    let handler = extractive();
+    let id = request(&pool, &req(&s, QUESTION)).await;
+    let frozen = s.head().await.unwrap();
+    let mut ctx = claim_by_hand(&pool, id, "w-del").await;
+    for _ in 0..2 {
+        step_by_hand(&pool, handler.as_ref(), &mut ctx)
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    assert_eq!(ctx.checkpoint, "retrieving");
+    // fencing.md is deleted while the task runs: marked deleting, as a deletion request marks its
+    // target, and taken out of the head, as its quiescing does.
+    let fencing = s.docs[1];
+    let deletion = Uuid::new_v4();
+    sqlx::query(
+        "UPDATE document_assets SET lifecycle_state = 'deleting', deletion_job_id = $2, deleting_at = now(), \
+           row_version = row_version + 1 WHERE id = $1",
+    )
+    .bind(fencing)
+    .bind(deletion)
+    .execute(&pool)
+    .await
+    .unwrap();
+    {
+        let mut conn = pool.acquire().await.unwrap();
+        let moved = kfs_worker::publication::publish_excluding(
+            &mut conn,
+            TENANT,
+            s.space,
+            deletion,
+            Some(&[fencing][..]),
+            &json!({}),
+        )
+        .await
+        .unwrap();
+        assert!(matches!(moved, Some(Ok(_))), "{moved:?}");
+    }
+    assert_ne!(
+        s.head().await.unwrap().publication_id,
+        frozen.publication_id
+    );
+    let e = engine(&pool, "w-del-engine", extractive());
+    expire(&pool, id).await;
+    let j = run_until_settled(&s, &e, id).await;
+    assert_eq!(j.stage, "completed", "{j:?}");
+    // The task read its frozen publication (now superseded) and found only what is still live.
+    let retrieval = &j.metadata["retrieval"];
+    assert_eq!(retrieval["publicationId"], json!(frozen.publication_id));
+    let b = bundle(&pool, id).await;
+    assert_eq!(cited_documents(&b), vec![s.docs[0]]);
+    assert!(!b.to_string().contains("Fencing will use"), "{b}");
+    assert!(!j.metadata["result"]
+        .to_string()
+        .contains(&fencing.to_string()));
+
+    // A space being deleted stops a running task at its next step.
+    let id = request(&pool, &req(&s, "lease expire")).await;
+    let mut ctx = claim_by_hand(&pool, id, "w-space").await;
+    step_by_hand(&pool, handler.as_ref(), &mut ctx)
+        .await
+        .unwrap()
+        .unwrap();
+    sqlx::query(
+        "UPDATE knowledge_spaces SET lifecycle_state = 'deleting', deletion_job_id = gen_random_uuid(), \
+           deleting_at = now() WHERE id = $1",
+    )
+    .bind(s.space)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let step = step_by_hand(&pool, handler.as_ref(), &mut ctx)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(&step, Step::Cancel { code, .. } if code == "RESEARCH_TASK_DELETION_FENCE_ACTIVE"),
+        "{step:?}"
+    );
+    let j = job(&pool, id).await;
+    assert_eq!(j.stage, "canceled");
+    assert!(j
+        .error
+        .unwrap()
+        .starts_with("RESEARCH_TASK_DELETION_FENCE_ACTIVE: "));
+    assert!(
+        j.metadata.get("plan").is_none(),
+        "the planning step did nothing"
+    );
+    assert_eq!(
+        shape(&events(&pool, id).await).last().unwrap(),
+        &(
+            "canceled".into(),
+            "canceled".into(),
+            json!({"reason": "RESEARCH_TASK_DELETION_FENCE_ACTIVE"})
+        )
+    );
+    assert_eq!(outbox_states(&pool, id).await, vec!["canceled"]);
+    s.fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn requests_are_refused_clearly_and_write_nothing() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let mut conn = env.pool.acquire().await.unwrap();
+    let s = seed("refuse").await;
+    let pool = s.pool().clone();
+    let mut conn = pool.acquire().await.unwrap();
     let c = &mut *conn;
     let snap = |subject: &str, channel: &str, space: Uuid, tenant: &str| {
         let (subject, channel, tenant) =
             (subject.to_owned(), channel.to_owned(), tenant.to_owned());
-        let pool = env.pool.clone();
+        let pool = pool.clone();
         async move {
-            kfs_worker::platform::create_permission_snapshot(
+            platform::create_permission_snapshot(
                 &mut pool.acquire().await.unwrap(),
                 &tenant,
                 space,
@@ -1375,9 +1594,7 @@ async fn requests_are_refused_clearly_and_write_nothing() {
         }
     };
     let revoked = snap(SUBJECT, "interactive", s.space, TENANT).await;
-    sqlx::query("UPDATE knowledge_space_permission_snapshots SET status = 'revoked', revoked_at = now() WHERE id = $1")
-        .bind(revoked)
-        .execute(&mut *c)
+    platform::revoke_permission_snapshot(c, TENANT, revoked)
         .await
         .unwrap();
     let expired = snap(SUBJECT, "interactive", s.space, TENANT).await;
@@ -1388,7 +1605,7 @@ async fn requests_are_refused_clearly_and_write_nothing() {
         .unwrap();
     let bobs = snap("bob", "interactive", s.space, TENANT).await;
     let mcp = snap(SUBJECT, "mcp", s.space, TENANT).await;
-    let second_space = kfs_worker::platform::create_space(c, TENANT, "second", "Second")
+    let second_space = platform::create_space(c, TENANT, "second", "Second", "owner-2")
         .await
         .unwrap();
     let elsewhere = snap(SUBJECT, "interactive", second_space, TENANT).await;
@@ -1437,6 +1654,14 @@ async fn requests_are_refused_clearly_and_write_nothing() {
         (
             ResearchRequest::new(s.space, "   ", SUBJECT, s.snapshot),
             "empty",
+        ),
+        // Fast and deep retrieval need the space's embedding profile.
+        (
+            ResearchRequest {
+                mode: "fast".into(),
+                ..req(&s, QUESTION)
+            },
+            "needs an embedding profile",
         ),
     ];
     for (r, needle) in cases {
@@ -1504,13 +1729,30 @@ async fn requests_are_refused_clearly_and_write_nothing() {
         matches!(err, RequestError::Conflict(j) if j == first.job_id),
         "{err}"
     );
+
+    // While a deletion of one of its documents is in progress, the space admits no new task.
+    let deletion = kfs_worker::jobs::deletion::request::DeletionRequest {
+        tenant_id: TENANT.into(),
+        knowledge_space_id: s.space,
+        target: kfs_worker::jobs::deletion::request::Target::Document { id: s.docs[2] },
+        expected_revision: None,
+        requested_by_subject_id: SUBJECT.into(),
+        permission_snapshot_id: s.snapshot,
+        access_channel: "interactive".into(),
+        idempotency_key: "delete-cooking".into(),
+    };
+    kfs_worker::jobs::deletion::request::request_deletion(c, &deletion)
+        .await
+        .unwrap();
+    let err = research::request(c, &req(&s, "bread")).await.unwrap_err();
+    assert!(err.to_string().contains("a deletion (job"), "{err}");
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM research_task_jobs")
         .fetch_one(&mut *c)
         .await
         .unwrap();
     assert_eq!(n, 1);
     drop(conn);
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1523,8 +1765,9 @@ struct Captured {
     body: Value,
 }
 
-/// A tiny OpenAI-compatible stand-in on 127.0.0.1 that answers every request with `reply`.
-async fn stand_in(reply: Value) -> (String, Arc<Mutex<Vec<Captured>>>) {
+/// A tiny OpenAI-compatible stand-in on 127.0.0.1 that answers the n-th request with the n-th
+/// reply (the last one from then on).
+async fn stand_in(replies: Vec<(u16, Value)>) -> (String, Arc<Mutex<Vec<Captured>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
@@ -1534,8 +1777,8 @@ async fn stand_in(reply: Value) -> (String, Arc<Mutex<Vec<Captured>>>) {
             let Ok((mut sock, _)) = listener.accept().await else {
                 return;
             };
-            let reply = reply.to_string();
             let seen = seen2.clone();
+            let replies = replies.clone();
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 let mut chunk = [0u8; 4096];
@@ -1571,13 +1814,19 @@ async fn stand_in(reply: Value) -> (String, Arc<Mutex<Vec<Captured>>>) {
                     k.eq_ignore_ascii_case("authorization")
                         .then(|| v.trim().to_owned())
                 });
-                seen.lock().unwrap().push(Captured {
-                    request_line: head.lines().next().unwrap_or_default().to_owned(),
-                    authorization,
-                    body: serde_json::from_slice(&buf[head_end..]).unwrap_or(Value::Null),
-                });
+                let n = {
+                    let mut seen = seen.lock().unwrap();
+                    seen.push(Captured {
+                        request_line: head.lines().next().unwrap_or_default().to_owned(),
+                        authorization,
+                        body: serde_json::from_slice(&buf[head_end..]).unwrap_or(Value::Null),
+                    });
+                    seen.len()
+                };
+                let (status, reply) = replies[(n - 1).min(replies.len() - 1)].clone();
+                let reply = reply.to_string();
                 let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}",
+                    "HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reply}",
                     reply.len()
                 );
                 let _ = sock.write_all(resp.as_bytes()).await;
@@ -1599,6 +1848,7 @@ fn openai(base: &str, price_in: f64, price_out: f64) -> Arc<dyn Generator> {
             price_per_1k_input: price_in,
             price_per_1k_output: price_out,
             timeout: Duration::from_secs(10),
+            max_output_tokens: 100,
         })
         .unwrap(),
     )
@@ -1614,40 +1864,78 @@ fn completion(content: &str, prompt_tokens: u64, completion_tokens: u64) -> Valu
     })
 }
 
+/// An engine whose research retries come due at once.
+fn quick_retry_engine(pool: &PgPool, worker: &str, handler: Arc<dyn Handler>) -> Engine {
+    let mut cfg = ConsumerConfig::default();
+    cfg.policies.insert(
+        Kind::Research,
+        Policy {
+            retry: RetryPolicy {
+                base: Duration::from_millis(10),
+                max: Duration::from_millis(10),
+            },
+            ..RESEARCH.policy
+        },
+    );
+    Engine::new(pool.clone(), worker, vec![handler], cfg)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_http_generator_answers_through_a_local_stand_in_and_records_its_cost() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let (base, seen) = stand_in(completion(
-        "Fencing compares the lease token on every write [1]; a lease expires after thirty seconds [2].",
+    let s = seed("http").await;
+    let pool = s.pool().clone();
+    let ok = completion(
+        "Fencing will use the lease token on every write [1]; a lease will expire after thirty seconds [2].",
         1200,
         40,
-    ))
-    .await;
+    );
+    // The first call finds the service overloaded: a retry, then the answer.
+    let (base, seen) = stand_in(vec![(503, json!({"error": "busy"})), (200, ok)]).await;
     let handler = Arc::new(ResearchHandler::with_generator(openai(&base, 0.5, 1.5)));
     let id = request(
-        &env.pool,
+        &pool,
         &ResearchRequest {
             budget_usd: Some(1.0),
             ..req(&s, QUESTION)
         },
     )
     .await;
-    let e = engine(&env, "w-http", handler);
-    let j = run_until_settled(&env, &e, id).await;
+    let e = quick_retry_engine(&pool, "w-http", handler);
+    deliver(&s, &e).await.expect("a delivery");
+    let j = job(&pool, id).await;
+    assert_eq!(j.stage, "generating", "{j:?}");
+    let (retry_at, error): (i64, String) =
+        sqlx::query_as("SELECT retry_at, error FROM research_task_jobs WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert!(error.starts_with("generator_unavailable: "), "{error}");
+    assert!(!error.contains("sk-test-secret"));
+    let retried = events(&pool, id).await;
+    assert_eq!(
+        shape(&retried).last().unwrap(),
+        &(
+            "stage_changed".into(),
+            "generating".into(),
+            json!({"error": error, "retryAt": retry_at, "retryScheduled": true})
+        )
+    );
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "completed", "{j:?}");
 
     let calls = seen.lock().unwrap().clone();
-    assert_eq!(calls.len(), 1);
-    assert_eq!(calls[0].request_line, "POST /v1/chat/completions HTTP/1.1");
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls[1].request_line, "POST /v1/chat/completions HTTP/1.1");
     assert_eq!(
-        calls[0].authorization.as_deref(),
+        calls[1].authorization.as_deref(),
         Some("Bearer sk-test-secret")
     );
-    assert_eq!(calls[0].body["model"], "stand-in-1");
-    let user = calls[0].body["messages"][1]["content"].as_str().unwrap();
+    assert_eq!(calls[1].body["model"], "stand-in-1");
+    assert_eq!(calls[1].body["max_tokens"], 100);
+    let user = calls[1].body["messages"][1]["content"].as_str().unwrap();
     assert!(
-        user.contains(QUESTION) && user.contains("[1]") && user.contains("Fencing compares"),
+        user.contains(QUESTION) && user.contains("[1]") && user.contains("Fencing will use"),
         "{user}"
     );
     assert!(!user.contains("OTHER-TENANT-SECRET"));
@@ -1655,108 +1943,119 @@ async fn the_http_generator_answers_through_a_local_stand_in_and_records_its_cos
     let result = &j.metadata["result"];
     assert_eq!(result["generator"], "openai");
     assert_eq!(result["model"], "stand-in-1");
+    let indices: Vec<u64> = result["citations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, vec![1, 2]);
+    // The failed attempt's reservation went with its step; the second attempt's call is the one
+    // entry, settled with what the service billed.
+    let mut cost = j.cost.clone();
+    cost["entries"][0]["recordedAt"] = json!(0);
     assert_eq!(
-        result["citations"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c["index"].as_u64().unwrap())
-            .collect::<Vec<_>>(),
-        vec![1, 2]
+        cost,
+        json!({"budgetUsd": 1.0, "entries": [{"costUsd": 0.66, "provider": "openai", "recordedAt": 0,
+          "step": "query.answer", "usage": {"completionTokens": 40, "estimated": false, "promptTokens": 1200,
+            "researchModelCallId": format!("attempt:2:query-answer:{id}:2:openai"), "reserved": false,
+            "status": "succeeded", "totalTokens": 1240}}], "totalUsd": 0.66})
     );
-    assert_eq!(j.cost["promptTokens"], 1200);
-    assert_eq!(j.cost["completionTokens"], 40);
-    assert_eq!(j.cost["calls"], 1);
-    let usd = j.cost["usd"].as_f64().unwrap();
-    assert!((usd - (1.2 * 0.5 + 0.04 * 1.5)).abs() < 1e-9, "{usd}");
     // The key is nowhere in the database.
     let dump: String = sqlx::query_scalar(
         "SELECT concat((SELECT string_agg(j::text, '') FROM research_task_jobs j), \
            (SELECT string_agg(e::text, '') FROM research_task_progress_events e), \
            (SELECT string_agg(p::text, '') FROM research_task_partial_results p))",
     )
-    .fetch_one(&env.pool)
+    .fetch_one(&pool)
     .await
     .unwrap();
     assert!(!dump.contains("sk-test-secret"));
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_budget_overrun_cancels_the_task_with_its_reason() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
-    let (base, seen) = stand_in(completion("A very long answer [1].", 1000, 500_000)).await;
+async fn a_budget_overrun_cancels_the_task_with_the_platforms_reason() {
+    let s = seed("budget").await;
+    let pool = s.pool().clone();
+    let (base, seen) = stand_in(vec![(
+        200,
+        completion("A very long answer [1].", 1000, 500_000),
+    )])
+    .await;
     let handler = Arc::new(ResearchHandler::with_generator(openai(&base, 0.001, 0.01)));
     let id = request(
-        &env.pool,
+        &pool,
         &ResearchRequest {
             budget_usd: Some(1.0),
             ..req(&s, QUESTION)
         },
     )
     .await;
-    let e = engine(&env, "w-budget", handler);
-    let j = run_until_settled(&env, &e, id).await;
+    let e = engine(&pool, "w-budget", handler);
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "canceled", "{j:?}");
-    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(
+        seen.lock().unwrap().len(),
+        1,
+        "the reservation fit; the call was made"
+    );
     let error = j.error.unwrap();
-    assert!(error.starts_with("budget_exceeded: "), "{error}");
+    assert!(
+        error.starts_with("RESEARCH_TASK_BUDGET_EXHAUSTED: "),
+        "{error}"
+    );
     assert!(error.contains("over the budget of $1.0"), "{error}");
-    let usd = j.cost["usd"].as_f64().unwrap();
+    assert_eq!(j.cost["budgetExceeded"], true);
+    let usd = j.cost["totalUsd"].as_f64().unwrap();
     assert!(
         (usd - 5.001).abs() < 1e-9,
         "the spend is recorded: {}",
         j.cost
     );
+    assert_eq!(j.cost["entries"][0]["usage"]["status"], "succeeded");
     assert!(j.metadata.get("result").is_none(), "no answer over budget");
-    let evs = events(&env.pool, id).await;
+    assert!(partials(&pool, id).await.is_empty());
+    let evs = events(&pool, id).await;
     assert_contiguous(id, &evs);
+    assert_eq!(advances(&evs), ADVANCES[..4].to_vec());
     assert_eq!(
-        stages(&evs),
-        vec![
-            "queued",
-            "planning",
-            "retrieving",
-            "analyzing",
-            "generating",
-            "canceled"
-        ]
+        shape(&evs).last().unwrap(),
+        &(
+            "canceled".into(),
+            "canceled".into(),
+            json!({"reason": "RESEARCH_TASK_BUDGET_EXHAUSTED"})
+        )
     );
-    let last = &evs.last().unwrap().4;
-    assert_eq!(last["code"], "budget_exceeded");
-    assert_eq!(
-        outbox(&env.pool, id)
-            .await
-            .iter()
-            .map(|o| o.1.as_str())
-            .collect::<Vec<_>>(),
-        vec!["canceled"]
-    );
+    assert_eq!(outbox_states(&pool, id).await, vec!["canceled"]);
 
-    // A budget the prompt alone exceeds cancels before any call.
+    // A budget the reservation alone exceeds cancels before any call, and spends nothing.
     let id = request(
-        &env.pool,
+        &pool,
         &ResearchRequest {
             budget_usd: Some(0.0),
             ..req(&s, QUESTION)
         },
     )
     .await;
-    let j = run_until_settled(&env, &e, id).await;
+    let j = run_until_settled(&s, &e, id).await;
     assert_eq!(j.stage, "canceled");
-    assert!(j.error.unwrap().contains("would cost at least"));
+    assert!(j.error.unwrap().contains("would cost up to"));
+    assert_eq!(
+        j.cost,
+        json!({"budgetUsd": 0.0, "entries": [], "totalUsd": 0.0})
+    );
     assert_eq!(seen.lock().unwrap().len(), 1, "no second call");
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
 // The command line
 
-fn kfs(env: &TestEnv, args: &[&str], extra: &[(&str, &str)]) -> std::process::Output {
+fn kfs(fx: &SpaceFx, args: &[&str], extra: &[(&str, &str)]) -> std::process::Output {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
     cmd.args(args);
-    for (k, v) in env.worker_env() {
+    for (k, v) in fx.env.worker_env() {
         cmd.env(k, v);
     }
     cmd.env_remove("RUST_LOG");
@@ -1768,11 +2067,11 @@ fn kfs(env: &TestEnv, args: &[&str], extra: &[(&str, &str)]) -> std::process::Ou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_command_line_requests_controls_and_follows_a_task() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
+    let s = seed("cli").await;
+    let pool = s.pool().clone();
     let (space, snapshot) = (s.space.to_string(), s.snapshot.to_string());
     let out = kfs(
-        &env,
+        &s,
         &[
             "research",
             &space,
@@ -1798,34 +2097,42 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
     let (top_k, mode): (Option<i32>, Option<String>) =
         sqlx::query_as("SELECT top_k, mode FROM research_task_jobs WHERE id = $1")
             .bind(id)
-            .fetch_one(&env.pool)
+            .fetch_one(&pool)
             .await
             .unwrap();
     assert_eq!((top_k, mode.as_deref()), (Some(5), Some("research")));
 
-    for (action, stage) in [("pause", "paused"), ("resume", "queued")] {
-        let out = kfs(&env, &["research", action, &id.to_string()], &[]);
+    let id_s = id.to_string();
+    for (args, stage) in [
+        (
+            vec!["research", "pause", &id_s, "--reason", "coffee"],
+            "paused",
+        ),
+        (vec!["research", "resume", &id_s], "queued"),
+    ] {
+        let out = kfs(&s, &args, &[]);
         assert!(
             out.status.success(),
-            "{action}: {}",
+            "{args:?}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert_eq!(job(&env.pool, id).await.stage, stage);
+        assert_eq!(job(&pool, id).await.stage, stage);
     }
+    assert_eq!(events(&pool, id).await[1].4, json!({"reason": "coffee"}));
 
     // Follow while a worker runs it: every event, in order, one plain line each, then exit.
     let follower = {
         let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
-        cmd.args(["research", "follow", &id.to_string(), "--poll", "50ms"])
+        cmd.args(["research", "follow", &id_s, "--poll", "50ms"])
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped());
-        for (k, v) in env.worker_env() {
+        for (k, v) in s.env.worker_env() {
             cmd.env(k, v);
         }
         cmd.spawn().unwrap()
     };
-    let e = engine(&env, "w-cli", extractive());
-    assert_eq!(run_until_settled(&env, &e, id).await.stage, "completed");
+    let e = engine(&pool, "w-cli", extractive());
+    assert_eq!(run_until_settled(&s, &e, id).await.stage, "completed");
     let out = tokio::task::spawn_blocking(move || follower.wait_with_output())
         .await
         .unwrap()
@@ -1837,26 +2144,28 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
     );
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<&str> = stdout.lines().collect();
-    let evs = events(&env.pool, id).await;
+    let evs = events(&pool, id).await;
     assert_eq!(lines.len(), evs.len(), "{stdout}");
     for (line, ev) in lines.iter().zip(&evs) {
         let f: Vec<&str> = line.split('\t').collect();
         assert_eq!(f[0], ev.0.to_string());
         assert_eq!(f[2], ev.1);
         assert_eq!(f[3], ev.2);
+        assert_eq!(serde_json::from_str::<Value>(f[4]).unwrap(), ev.4);
     }
 
-    let out = kfs(&env, &["research", "show", &id.to_string()], &[]);
+    let out = kfs(&s, &["research", "show", &id_s], &[]);
     let shown: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(shown["stage"], "completed");
     assert!(shown["result"]["answer"].is_string());
+    assert_eq!(shown["evidence"]["traceId"], json!(id_s));
+    assert_eq!(shown["publication"]["tenantId"], TENANT);
 
     // Bad input and refusals: one error line, exit 2, nothing written.
     let jobs_before: i64 = sqlx::query_scalar("SELECT count(*) FROM research_task_jobs")
-        .fetch_one(&env.pool)
+        .fetch_one(&pool)
         .await
         .unwrap();
-    let id_s = id.to_string();
     let bad: Vec<(Vec<&str>, &str)> = vec![
         (
             vec![
@@ -1904,7 +2213,7 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
         (vec!["research", "pause", "nope"], "job id"),
     ];
     for (args, needle) in bad {
-        let out = kfs(&env, &args, &[]);
+        let out = kfs(&s, &args, &[]);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
         assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
@@ -1914,14 +2223,14 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
         );
     }
     let jobs_after: i64 = sqlx::query_scalar("SELECT count(*) FROM research_task_jobs")
-        .fetch_one(&env.pool)
+        .fetch_one(&pool)
         .await
         .unwrap();
     assert_eq!(jobs_before, jobs_after);
 
     // A malformed generator setting stops a worker at start, naming the variable.
     let out = kfs(
-        &env,
+        &s,
         &["run", "--kinds", "research"],
         &[
             ("KFS_GENERATOR", "openai"),
@@ -1932,7 +2241,7 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("KFS_OPENAI_MODEL"), "{err}");
     assert!(!err.contains("sk-never-printed"), "{err}");
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1941,15 +2250,16 @@ async fn the_command_line_requests_controls_and_follows_a_task() {
 #[cfg(feature = "crash-points")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
-    let env = TestEnv::new().await;
-    let s = seed(&env.pool).await;
+    let s = seed("kill").await;
+    let pool = s.pool().clone();
+    let env = &s.env;
     let common_env = [
         ("KFS_RELAY_POLL", "100ms"),
         ("KFS_SLICE_STEPS", "1"),
         ("KFS_GENERATOR", "extractive"),
     ];
     for point in ["after-claim-commit", "after-step-commit:2", "before-ack:2"] {
-        let id = request(&env.pool, &req(&s, QUESTION)).await;
+        let id = request(&pool, &req(&s, QUESTION)).await;
         let mut extra = common_env.to_vec();
         extra.push(("KFS_CRASH_AT", point));
         let mut doomed = env.spawn_worker(
@@ -1963,13 +2273,12 @@ async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
             ],
             &extra,
         );
-        let status = tokio::task::spawn_blocking(move || {
+        let (status, doomed) = tokio::task::spawn_blocking(move || {
             let s = doomed.wait_exit(Duration::from_secs(60));
             (s, doomed)
         })
         .await
         .unwrap();
-        let (status, doomed) = status;
         let status =
             status.unwrap_or_else(|| panic!("did not crash at {point}:\n{}", doomed.log_text()));
         assert!(!status.success(), "{point}: {status:?}");
@@ -1978,7 +2287,7 @@ async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
             "{}",
             doomed.log_text()
         );
-        let mid = job(&env.pool, id).await;
+        let mid = job(&pool, id).await;
         assert_ne!(
             mid.stage, "completed",
             "{point}: crashed too late to matter"
@@ -1995,28 +2304,37 @@ async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
             ],
             &common_env,
         );
-        let pool = env.pool.clone();
+        let p = pool.clone();
         let done = env
             .wait_until(Duration::from_secs(60), || {
-                let pool = pool.clone();
-                async move { job(&pool, id).await.stage == "completed" }
+                let p = p.clone();
+                async move { job(&p, id).await.stage == "completed" }
             })
             .await;
         assert!(
             done,
             "{point}: {:?}\n{}",
-            job(&env.pool, id).await,
+            job(&pool, id).await,
             rescuer.log_text()
         );
         common::stop_cleanly([&mut rescuer], Duration::from_secs(20)).await;
 
-        let evs = events(&env.pool, id).await;
+        let evs = events(&pool, id).await;
         assert_contiguous(id, &evs);
-        assert_eq!(stages(&evs), WALK.to_vec(), "{point}");
-        let ps = partials(&env.pool, id).await;
-        assert_eq!(ps.len(), 5, "{point}: {ps:#?}");
-        let j = job(&env.pool, id).await;
+        assert_eq!(advances(&evs), ADVANCES.to_vec(), "{point}");
+        // One claim event per execution attempt, in order.
+        let attempts: Vec<i64> = evs
+            .iter()
+            .filter(|e| is_claim(e))
+            .map(|e| e.4["executionAttempt"].as_i64().unwrap())
+            .collect();
+        assert!(
+            !attempts.is_empty() && attempts.windows(2).all(|w| w[0] < w[1]),
+            "{point}: {attempts:?}"
+        );
+        bundle(&pool, id).await;
+        let j = job(&pool, id).await;
         assert!(j.metadata["result"]["answer"].is_string());
     }
-    env.cleanup().await;
+    s.fx.cleanup().await;
 }

@@ -119,6 +119,7 @@ fn run_options(
         maintenance_cfg: MaintenanceConfig::default(),
         http_addr: None,
         admin_token: None,
+        embedder: crate::embed::EmbedderConfig::Offline,
     })
 }
 

@@ -518,6 +518,18 @@ impl Engine {
                 .await
                 .map_err(StepError::Certain)?;
         }
+        if let End::Wait {
+            code,
+            refund: false,
+            ..
+        } = end
+        {
+            // Likewise the kind's record of a scheduled retry.
+            handler
+                .on_retry(&mut tx, job, code)
+                .await
+                .map_err(StepError::Certain)?;
+        }
         tx.commit().await.map_err(StepError::Uncertain)?;
         Ok(Some(end.name()))
     }

@@ -3,16 +3,15 @@
 
 use std::time::Duration;
 
-use sqlx::migrate::Migrator;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool, Postgres, Transaction};
 
 use crate::config::SecretUrl;
 
-/// The project's migrations: the platform's job schema plus this project's own objects.
-/// Every statement is guarded, so running them over an existing platform database adopts it.
-pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
+pub mod migrate;
+
+pub use migrate::{migrate, MigrateError, MIGRATOR};
 
 /// Why Postgres could not be used, in words an operator can act on.
 #[derive(Debug, thiserror::Error)]
@@ -241,12 +240,6 @@ fn io_reason(io: &std::io::Error) -> String {
         NotFound => "host not found".into(),
         _ => io.to_string(),
     }
-}
-
-/// Applies every pending migration. Safe to run from many processes at once: sqlx holds an
-/// advisory lock for the duration.
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    MIGRATOR.run(pool).await
 }
 
 /// True for errors where the same work may succeed if tried again: lost connections,

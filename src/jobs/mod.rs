@@ -283,10 +283,22 @@ impl KindSpec {
     }
 }
 
-/// What handlers need from the process: the object store, and anything else shared.
+/// What handlers need from the process: the object store, the embedder, and anything else
+/// shared.
 #[derive(Clone, Debug)]
 pub struct Deps {
     pub store: crate::store::Store,
+    pub embedder: std::sync::Arc<dyn crate::embed::Embedder>,
+}
+
+impl Deps {
+    /// The object store with the deterministic offline embedder (tests, the demo, the bench).
+    pub fn offline(store: crate::store::Store) -> Self {
+        Self {
+            store,
+            embedder: std::sync::Arc::new(crate::embed::Offline),
+        }
+    }
 }
 
 /// The handlers of every kind, built from `deps`.
@@ -393,6 +405,18 @@ pub trait Handler: Send + Sync + 'static {
     /// Called when the job fails, in the transaction that records the failure (after the
     /// fenced end was written), so the kind can record it on its own rows too.
     async fn on_fail(
+        &self,
+        _tx: &mut PgConnection,
+        _job: &JobCtx,
+        _code: &str,
+    ) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    /// Called when a retryable failure schedules the job's retry, in the transaction that
+    /// records it (after the fenced end was written), so the kind can record it on its own rows
+    /// too. The default does nothing.
+    async fn on_retry(
         &self,
         _tx: &mut PgConnection,
         _job: &JobCtx,

@@ -1,9 +1,15 @@
 //! The platform's own kinds in the chaos mix: a space of Markdown documents compiled, researched
 //! and deleted through the library's request functions while the faults run, next to the probe
 //! jobs. Invariant under test: whatever failed when, every compile ends succeeded with its
-//! outline and nodes written once, every research task completes with contiguous progress and
-//! each stage entered once, every deletion completes and leaves no nodes of its document, and
-//! no walk ever goes backwards.
+//! outline, page index and nodes written once and its document published, every research task
+//! completes with contiguous progress and each stage entered once (a stage-changed event with
+//! `previousStage`; the platform's claim and retry events repeat the current stage), every
+//! deletion completes and leaves no row of its document, and no walk ever goes backwards.
+//!
+//! A deletion in a space removes, as the platform's does, the space's research tasks and the
+//! compile attempts whose candidates served the deleted document: a research task or an attempt
+//! requested before a deletion may therefore be gone (or a research task canceled) at the end;
+//! one requested after the last deletion may not.
 //!
 //! The requests are the platform's, in its transactions; the only change the harness makes is
 //! to give each job 100 execution attempts (in the request's own transaction), as the probe
@@ -69,9 +75,10 @@ CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON research_task_jobs FOR
 /// The jobs requested during the run.
 #[derive(Default)]
 pub struct Requested {
-    /// (attempt, document)
-    pub compiles: Vec<(Uuid, Uuid)>,
-    pub research: Vec<Uuid>,
+    /// (attempt, document, deletions requested before it)
+    pub compiles: Vec<(Uuid, Uuid, usize)>,
+    /// (job, deletions requested before it)
+    pub research: Vec<(Uuid, usize)>,
     pub deletions: Vec<(Uuid, Uuid)>,
 }
 
@@ -123,7 +130,7 @@ pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u
                 .await
                 .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
                 commit_with_attempts(tx, "document_compilation_attempts", id).await?;
-                out.compiles.push((id, s.documents[compiled_next]));
+                out.compiles.push((id, s.documents[compiled_next], out.deletions.len()));
                 compiled_next += 1;
             } else if roll < 0.85 || deleted_next >= DOCUMENTS {
                 let doc = rng.random_range(0..DOCUMENTS / 2);
@@ -137,7 +144,7 @@ pub async fn drive(pool: PgPool, s: NotesSpace, stop: CancellationToken, seed: u
                     .await
                     .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
                 commit_with_attempts(tx, "research_task_jobs", r.job_id).await?;
-                out.research.push(r.job_id);
+                out.research.push((r.job_id, out.deletions.len()));
             } else {
                 // Only a document whose compile ended may be deleted: a deletion racing its own
                 // document's compile is a different test.
@@ -218,17 +225,31 @@ pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, St
     let mut out = Vec::new();
     let deleted: Vec<Uuid> = r.deletions.iter().map(|(_, d)| *d).collect();
     let deletion_jobs: Vec<Uuid> = r.deletions.iter().map(|(j, _)| *j).collect();
-    // A deletion removes its document's compile attempts with the rest of its rows.
+    let all = r.deletions.len();
+    // A job requested after the last deletion must be there; an earlier one may have gone with
+    // a deletion's derived data.
+    let must_exist = |before: usize| before == all;
     let kept_compiles: Vec<Uuid> = r
         .compiles
         .iter()
-        .filter(|(_, d)| !deleted.contains(d))
-        .map(|(a, _)| *a)
+        .filter(|(_, d, before)| !deleted.contains(d) && must_exist(*before))
+        .map(|(a, _, _)| *a)
+        .collect();
+    let late_research: Vec<Uuid> = r
+        .research
+        .iter()
+        .filter(|(_, before)| must_exist(*before))
+        .map(|(j, _)| *j)
+        .collect();
+    let early_research: Vec<Uuid> = r
+        .research
+        .iter()
+        .filter(|(_, before)| !must_exist(*before))
+        .map(|(j, _)| *j)
         .collect();
 
     // Every job in the tables is judged, including one whose request committed while its
-    // answer was lost; and every recorded request must be there (a compile unless its document
-    // was deleted since).
+    // answer was lost.
     let wrong_compiles: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
         "SELECT id, run_state::text, last_error_code FROM document_compilation_attempts \
          WHERE run_state <> 'succeeded' LIMIT 10",
@@ -236,9 +257,12 @@ pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, St
     .fetch_all(pool)
     .await
     .unwrap();
+    // A research task is completed, or (requested before a deletion) canceled by it.
     let wrong_research: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
-        "SELECT id, stage::text, error FROM research_task_jobs WHERE stage <> 'completed' LIMIT 10",
+        "SELECT id, stage::text, error FROM research_task_jobs \
+         WHERE stage <> 'completed' AND NOT (stage = 'canceled' AND id = ANY($1)) LIMIT 10",
     )
+    .bind(&early_research)
     .fetch_all(pool)
     .await
     .unwrap();
@@ -258,7 +282,7 @@ pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, St
                   (SELECT 1 FROM deletion_jobs j WHERE j.id = x.id))",
     )
     .bind(&kept_compiles)
-    .bind(&r.research)
+    .bind(&late_research)
     .bind(&deletion_jobs)
     .fetch_one(pool)
     .await
@@ -277,56 +301,72 @@ pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, St
             && wrong_deletions.is_empty()
             && missing == 0
             && compiles > 0
-            && research > 0,
+            && !r.research.is_empty(),
         format!(
-            "requested {} compiles, {} research tasks, {} deletions; in the database {compiles}, {research}, {deletions}; \
-             recorded but missing {missing}; wrong (job, state, error): compile {wrong_compiles:?}, \
-             research {wrong_research:?}, deletion {wrong_deletions:?}",
+            "requested {} compiles, {} research tasks ({} after the last deletion), {} deletions; in the database \
+             {compiles}, {research}, {deletions}; recorded but missing {missing}; wrong (job, state, error): \
+             compile {wrong_compiles:?}, research {wrong_research:?}, deletion {wrong_deletions:?}",
             r.compiles.len(),
             r.research.len(),
+            late_research.len(),
             r.deletions.len()
         ),
     ));
 
-    // Each compile's outline exactly once per generation, its nodes once per ordinal, and nodes
-    // present for every compiled document that was not deleted.
+    // Each generation's outline, page index and multimodal manifest once; every compiled
+    // document that was not deleted served by the head with its nodes; no row of a deleted one.
     let dup_outlines: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM document_outlines GROUP BY document_asset_id, publication_generation_id \
-         HAVING count(*) <> 1) x",
+        "SELECT (SELECT count(*) FROM (SELECT 1 FROM document_outlines GROUP BY document_asset_id, \
+                   publication_generation_id HAVING count(*) <> 1) x) \
+              + (SELECT count(*) FROM (SELECT 1 FROM page_index_manifests GROUP BY document_outline_id, \
+                   publication_generation_id HAVING count(*) <> 1) x) \
+              + (SELECT count(*) FROM (SELECT 1 FROM document_multimodal_manifests GROUP BY document_asset_id, \
+                   version, publication_generation_id HAVING count(*) <> 1) x)",
     )
     .fetch_one(pool)
     .await
     .unwrap();
     let dup_nodes: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM (SELECT 1 FROM knowledge_nodes GROUP BY document_asset_id, publication_generation_id, ordinal \
-         HAVING count(*) <> 1) x",
+        "SELECT count(*) FROM (SELECT 1 FROM knowledge_nodes GROUP BY document_asset_id, publication_generation_id, \
+           kind, start_offset, end_offset HAVING count(*) <> 1) x",
     )
     .fetch_one(pool)
     .await
     .unwrap();
-    let without_nodes: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT a.document_asset_id FROM document_compilation_attempts a WHERE a.id = ANY($1) \
-         AND a.run_state = 'succeeded' AND NOT (a.document_asset_id = ANY($2)) \
-         AND NOT EXISTS (SELECT 1 FROM knowledge_nodes n WHERE n.document_asset_id = a.document_asset_id) LIMIT 10",
+    let compiled: Vec<Uuid> = r
+        .compiles
+        .iter()
+        .map(|(_, d, _)| *d)
+        .filter(|d| !deleted.contains(d))
+        .collect();
+    let unserved: Vec<Uuid> = sqlx::query_scalar(
+        "SELECT d FROM unnest($1::uuid[]) AS x(d) WHERE NOT EXISTS ( \
+           SELECT 1 FROM projection_set_publication_heads h \
+           JOIN projection_set_publication_members m ON m.publication_id = h.publication_id \
+             AND m.component_type = 'index-projection' AND m.document_asset_id = x.d \
+           JOIN index_projections p ON p.id = m.component_key AND p.status = 'ready' \
+           JOIN knowledge_nodes n ON n.id = p.node_id) LIMIT 10",
     )
-    .bind(&kept_compiles)
-    .bind(&deleted)
+    .bind(&compiled)
     .fetch_all(pool)
     .await
     .unwrap();
     let residue: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT DISTINCT document_asset_id FROM knowledge_nodes WHERE document_asset_id = ANY($1) LIMIT 10",
+        "SELECT DISTINCT document_asset_id FROM knowledge_nodes WHERE document_asset_id = ANY($1) \
+         UNION SELECT DISTINCT document_asset_id FROM parse_artifacts WHERE document_asset_id = ANY($1) \
+         UNION SELECT DISTINCT document_asset_id FROM projection_set_publication_members WHERE document_asset_id = ANY($1) \
+         LIMIT 10",
     )
     .bind(&deleted)
     .fetch_all(pool)
     .await
     .unwrap();
     out.push((
-        "platform effects once: one outline per compile, each node once, no nodes left of a deleted document",
-        dup_outlines == 0 && dup_nodes == 0 && without_nodes.is_empty() && residue.is_empty(),
+        "platform effects once: one outline and page index per compile, each node once, every kept document published, nothing left of a deleted one",
+        dup_outlines == 0 && dup_nodes == 0 && unserved.is_empty() && residue.is_empty(),
         format!(
-            "duplicated outlines {dup_outlines}, duplicated nodes {dup_nodes}; compiled documents without nodes \
-             {without_nodes:?}; deleted documents with nodes {residue:?}"
+            "duplicated outlines or manifests {dup_outlines}, duplicated nodes {dup_nodes}; compiled documents the head \
+             does not serve {unserved:?}; deleted documents with rows {residue:?}"
         ),
     ));
 
@@ -339,7 +379,7 @@ pub async fn checks(pool: &PgPool, r: &Requested) -> Vec<(&'static str, bool, St
     .unwrap();
     let twice: Vec<(Uuid, String, i64)> = sqlx::query_as(
         "SELECT research_task_job_id, stage::text, count(*) FROM research_task_progress_events \
-         WHERE event_type = 'research_task.stage_changed' GROUP BY 1, 2 HAVING count(*) > 1 LIMIT 10",
+         WHERE event_type = 'research_task.stage_changed' AND payload ? 'previousStage' GROUP BY 1, 2 HAVING count(*) > 1 LIMIT 10",
     )
     .fetch_all(pool)
     .await

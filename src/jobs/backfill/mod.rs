@@ -1,18 +1,28 @@
-//! Profile backfills (`knowledge_space_profile_backfills`), leased straight from Postgres.
-//! Invariant: a backfill installs a space's initial profile head only in the one transaction
-//! that is fenced by its lease token and row version, holds the space manifest's row lock and
-//! the head row's lock, and finds the manifest still at the discovered version and the snapshot
-//! still hashing to its recorded digest; the revision and the head are written together, the
-//! head by compare-and-swap on its absence. Every refusal is final and names its reason.
+//! Profile backfills (`knowledge_space_profile_backfills`, platform migration 0018), discovered
+//! and leased straight from Postgres as the platform's runtime does. Invariant: a backfill row
+//! exists for a space's manifest profile key only as discovery froze it (manifest version,
+//! snapshot, SHA-256 of its `stableJson`); a backfill installs the space's initial profile
+//! revision and head only in the one transaction that is fenced by its lease token and row
+//! version, holds the space row's lock (active, not deletion-fenced), the manifest's and the
+//! head's locks, and finds the manifest's profile still at the discovered version and digest;
+//! the revision (`active`, every column as the platform writes it) and the head (row_version 1)
+//! commit together with `succeeded`, or nothing does. Refusals carry the platform's codes and
+//! are final; only an operator's [`retry`] queues a failed backfill again.
 //!
-//! Retries: a retryable failure puts the job back to `queued` (the table keeps no error on a
-//! queued row), and the claim takes it again once `updated_at` is older than the kind's
-//! backoff for the attempts it has used.
+//! Where kfs-worker differs from the platform's runtime: the model capability is derived from
+//! the profile ([`profile::derive_capability`]) instead of verified over the network; a failure
+//! to reach the database is retried with the kind's backoff (the row goes back to `queued`, and
+//! the claim takes it once `updated_at` is older than the backoff for the attempts used) where
+//! the platform would fail the row; a stored snapshot that no longer hashes to its digest fails
+//! the row (`LEGACY_PROFILE_SOURCE_CHANGED`) where the platform's reader throws on every claim.
 
+pub mod profile;
 pub mod walk;
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
@@ -20,7 +30,7 @@ use crate::consumer::lease::{millis, End};
 use crate::jobs::leased::{Lease, LeasedKind};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
-use walk::{Facts, HeadFact, Plan};
+use walk::{HeadFact, Plan, SourceFacts};
 
 pub const TABLE: &str = "knowledge_space_profile_backfills";
 
@@ -34,15 +44,42 @@ pub const POLICY: Policy = Policy {
     },
 };
 
+const EXHAUSTED_MESSAGE: &str = "Profile backfill exhausted its durable execution-attempt budget";
+
+/// Spaces looked at per discovery page.
+pub const DISCOVERY_LIMIT: i64 = 100;
+
+/// Where discovery goes on (a keyset cursor over space ids, kept in memory as the platform's
+/// runtime keeps it; it starts over when a page comes back empty).
+#[derive(Clone, Debug, Default)]
+pub struct DiscoveryCursor(Arc<Mutex<Option<Uuid>>>);
+
+impl DiscoveryCursor {
+    fn get(&self) -> Option<Uuid> {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn set(&self, next: Option<Uuid>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = next;
+    }
+}
+
 /// The backfill kind.
 #[derive(Clone, Debug)]
 pub struct BackfillKind {
     pub policy: Policy,
+    /// Spaces looked at by the discovery page that runs before each claim.
+    pub discovery_limit: i64,
+    pub cursor: DiscoveryCursor,
 }
 
 impl Default for BackfillKind {
     fn default() -> Self {
-        Self { policy: POLICY }
+        Self {
+            policy: POLICY,
+            discovery_limit: DISCOVERY_LIMIT,
+            cursor: DiscoveryCursor::default(),
+        }
     }
 }
 
@@ -51,48 +88,102 @@ const LEASE_CLEAR: &str =
 const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_state = 'running' \
                      AND lease_expires_at > clock_timestamp()";
 
-/// A discovered source profile, as the platform's discovery writes it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct BackfillRequest {
-    pub tenant: String,
-    pub space: Uuid,
-    /// `embedding` or `retrieval`.
-    pub kind: String,
-    pub manifest_version: i32,
-    pub snapshot: serde_json::Value,
+/// What one discovery page did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Discovered {
+    pub scanned: usize,
+    pub created: usize,
+    /// The last space of the page: where the next page starts.
+    pub next: Option<Uuid>,
 }
 
-/// Writes a queued backfill (digest computed here, `max_execution_attempts` from the kind's
-/// policy). Idempotent on the source: the existing backfill is returned.
-pub async fn enqueue(conn: &mut PgConnection, req: &BackfillRequest) -> Result<Uuid, sqlx::Error> {
-    let digest = walk::digest(&req.snapshot);
-    sqlx::query(
-        "INSERT INTO knowledge_space_profile_backfills \
-           (id, tenant_id, knowledge_space_id, kind, source_manifest_version, source_snapshot, source_snapshot_digest, \
-            run_state, execution_attempts, max_execution_attempts, row_version, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, 'queued', 0, $8, 1, now(), now()) \
-         ON CONFLICT (tenant_id, knowledge_space_id, kind, source_manifest_version, source_snapshot_digest) DO NOTHING",
+/// One discovery page, in one transaction, as the platform's discovery runs it: the active,
+/// not deletion-fenced spaces after `after` that lack an embedding or a retrieval head, and for
+/// each of them, each manifest profile key holding an object becomes a queued backfill of the
+/// manifest's version (insert-if-absent on the source).
+pub async fn discover(
+    conn: &mut PgConnection,
+    after: Option<Uuid>,
+    limit: i64,
+    max_attempts: i32,
+) -> Result<Discovered, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let rows: Vec<(String, Uuid, i32, Value)> = sqlx::query_as(
+        "SELECT space.tenant_id::text, space.id, manifest.manifest_version, manifest.metadata \
+         FROM knowledge_spaces space \
+         JOIN knowledge_space_manifests manifest ON manifest.tenant_id = space.tenant_id \
+           AND manifest.knowledge_space_id = space.id \
+         WHERE ($1::uuid IS NULL OR space.id > $1) AND space.lifecycle_state = 'active' \
+           AND space.deletion_job_id IS NULL \
+           AND (NOT EXISTS (SELECT 1 FROM knowledge_space_profile_heads h WHERE h.tenant_id = space.tenant_id \
+                  AND h.knowledge_space_id = space.id AND h.kind = 'embedding') \
+             OR NOT EXISTS (SELECT 1 FROM knowledge_space_profile_heads h WHERE h.tenant_id = space.tenant_id \
+                  AND h.knowledge_space_id = space.id AND h.kind = 'retrieval')) \
+         ORDER BY space.id LIMIT $2",
     )
-    .bind(Uuid::now_v7())
-    .bind(&req.tenant)
-    .bind(req.space)
-    .bind(&req.kind)
-    .bind(req.manifest_version)
-    .bind(&req.snapshot)
-    .bind(&digest)
-    .bind(POLICY.max_attempts)
-    .execute(&mut *conn)
+    .bind(after)
+    .bind(limit)
+    .fetch_all(&mut *tx)
     .await?;
-    sqlx::query_scalar(
-        "SELECT id FROM knowledge_space_profile_backfills WHERE tenant_id = $1 AND knowledge_space_id = $2 \
-           AND kind = $3 AND source_manifest_version = $4 AND source_snapshot_digest = $5",
-    )
-    .bind(&req.tenant)
-    .bind(req.space)
-    .bind(&req.kind)
-    .bind(req.manifest_version)
-    .bind(&digest)
-    .fetch_one(conn)
+    let mut created = 0;
+    for (tenant, space, manifest_version, metadata) in &rows {
+        for (kind, key) in walk::KINDS {
+            let Some(snapshot) = metadata.get(key).filter(|v| v.is_object()) else {
+                continue;
+            };
+            created += sqlx::query(
+                "INSERT INTO knowledge_space_profile_backfills \
+                   (id, tenant_id, knowledge_space_id, kind, source_manifest_version, source_snapshot, \
+                    source_snapshot_digest, run_state, execution_attempts, max_execution_attempts, worker_id, \
+                    lease_token, lease_expires_at, heartbeat_at, row_version, last_error_code, last_error_message, \
+                    created_at, updated_at, completed_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, 'queued', 0, $8, NULL, NULL, NULL, NULL, 1, NULL, NULL, \
+                    now(), now(), NULL) \
+                 ON CONFLICT (tenant_id, knowledge_space_id, kind, source_manifest_version, source_snapshot_digest) \
+                 DO NOTHING",
+            )
+            .bind(Uuid::new_v4())
+            .bind(tenant)
+            .bind(space)
+            .bind(kind)
+            .bind(manifest_version)
+            .bind(snapshot)
+            .bind(walk::digest(snapshot))
+            .bind(max_attempts)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected() as usize;
+        }
+    }
+    tx.commit().await?;
+    Ok(Discovered {
+        scanned: rows.len(),
+        created,
+        next: rows.last().map(|r| r.1),
+    })
+}
+
+/// The operator's retry, as the platform's: the space's latest backfill of `kind`, if it
+/// failed, goes back to `queued` with its attempts reset. Returns its id, or `None` when the
+/// latest backfill did not fail (or there is none).
+pub async fn retry(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    kind: &str,
+) -> Result<Option<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(&format!(
+        "WITH latest AS ( \
+           SELECT id, run_state FROM {TABLE} WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = $3 \
+           ORDER BY source_manifest_version DESC, created_at DESC, id DESC LIMIT 1 FOR UPDATE) \
+         UPDATE {TABLE} b SET run_state = 'queued', execution_attempts = 0, last_error_code = NULL, \
+           last_error_message = NULL, completed_at = NULL, updated_at = now(), row_version = b.row_version + 1 \
+         FROM latest WHERE b.id = latest.id AND latest.run_state = 'failed' RETURNING b.id"
+    ))
+    .bind(tenant)
+    .bind(space)
+    .bind(kind)
+    .fetch_optional(conn)
     .await
 }
 
@@ -102,6 +193,137 @@ impl BackfillKind {
         (1..=self.policy.max_attempts.max(1) as u32)
             .map(|n| millis(self.policy.retry.delay(n, 0.0)))
             .collect()
+    }
+
+    /// The platform's `process`, inside the engine's fenced transaction.
+    async fn process(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
+        type Row = (String, Uuid, String, i32, Value, String, String);
+        let (tenant, space, kind, source_version, stored, recorded, discovered_at): Row =
+            sqlx::query_as(&format!(
+                "SELECT tenant_id::text, knowledge_space_id, kind::text, source_manifest_version, source_snapshot, \
+               source_snapshot_digest::text, \
+               to_char(created_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+             FROM {TABLE} WHERE id = $1"
+            ))
+            .bind(job.job_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if walk::digest(&stored) != recorded.trim() {
+            return Err(JobError::fatal(
+                "LEGACY_PROFILE_SOURCE_CHANGED",
+                "Knowledge-space profile backfill source snapshot digest mismatch",
+            ));
+        }
+        // In place of the platform's preflight.
+        let capability = profile::derive_capability(&kind, &stored, &discovered_at)?;
+        // Lock order: the job row (the engine's fence), the space, the manifest, the head.
+        let space_row: Option<(String, Option<Uuid>)> = sqlx::query_as(
+            "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces \
+             WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
+        )
+        .bind(&tenant)
+        .bind(space)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let deleting: Option<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM deletion_jobs WHERE tenant_id = $1 AND knowledge_space_id = $2 AND active_slot = 1 \
+             LIMIT 1 FOR UPDATE",
+        )
+        .bind(&tenant)
+        .bind(space)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let manifest: Option<(i32, Value)> = sqlx::query_as(
+            "SELECT manifest_version, metadata FROM knowledge_space_manifests \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
+        )
+        .bind(&tenant)
+        .bind(space)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let source = walk::check_source(&SourceFacts {
+            space_writable: matches!(&space_row, Some((s, None)) if s == "active")
+                && deleting.is_none(),
+            manifest,
+            kind: kind.clone(),
+            source_manifest_version: source_version,
+            recorded_digest: recorded,
+        })?;
+        let n = walk::normalize(&kind, &source, &capability)?;
+        let head: Option<(String, String, String, i32)> = sqlx::query_as(
+            "SELECT r.snapshot_digest::text, r.capability_snapshot_digest::text, r.state::text, h.active_revision \
+             FROM knowledge_space_profile_heads h \
+             JOIN knowledge_space_profile_revisions r ON r.id = h.profile_revision_id \
+             WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND h.kind = $3 FOR UPDATE",
+        )
+        .bind(&tenant)
+        .bind(space)
+        .bind(&kind)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let taken: Option<Uuid> = sqlx::query_scalar(
+            "SELECT id FROM knowledge_space_profile_revisions \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = $3 AND revision = $4 LIMIT 1 FOR UPDATE",
+        )
+        .bind(&tenant)
+        .bind(space)
+        .bind(&kind)
+        .bind(n.revision)
+        .fetch_optional(&mut *tx)
+        .await?;
+        let head = head.map(
+            |(snapshot_digest, capability_digest, state, active_revision)| HeadFact {
+                snapshot_digest,
+                capability_digest,
+                state,
+                active_revision,
+            },
+        );
+        if walk::decide(&n, head.as_ref(), taken.is_some())? == Plan::AlreadyActive {
+            return Ok(Step::Succeed("succeeded".into()));
+        }
+        let revision_id = Uuid::new_v4();
+        sqlx::query(
+            "INSERT INTO knowledge_space_profile_revisions \
+               (id, tenant_id, knowledge_space_id, kind, revision, state, snapshot, snapshot_digest, capability_snapshot, \
+                capability_snapshot_digest, plugin_id, provider, model, vector_space_id, dimension, created_by_subject_id, \
+                failure_code, failure_message, created_at, updated_at, activated_at, superseded_at, failed_at) \
+             VALUES ($1, $2, $3, $4, $5, 'active', $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, \
+                NULL, NULL, now(), now(), now(), NULL, NULL)",
+        )
+        .bind(revision_id)
+        .bind(&tenant)
+        .bind(space)
+        .bind(&kind)
+        .bind(n.revision)
+        .bind(&n.snapshot)
+        .bind(walk::digest(&n.snapshot))
+        .bind(&n.capability)
+        .bind(walk::digest(&n.capability))
+        .bind(&n.plugin_id)
+        .bind(&n.provider)
+        .bind(&n.model)
+        .bind(&n.vector_space_id)
+        .bind(n.dimension)
+        .bind(walk::SYSTEM_ACTOR)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO knowledge_space_profile_heads \
+               (id, tenant_id, knowledge_space_id, kind, profile_revision_id, active_revision, row_version, \
+                created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, 1, now(), now())",
+        )
+        .bind(Uuid::new_v4())
+        .bind(&tenant)
+        .bind(space)
+        .bind(&kind)
+        .bind(revision_id)
+        .bind(n.revision)
+        .execute(&mut *tx)
+        .await?;
+        crate::crash::point("backfill-before-commit");
+        Ok(Step::Succeed("succeeded".into()))
     }
 }
 
@@ -124,17 +346,26 @@ impl LeasedKind for BackfillKind {
         conn: &mut PgConnection,
         worker_id: &str,
     ) -> Result<Option<Lease>, sqlx::Error> {
+        let page = discover(
+            conn,
+            self.cursor.get(),
+            self.discovery_limit,
+            self.policy.max_attempts,
+        )
+        .await?;
+        self.cursor.set(page.next);
         let mut tx = conn.begin().await?;
         // A job whose last attempt died with its worker fails instead of staying held forever.
         sqlx::query(&format!(
             "UPDATE {TABLE} SET run_state = 'failed', {LEASE_CLEAR}, completed_at = now(), \
-               last_error_code = 'attempts_exhausted', \
-               last_error_message = 'the backfill used up its execution attempts', \
+               last_error_code = $1, last_error_message = $2, \
                row_version = row_version + 1, updated_at = now() \
              WHERE execution_attempts >= max_execution_attempts \
                AND (run_state = 'queued' OR (run_state = 'running' \
                     AND (lease_expires_at <= now() OR NOT kfs_worker_alive(worker_id))))"
         ))
+        .bind(walk::EXHAUSTED)
+        .bind(EXHAUSTED_MESSAGE)
         .execute(&mut *tx)
         .await?;
         let token = Uuid::new_v4();
@@ -150,7 +381,8 @@ impl LeasedKind for BackfillKind {
              ) \
              UPDATE {TABLE} j SET run_state = 'running', worker_id = $1, lease_token = $2, \
                lease_expires_at = now() + $3::bigint * interval '1 millisecond', heartbeat_at = now(), \
-               execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = now() \
+               execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = now(), \
+               completed_at = NULL, last_error_code = NULL, last_error_message = NULL \
              FROM c WHERE j.id = c.id \
              RETURNING j.id, j.row_version, j.execution_attempts, j.max_execution_attempts, c.was"
         ))
@@ -176,111 +408,18 @@ impl LeasedKind for BackfillKind {
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
-        type Row = (String, Uuid, String, i32, serde_json::Value, String);
-        let (tenant, space, kind, source_version, snapshot, recorded): Row = sqlx::query_as(&format!(
-            "SELECT tenant_id::text, knowledge_space_id, kind::text, source_manifest_version, source_snapshot, \
-               source_snapshot_digest::text FROM {TABLE} WHERE id = $1"
-        ))
-        .bind(job.job_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        // Lock order: the job row (fence), the manifest, then the head.
-        let manifest_version: Option<i32> = sqlx::query_scalar(
-            "SELECT version FROM knowledge_space_manifests WHERE tenant_id = $1 AND knowledge_space_id = $2 \
-             ORDER BY version DESC LIMIT 1 FOR UPDATE",
-        )
-        .bind(&tenant)
-        .bind(space)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let head: Option<(i32, String)> = sqlx::query_as(
-            "SELECT h.active_revision, r.snapshot_digest::text FROM knowledge_space_profile_heads h \
-             JOIN knowledge_space_profile_revisions r ON r.id = h.profile_revision_id \
-             WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND h.kind = $3 FOR UPDATE OF h",
-        )
-        .bind(&tenant)
-        .bind(space)
-        .bind(&kind)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let facts = Facts {
-            manifest_version,
-            source_manifest_version: source_version,
-            computed_digest: walk::digest(&snapshot),
-            recorded_digest: recorded.clone(),
-            head: head.map(|(revision, digest)| {
-                if digest.trim() == recorded.trim() {
-                    HeadFact::Ours
-                } else {
-                    HeadFact::Other { revision }
-                }
-            }),
-        };
-        match walk::decide(&facts)? {
-            Plan::AlreadyInstalled => return Ok(Step::Succeed("succeeded".into())),
-            Plan::Install => {}
+        match self.process(tx, job).await {
+            // Any other failure the platform's runtime records as its capability failure,
+            // without the cause's text.
+            Err(JobError::Fatal { code, message }) if !walk::CODES.contains(&code.as_str()) => {
+                tracing::warn!(job = %job.job_id, code, message, "profile backfill failed");
+                Err(JobError::fatal(
+                    profile::CAPABILITY_INVALID,
+                    "Legacy profile capability verification failed",
+                ))
+            }
+            other => other,
         }
-        let profile = walk::profile(&kind, &snapshot)?;
-        let capabilities = profile
-            .capabilities
-            .clone()
-            .unwrap_or_else(|| serde_json::json!({}));
-        let revision_id = Uuid::now_v7();
-        let revision: i32 = sqlx::query_scalar(
-            "INSERT INTO knowledge_space_profile_revisions \
-               (id, tenant_id, knowledge_space_id, kind, revision, state, snapshot, snapshot_digest, capability_snapshot, \
-                capability_snapshot_digest, plugin_id, provider, model, vector_space_id, dimension, created_by_subject_id, \
-                failure_code, failure_message, created_at, updated_at, activated_at, superseded_at, failed_at) \
-             SELECT $1, $2, $3, $4, coalesce(max(r.revision), 0) + 1, 'active', $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
-                NULL, NULL, now(), now(), now(), NULL, NULL \
-             FROM (SELECT revision FROM knowledge_space_profile_revisions \
-                   WHERE tenant_id = $2 AND knowledge_space_id = $3 AND kind = $4) r \
-             RETURNING revision",
-        )
-        .bind(revision_id)
-        .bind(&tenant)
-        .bind(space)
-        .bind(&kind)
-        .bind(&snapshot)
-        .bind(recorded.trim())
-        .bind(&capabilities)
-        .bind(walk::digest(&capabilities))
-        .bind(&profile.plugin_id)
-        .bind(&profile.provider)
-        .bind(&profile.model)
-        .bind(&profile.vector_space_id)
-        .bind(profile.dimension)
-        .bind(
-            profile
-                .created_by_subject_id
-                .as_deref()
-                .unwrap_or("system:profile-backfill"),
-        )
-        .fetch_one(&mut *tx)
-        .await?;
-        let installed: Option<Uuid> = sqlx::query_scalar(
-            "INSERT INTO knowledge_space_profile_heads \
-               (id, tenant_id, knowledge_space_id, kind, profile_revision_id, active_revision, row_version, created_at, updated_at) \
-             VALUES ($1, $2, $3, $4, $5, $6, 1, now(), now()) \
-             ON CONFLICT (tenant_id, knowledge_space_id, kind) DO NOTHING RETURNING id",
-        )
-        .bind(Uuid::now_v7())
-        .bind(&tenant)
-        .bind(space)
-        .bind(&kind)
-        .bind(revision_id)
-        .bind(revision)
-        .fetch_optional(&mut *tx)
-        .await?;
-        if installed.is_none() {
-            // Someone installed a head since we looked: decide again on the next attempt.
-            return Err(JobError::retryable(
-                "profile_head_moved",
-                "another profile head was installed at the same time",
-            ));
-        }
-        crate::crash::point("backfill-before-commit");
-        Ok(Step::Succeed("succeeded".into()))
     }
 
     async fn end(
@@ -289,6 +428,8 @@ impl LeasedKind for BackfillKind {
         job: &Lease,
         end: &End,
     ) -> Result<bool, sqlx::Error> {
+        let failed = "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), \
+                      last_error_message = left($5, 16384)";
         let (set, code, message, refund) = match end {
             End::Succeed { .. } => (
                 "run_state = 'succeeded', completed_at = now(), last_error_code = NULL, last_error_message = NULL",
@@ -296,14 +437,16 @@ impl LeasedKind for BackfillKind {
                 None,
                 0,
             ),
-            End::Fail { code, message } | End::Cancel { code, message } => (
-                "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), last_error_message = $5",
-                Some(code.clone()),
-                Some(message.clone()),
-                0,
-            ),
+            // Only a transient failure with no attempts left ends here with a code of its own.
+            End::Fail { code, message } if !walk::CODES.contains(&code.as_str()) => {
+                tracing::warn!(job = %job.job_id, code, message, "profile backfill out of attempts");
+                (failed, Some(walk::EXHAUSTED.to_owned()), Some(EXHAUSTED_MESSAGE.to_owned()), 0)
+            }
+            End::Fail { code, message } | End::Cancel { code, message } => {
+                (failed, Some(code.clone()), Some(message.clone()), 0)
+            }
             End::Supersede { message } => (
-                "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), last_error_message = $5",
+                failed,
                 Some("superseded".to_owned()),
                 Some(message.clone()),
                 0,

@@ -1,305 +1,465 @@
-//! The profile backfill decision as pure functions. Invariant: an initial profile head is
-//! installed only when the space's manifest, locked, is still at the version the backfill was
-//! discovered at, the stored snapshot still hashes to its recorded digest, the snapshot
-//! describes a valid profile of the backfill's kind, and no head exists yet; a head that already
-//! points at this very snapshot means the work was done (an uncertain commit repeated).
+//! The profile backfill decision as pure functions, in the platform's order and with its codes.
+//! Invariant: an initial profile head is installed only when the space is writable, its locked
+//! manifest is still at the discovered version, the manifest's profile key still hashes to the
+//! discovered digest (SHA-256 of `stableJson`), the profile parses strictly as the platform's
+//! schema of its kind, its capability matches it (and an embedding profile's vector space id is
+//! the one its selection, revision and capability give), and no head and no revision of that
+//! revision number exist; a head that already points at exactly this snapshot and capability is
+//! success without a write. Every refusal is final.
+//!
+//! The platform observes a model's capability over the network before it processes a backfill
+//! (its preflight). kfs-worker cannot: the capability it checks here is the one
+//! [`super::profile::derive_capability`] derives from the discovered profile itself.
 
-use serde::Deserialize;
-use sha2::{Digest, Sha256};
+use serde_json::{json, Value};
 
+use super::profile::{integer, parse_embedding, parse_retrieval, vector_space_id, Selection};
+use crate::canonical::stable_digest;
 use crate::jobs::JobError;
 
-/// The profile kinds.
-pub const KINDS: [&str; 2] = ["embedding", "retrieval"];
+/// The profile kinds and the manifest metadata key each is read from.
+pub const KINDS: [(&str, &str); 2] = [
+    ("embedding", "__knowledgeFsEmbeddingProfile"),
+    ("retrieval", "__knowledgeFsRetrievalProfile"),
+];
 
-/// What the step found under its locks.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Facts {
-    /// The highest manifest version of the space, locked; `None`: the space has no manifest.
-    pub manifest_version: Option<i32>,
+/// The platform's failure codes of a backfill; every other failure is recorded as the
+/// platform's runtime records it, [`super::profile::CAPABILITY_INVALID`].
+pub const CODES: [&str; 8] = [
+    "KNOWLEDGE_SPACE_NOT_WRITABLE",
+    "LEGACY_MANIFEST_NOT_FOUND",
+    "LEGACY_PROFILE_SOURCE_CHANGED",
+    "LEGACY_PROFILE_INVALID",
+    "PROFILE_HEAD_ALREADY_EXISTS",
+    "PROFILE_REVISION_ALREADY_EXISTS",
+    "PROFILE_BACKFILL_CAPABILITY_INVALID",
+    EXHAUSTED,
+];
+
+/// The code of a backfill that used up its execution attempts.
+pub const EXHAUSTED: &str = "PROFILE_BACKFILL_ATTEMPTS_EXHAUSTED";
+
+/// Who the platform records as the creator of a backfilled revision.
+pub const SYSTEM_ACTOR: &str = "system:legacy-profile-backfill";
+
+/// The manifest metadata key of a profile kind.
+pub fn metadata_key(kind: &str) -> Option<&'static str> {
+    KINDS.iter().find(|(k, _)| *k == kind).map(|(_, key)| *key)
+}
+
+/// The platform's digest of a profile snapshot: hex SHA-256 of its `stableJson`.
+pub fn digest(v: &Value) -> String {
+    stable_digest(v)
+}
+
+fn refuse(code: &str, message: impl Into<String>) -> JobError {
+    JobError::fatal(code, message)
+}
+
+/// What the step found under the space's and the manifest's locks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SourceFacts {
+    /// The space exists, is active, has no deletion job id and no active deletion job.
+    pub space_writable: bool,
+    /// The manifest's version and metadata, if the space has a manifest.
+    pub manifest: Option<(i32, Value)>,
+    pub kind: String,
     pub source_manifest_version: i32,
-    /// The digest of the stored snapshot, computed now.
-    pub computed_digest: String,
-    /// The digest recorded when the backfill was discovered.
     pub recorded_digest: String,
-    pub head: Option<HeadFact>,
 }
 
-/// The profile head of the space and kind, if one exists.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum HeadFact {
-    /// It points at a revision of this very snapshot.
-    Ours,
-    /// It points at another revision.
-    Other { revision: i32 },
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Plan {
-    /// Create the revision and install the initial head.
-    Install,
-    /// Already installed: succeed without writing.
-    AlreadyInstalled,
-}
-
-pub fn decide(f: &Facts) -> Result<Plan, JobError> {
-    let Some(current) = f.manifest_version else {
-        return Err(JobError::fatal(
-            "manifest_missing",
-            "the knowledge space has no manifest",
+/// Revalidates the discovered source. Returns the manifest's current profile of the kind.
+pub fn check_source(f: &SourceFacts) -> Result<Value, JobError> {
+    if !f.space_writable {
+        return Err(refuse(
+            "KNOWLEDGE_SPACE_NOT_WRITABLE",
+            "Knowledge space is missing, deleting, or deletion-fenced",
+        ));
+    }
+    let Some((version, metadata)) = &f.manifest else {
+        return Err(refuse(
+            "LEGACY_MANIFEST_NOT_FOUND",
+            "Legacy knowledge-space manifest was not found",
         ));
     };
-    if current != f.source_manifest_version {
-        return Err(JobError::fatal(
-            "manifest_moved",
-            format!(
-                "the space's manifest is at version {current}, but the backfill was discovered at version {}",
-                f.source_manifest_version
-            ),
-        ));
-    }
-    if f.computed_digest != f.recorded_digest.trim() {
-        return Err(JobError::fatal(
-            "snapshot_digest_mismatch",
-            format!(
-                "the source snapshot hashes to {}, but {} was recorded",
-                f.computed_digest,
-                f.recorded_digest.trim()
-            ),
-        ));
-    }
-    match f.head {
-        None => Ok(Plan::Install),
-        Some(HeadFact::Ours) => Ok(Plan::AlreadyInstalled),
-        Some(HeadFact::Other { revision }) => Err(JobError::fatal(
-            "profile_head_exists",
-            format!("the space already has an active profile head at revision {revision}"),
+    let source = metadata_key(&f.kind).and_then(|k| metadata.get(k));
+    match source {
+        Some(s) if s.is_object() && *version == f.source_manifest_version && digest(s) == f.recorded_digest.trim() => {
+            Ok(s.clone())
+        }
+        _ => Err(refuse(
+            "LEGACY_PROFILE_SOURCE_CHANGED",
+            "Legacy manifest profile changed after backfill discovery; stale snapshot was not activated",
         )),
     }
 }
 
-/// A profile as a source snapshot describes it.
-#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Profile {
+/// A profile ready to be written as an active revision.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Normalized {
+    pub snapshot: Value,
+    pub capability: Value,
+    pub revision: i32,
     pub plugin_id: String,
     pub provider: String,
     pub model: String,
-    #[serde(default)]
     pub vector_space_id: Option<String>,
-    #[serde(default)]
     pub dimension: Option<i32>,
-    #[serde(default)]
-    pub capabilities: Option<serde_json::Value>,
-    #[serde(default)]
-    pub created_by_subject_id: Option<String>,
 }
 
-/// Reads and checks the profile of a snapshot against the shape the revision table requires.
-pub fn profile(kind: &str, snapshot: &serde_json::Value) -> Result<Profile, JobError> {
-    let bad = |m: String| JobError::fatal("invalid_snapshot", m);
-    if !KINDS.contains(&kind) {
-        return Err(bad(format!("unknown profile kind '{kind}'")));
-    }
-    let p: Profile = serde_json::from_value(snapshot.clone())
-        .map_err(|e| bad(format!("the source snapshot is not a profile: {e}")))?;
-    for (field, value) in [
-        ("pluginId", &p.plugin_id),
-        ("provider", &p.provider),
-        ("model", &p.model),
-    ] {
-        if value.trim().is_empty() || value.chars().count() > 256 {
-            return Err(bad(format!("{field} must have 1 to 256 characters")));
-        }
-    }
-    match (kind, &p.vector_space_id, p.dimension) {
-        ("embedding", Some(v), Some(d)) => {
-            if v.is_empty() || v.chars().count() > 87 {
-                return Err(bad("vectorSpaceId must have 1 to 87 characters".into()));
-            }
-            if d < 1 {
-                return Err(bad("dimension must be at least 1".into()));
-            }
-        }
-        ("embedding", _, _) => {
-            return Err(bad(
-                "an embedding profile needs vectorSpaceId and dimension".into(),
-            ))
-        }
-        (_, None, None) => {}
-        _ => {
-            return Err(bad(
-                "a retrieval profile has no vectorSpaceId or dimension".into()
-            ))
-        }
-    }
-    if let Some(s) = &p.created_by_subject_id {
-        if s.is_empty() || s.chars().count() > 255 {
-            return Err(bad(
-                "createdBySubjectId must have 1 to 255 characters".into()
+fn same_selection(capability: &Value, sel: &Selection) -> bool {
+    capability.get("selection") == Some(&sel.to_json())
+}
+
+/// The platform's `normalizeLegacyProfile`: the snapshot and capability to install, or
+/// `LEGACY_PROFILE_INVALID`.
+pub fn normalize(kind: &str, source: &Value, capability: &Value) -> Result<Normalized, JobError> {
+    let invalid = |m: String| refuse("LEGACY_PROFILE_INVALID", m);
+    if kind == "embedding" {
+        let p = parse_embedding(source).map_err(invalid)?;
+        let Some(dimension) = capability.get("dimension").and_then(integer) else {
+            return Err(invalid(
+                "Embedding capability snapshots require an observed dimension: the legacy embedding profile \
+                 has no dimension, and kfs-worker cannot observe one without the model capability preflight"
+                    .into(),
+            ));
+        };
+        if capability.get("kind").and_then(Value::as_str) != Some("embedding")
+            || capability
+                .get("distanceMetric")
+                .and_then(Value::as_str)
+                .is_none()
+            || !same_selection(capability, &p.selection)
+        {
+            return Err(invalid(
+                "Legacy embedding capability does not match the frozen profile selection".into(),
             ));
         }
-    }
-    if p.capabilities.as_ref().is_some_and(|c| !c.is_object()) {
-        return Err(bad("capabilities must be an object".into()));
-    }
-    Ok(p)
-}
-
-/// JSON with object keys sorted at every level and no whitespace: the form digests are taken
-/// over, so that the digest does not depend on how a store orders keys.
-pub fn canonical_json(v: &serde_json::Value) -> String {
-    fn write(v: &serde_json::Value, out: &mut String) {
-        match v {
-            serde_json::Value::Object(m) => {
-                let mut keys: Vec<&String> = m.keys().collect();
-                keys.sort();
-                out.push('{');
-                for (i, k) in keys.into_iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    out.push_str(&serde_json::Value::String(k.clone()).to_string());
-                    out.push(':');
-                    write(&m[k], out);
-                }
-                out.push('}');
-            }
-            serde_json::Value::Array(a) => {
-                out.push('[');
-                for (i, x) in a.iter().enumerate() {
-                    if i > 0 {
-                        out.push(',');
-                    }
-                    write(x, out);
-                }
-                out.push(']');
-            }
-            other => out.push_str(&other.to_string()),
+        let identity = json!({
+            "capabilityDigest": capability["capabilityDigest"], "dimension": dimension,
+            "distanceMetric": capability["distanceMetric"],
+            "pluginUniqueIdentifier": capability["pluginUniqueIdentifier"],
+            "schemaFingerprint": capability["schemaFingerprint"],
+        });
+        if p.vector_space_id != vector_space_id(&p.selection, p.revision, None)
+            && p.vector_space_id != vector_space_id(&p.selection, p.revision, Some(&identity))
+        {
+            return Err(invalid(
+                "Legacy embedding vector-space identity is not proven by the installed model capability".into(),
+            ));
         }
+        if p.dimension.is_some_and(|d| d != dimension) {
+            return Err(invalid(
+                "Legacy embedding dimension conflicts with the observed model dimension".into(),
+            ));
+        }
+        let mut snapshot = p.selection.to_json();
+        snapshot["dimension"] = json!(dimension);
+        snapshot["revision"] = json!(p.revision);
+        snapshot["vectorSpaceId"] = json!(p.vector_space_id);
+        return Ok(Normalized {
+            snapshot,
+            capability: capability.clone(),
+            revision: p.revision as i32,
+            plugin_id: p.selection.plugin_id,
+            provider: p.selection.provider,
+            model: p.selection.model,
+            vector_space_id: Some(p.vector_space_id),
+            dimension: i32::try_from(dimension).ok(),
+        });
     }
-    let mut out = String::new();
-    write(v, &mut out);
-    out
+    let p = parse_retrieval(source).map_err(invalid)?;
+    if capability.get("verification").and_then(Value::as_str) != Some("verified") {
+        return Err(invalid(
+            "Legacy retrieval capability snapshot was not verified".into(),
+        ));
+    }
+    let reasoning = &capability["reasoning"];
+    if reasoning.get("kind").and_then(Value::as_str) != Some("reasoning")
+        || !same_selection(reasoning, &p.reasoning)
+    {
+        return Err(invalid(
+            "Legacy reasoning capability does not match the frozen retrieval profile".into(),
+        ));
+    }
+    let rerank = capability.get("rerank").filter(|r| !r.is_null());
+    match (&p.rerank, rerank) {
+        (Some(m), Some(r))
+            if r.get("kind").and_then(Value::as_str) == Some("rerank") && same_selection(r, m) => {}
+        (Some(_), _) => {
+            return Err(invalid(
+                "Legacy rerank capability does not match the frozen retrieval profile".into(),
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(invalid(
+                "Disabled legacy rerank profile contains a capability snapshot".into(),
+            ))
+        }
+        (None, None) => {}
+    }
+    Ok(Normalized {
+        snapshot: p.value.clone(),
+        capability: json!({ "reasoning": reasoning, "rerank": rerank.cloned(), "verification": "verified" }),
+        revision: p.revision as i32,
+        plugin_id: p.reasoning.plugin_id,
+        provider: p.reasoning.provider,
+        model: p.reasoning.model,
+        vector_space_id: None,
+        dimension: None,
+    })
 }
 
-/// Hex SHA-256 of the canonical JSON.
-pub fn digest(v: &serde_json::Value) -> String {
-    hex::encode(Sha256::digest(canonical_json(v).as_bytes()))
+/// The space's current head of the kind, with its revision.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HeadFact {
+    pub snapshot_digest: String,
+    pub capability_digest: String,
+    pub state: String,
+    pub active_revision: i32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Plan {
+    /// Write the active revision and the initial head.
+    Install,
+    /// The head already is exactly this profile: succeed without writing.
+    AlreadyActive,
+}
+
+/// Whether to install, given the head of the kind and whether a revision with the profile's
+/// revision number exists already.
+pub fn decide(
+    n: &Normalized,
+    head: Option<&HeadFact>,
+    revision_taken: bool,
+) -> Result<Plan, JobError> {
+    match head {
+        Some(h)
+            if h.snapshot_digest.trim() == digest(&n.snapshot)
+                && h.capability_digest.trim() == digest(&n.capability)
+                && h.state == "active"
+                && h.active_revision == n.revision =>
+        {
+            Ok(Plan::AlreadyActive)
+        }
+        Some(_) => Err(refuse(
+            "PROFILE_HEAD_ALREADY_EXISTS",
+            "A different versioned profile head already exists; legacy data was not activated",
+        )),
+        None if revision_taken => Err(refuse(
+            "PROFILE_REVISION_ALREADY_EXISTS",
+            "A profile revision exists without the expected head; legacy data was not activated",
+        )),
+        None => Ok(Plan::Install),
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::profile::fixtures::*;
+    use super::super::profile::{derive_capability, model_capability, Selection};
     use super::*;
-    use serde_json::json;
 
-    fn facts(manifest: Option<i32>, digest_ok: bool, head: Option<HeadFact>) -> Facts {
-        Facts {
-            manifest_version: manifest,
-            source_manifest_version: 3,
-            computed_digest: "a".repeat(64),
-            recorded_digest: if digest_ok {
-                "a".repeat(64)
-            } else {
-                "b".repeat(64)
-            },
-            head,
+    fn facts(writable: bool, manifest: Option<(i32, Value)>) -> SourceFacts {
+        SourceFacts {
+            space_writable: writable,
+            manifest,
+            kind: "embedding".into(),
+            source_manifest_version: 2,
+            recorded_digest: digest(&embedding(Some(8))),
         }
+    }
+
+    #[test]
+    fn source_table() {
+        let meta = |v: Value| json!({ "__knowledgeFsEmbeddingProfile": v, "other": 1 });
+        let table: Vec<(SourceFacts, Result<Value, &str>)> = vec![
+            (
+                facts(true, Some((2, meta(embedding(Some(8)))))),
+                Ok(embedding(Some(8))),
+            ),
+            (
+                facts(false, Some((2, meta(embedding(Some(8)))))),
+                Err("KNOWLEDGE_SPACE_NOT_WRITABLE"),
+            ),
+            (facts(true, None), Err("LEGACY_MANIFEST_NOT_FOUND")),
+            (
+                facts(true, Some((3, meta(embedding(Some(8)))))),
+                Err("LEGACY_PROFILE_SOURCE_CHANGED"),
+            ),
+            (
+                facts(true, Some((2, meta(embedding(Some(9)))))),
+                Err("LEGACY_PROFILE_SOURCE_CHANGED"),
+            ),
+            (
+                facts(true, Some((2, json!({})))),
+                Err("LEGACY_PROFILE_SOURCE_CHANGED"),
+            ),
+            (
+                facts(true, Some((2, meta(json!("x"))))),
+                Err("LEGACY_PROFILE_SOURCE_CHANGED"),
+            ),
+        ];
+        for (f, want) in table {
+            assert_eq!(code(check_source(&f)), want.map_err(str::to_owned), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn normalization_table() {
+        let cap = |s: &Value| derive_capability("embedding", s, AT).unwrap();
+        let other_vsid = {
+            let mut v = embedding(Some(8));
+            v["vectorSpaceId"] = json!(format!("embedding-space-sha256:{}", "a".repeat(64)));
+            v
+        };
+        let foreign_cap = model_capability(
+            "embedding",
+            &Selection {
+                model: "other".into(),
+                ..sel()
+            },
+            Some(8),
+            AT,
+        );
+        let table: Vec<(&str, Value, Value, Result<(), &str>)> = vec![
+            (
+                "embedding",
+                embedding(Some(8)),
+                cap(&embedding(Some(8))),
+                Ok(()),
+            ),
+            (
+                "embedding",
+                embedding(None),
+                cap(&embedding(None)),
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+            (
+                "embedding",
+                other_vsid.clone(),
+                cap(&other_vsid),
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+            (
+                "embedding",
+                embedding(Some(8)),
+                foreign_cap,
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+            (
+                "embedding",
+                embedding(Some(8)),
+                cap(&embedding(Some(9))),
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+            (
+                "retrieval",
+                retrieval(false),
+                derive_capability("retrieval", &retrieval(false), AT).unwrap(),
+                Ok(()),
+            ),
+            (
+                "retrieval",
+                retrieval(true),
+                derive_capability("retrieval", &retrieval(true), AT).unwrap(),
+                Ok(()),
+            ),
+            (
+                "retrieval",
+                retrieval(false),
+                derive_capability("retrieval", &retrieval(true), AT).unwrap(),
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+            (
+                "retrieval",
+                retrieval(true),
+                derive_capability("retrieval", &retrieval(false), AT).unwrap(),
+                Err("LEGACY_PROFILE_INVALID"),
+            ),
+        ];
+        for (kind, source, capability, want) in table {
+            let got = code(normalize(kind, &source, &capability)).map(|_| ());
+            assert_eq!(got, want.map_err(str::to_owned), "{kind} {source}");
+        }
+        let n = normalize("embedding", &embedding(Some(8)), &cap(&embedding(Some(8)))).unwrap();
+        assert_eq!(n.snapshot, embedding(Some(8)));
+        assert_eq!((n.dimension, n.revision), (Some(8), 1));
+        assert_eq!(
+            n.vector_space_id.as_deref(),
+            embedding(None)["vectorSpaceId"].as_str()
+        );
+        let r = normalize(
+            "retrieval",
+            &retrieval(true),
+            &derive_capability("retrieval", &retrieval(true), AT).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (r.model.as_str(), r.vector_space_id, r.dimension),
+            ("gpt-4o-mini", None, None)
+        );
+        assert_eq!(r.snapshot, retrieval(true));
     }
 
     #[test]
     fn decision_table() {
-        let table: Vec<(Facts, Result<Plan, &str>)> = vec![
-            (facts(Some(3), true, None), Ok(Plan::Install)),
+        let n = normalize(
+            "embedding",
+            &embedding(Some(8)),
+            &derive_capability("embedding", &embedding(Some(8)), AT).unwrap(),
+        )
+        .unwrap();
+        let same = HeadFact {
+            snapshot_digest: digest(&n.snapshot),
+            capability_digest: digest(&n.capability),
+            state: "active".into(),
+            active_revision: 1,
+        };
+        let table: Vec<(Option<HeadFact>, bool, Result<Plan, &str>)> = vec![
+            (None, false, Ok(Plan::Install)),
+            (None, true, Err("PROFILE_REVISION_ALREADY_EXISTS")),
+            (Some(same.clone()), false, Ok(Plan::AlreadyActive)),
             (
-                facts(Some(3), true, Some(HeadFact::Ours)),
-                Ok(Plan::AlreadyInstalled),
-            ),
-            (
-                facts(Some(3), true, Some(HeadFact::Other { revision: 2 })),
-                Err("profile_head_exists"),
-            ),
-            (facts(Some(4), true, None), Err("manifest_moved")),
-            (facts(Some(2), true, None), Err("manifest_moved")),
-            (facts(None, true, None), Err("manifest_missing")),
-            (facts(Some(3), false, None), Err("snapshot_digest_mismatch")),
-            // The manifest is checked first: a moved manifest wins over a bad digest.
-            (facts(Some(4), false, None), Err("manifest_moved")),
-        ];
-        for (f, want) in table {
-            let got = decide(&f).map_err(|e| e.code().to_owned());
-            assert_eq!(got, want.map_err(str::to_owned), "{f:?}");
-            if let Err(JobError::Retryable { .. }) = decide(&f) {
-                panic!("backfill refusals are final: {f:?}");
-            }
-        }
-    }
-
-    #[test]
-    fn profile_table() {
-        let emb = json!({"pluginId": "p", "provider": "openai", "model": "m", "vectorSpaceId": "vs", "dimension": 8});
-        let ret = json!({"pluginId": "p", "provider": "pg", "model": "bm25"});
-        let table: Vec<(&str, serde_json::Value, bool)> = vec![
-            ("embedding", emb.clone(), true),
-            ("retrieval", ret.clone(), true),
-            ("embedding", ret.clone(), false),
-            ("retrieval", emb.clone(), false),
-            ("vector", ret.clone(), false),
-            (
-                "embedding",
-                json!({"pluginId": "p", "provider": "o", "model": "m", "vectorSpaceId": "vs", "dimension": 0}),
+                Some(HeadFact {
+                    capability_digest: "0".repeat(64),
+                    ..same.clone()
+                }),
                 false,
+                Err("PROFILE_HEAD_ALREADY_EXISTS"),
             ),
             (
-                "embedding",
-                json!({"pluginId": "p", "provider": "o", "model": "m", "vectorSpaceId": "x".repeat(88), "dimension": 8}),
+                Some(HeadFact {
+                    snapshot_digest: "0".repeat(64),
+                    ..same.clone()
+                }),
                 false,
+                Err("PROFILE_HEAD_ALREADY_EXISTS"),
             ),
             (
-                "retrieval",
-                json!({"pluginId": "", "provider": "pg", "model": "bm25"}),
+                Some(HeadFact {
+                    state: "superseded".into(),
+                    ..same.clone()
+                }),
                 false,
+                Err("PROFILE_HEAD_ALREADY_EXISTS"),
             ),
             (
-                "retrieval",
-                json!({"provider": "pg", "model": "bm25"}),
-                false,
-            ),
-            (
-                "retrieval",
-                json!({"pluginId": "p", "provider": "pg", "model": "bm25", "capabilities": [1]}),
-                false,
-            ),
-            (
-                "retrieval",
-                json!({"pluginId": "p", "provider": "pg", "model": "bm25", "capabilities": {"rerank": true}}),
+                Some(HeadFact {
+                    active_revision: 2,
+                    ..same
+                }),
                 true,
+                Err("PROFILE_HEAD_ALREADY_EXISTS"),
             ),
-            ("retrieval", json!("not an object"), false),
         ];
-        for (kind, snap, ok) in table {
-            let got = profile(kind, &snap);
-            assert_eq!(got.is_ok(), ok, "{kind} {snap}: {got:?}");
-            if let Err(e) = got {
-                assert_eq!(e.code(), "invalid_snapshot");
-            }
+        for (head, taken, want) in table {
+            assert_eq!(
+                code(decide(&n, head.as_ref(), taken)),
+                want.map_err(str::to_owned),
+                "{head:?}"
+            );
         }
-    }
-
-    #[test]
-    fn digests_ignore_key_order() {
-        let a: serde_json::Value =
-            serde_json::from_str(r#"{"b": 1, "a": {"y": [1, {"d": 2, "c": 3}], "x": "é"}}"#)
-                .unwrap();
-        let b: serde_json::Value =
-            serde_json::from_str(r#"{"a": {"x": "é", "y": [1, {"c": 3, "d": 2}]}, "b": 1}"#)
-                .unwrap();
-        assert_eq!(
-            canonical_json(&a),
-            r#"{"a":{"x":"é","y":[1,{"c":3,"d":2}]},"b":1}"#
-        );
-        assert_eq!(digest(&a), digest(&b));
-        assert_eq!(digest(&a).len(), 64);
-        assert_ne!(digest(&a), digest(&json!({"b": 2})));
     }
 }

@@ -1,16 +1,29 @@
-//! Legacy space publication bootstraps (`legacy_space_publication_bootstraps` and its items),
-//! leased straight from Postgres. Invariant: the document set is frozen once, under the space
-//! row's lock and only while no mutation lease is held (expired ones are reclaimed, live ones
-//! wait); every frozen item is rebuilt by an ordinary compile attempt (requested through
-//! [`compile::request`], run by the compile consumers); the head is verified to serve every item
-//! and recorded before `run_state='succeeded'`, which is the space's query-readiness latch.
-//! A failed bootstrap is retried in place, with the kind's backoff, up to its attempts; its
-//! failed items are compiled again.
+//! Legacy space publication bootstraps (`legacy_space_publication_bootstraps` and its items,
+//! platform migration 0009), leased straight from Postgres. Invariant: the document set is
+//! frozen once, under the space row's lock, only while the space is writable, holds no live
+//! mutation lease, no publication head and no active compile; every frozen item is rebuilt by an
+//! ordinary compile attempt (requested through [`compile::request`], run by the compile
+//! consumers, which publish it); the bootstrap succeeds — `run_state='succeeded'` at
+//! `published`, the space's query-readiness latch ([`ready`]) — only in the transaction that
+//! finds the frozen set unchanged and the locked head serving exactly the frozen documents, each
+//! at its frozen version with a ready page index, ready full-text projections and, for every
+//! node, a ready dense sibling (of the manifest's embedding vector space when it names one; the
+//! platform requires one even when it names none), and records that head. A head that lacks a
+//! rebuilt document is refused, never repaired: kfs-worker publishes nothing itself. A failure is
+//! final (`DOCUMENT_COMPILATION_FAILED` for a document that did not compile, otherwise
+//! `BOOTSTRAP_PROCESSING_FAILED` with the platform's message) until an operator's [`retry`]
+//! queues it again in place, its failed items pending once more.
 //!
-//! Retry bookkeeping lives in `snapshot_metadata` (the table has no attempt or retry column):
-//! `failures` counts failed runs (a takeover from a dead worker counts as one), and
-//! `notBefore` (epoch milliseconds, database clock) is when the job may be claimed again.
+//! Where kfs-worker differs from the platform's runtime: compiles are requested a page at a
+//! time instead of one document at a time (kfs-worker's compile rebases its candidate over a
+//! head another document moved, so they publish side by side); a failure to reach the database,
+//! or a takeover from a dead worker, is retried with the kind's backoff instead of failing the
+//! row. The table has no attempt or retry column, so `snapshot_metadata` carries `failures`
+//! (those retried runs) and `notBefore` (epoch ms, database clock: when the row may be claimed
+//! again); a row out of attempts fails with `BOOTSTRAP_ATTEMPTS_EXHAUSTED`.
 
+mod snapshot;
+mod verify;
 pub mod walk;
 
 use std::time::Duration;
@@ -19,16 +32,16 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::consumer::lease::{millis, End};
-use crate::jobs::compile::{self, CompileError, RequestOptions};
 use crate::jobs::leased::{Lease, LeasedKind};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
-use crate::publication::{self, Member, Members};
 
-use walk::{Checkpoint, Event, Items, Rebuilt, Verdict, Waits};
+use walk::{Checkpoint, Waits};
 
 pub const TABLE: &str = "legacy_space_publication_bootstraps";
 /// The idempotency key the platform's marker migration uses.
 pub const IDEMPOTENCY_KEY: &str = "legacy-space-publication-bootstrap-v1";
+/// The code of a bootstrap whose retried runs used up its attempts.
+pub const EXHAUSTED: &str = "BOOTSTRAP_ATTEMPTS_EXHAUSTED";
 
 /// The defaults: lease 60 s, 5 attempts, backoff from 5 s to 5 min.
 pub const POLICY: Policy = Policy {
@@ -47,6 +60,8 @@ pub struct BootstrapKind {
     pub waits: Waits,
     /// Compiles requested per step.
     pub page: i64,
+    /// The most documents a snapshot may freeze.
+    pub max_documents: usize,
 }
 
 impl Default for BootstrapKind {
@@ -55,6 +70,7 @@ impl Default for BootstrapKind {
             policy: POLICY,
             waits: Waits::default(),
             page: 32,
+            max_documents: 10_000,
         }
     }
 }
@@ -66,8 +82,9 @@ const LEASE_CLEAR: &str =
 const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_state = 'running' \
                      AND lease_expires_at > clock_timestamp()";
 
-/// Writes a bootstrap for a space (queued at `pending_snapshot`), as the platform's marker does.
-/// Idempotent: the space's existing bootstrap is returned instead.
+/// Writes the bootstrap marker of a space as the platform's migration 0009 writes it (id = the
+/// space's id, queued at `pending_snapshot`). Idempotent: the space's existing bootstrap is
+/// returned instead.
 pub async fn enqueue(
     conn: &mut PgConnection,
     tenant: &str,
@@ -78,7 +95,8 @@ pub async fn enqueue(
            (id, tenant_id, knowledge_space_id, idempotency_key, checkpoint, run_state, total_documents, \
             completed_documents, row_version, snapshot_metadata, created_at, updated_at) \
          VALUES ($2, $1, $2, $3, 'pending_snapshot', 'queued', 0, 0, 0, \
-            '{\"schemaVersion\":1,\"strategy\":\"full-generation-rebuild\",\"source\":\"kfs-worker\"}'::jsonb, now(), now()) \
+            '{\"schemaVersion\":1,\"strategy\":\"full-generation-rebuild\",\"source\":\"migration-marker\"}'::jsonb, \
+            now(), now()) \
          ON CONFLICT (tenant_id, knowledge_space_id) DO NOTHING",
     )
     .bind(tenant)
@@ -95,8 +113,8 @@ pub async fn enqueue(
     .await
 }
 
-/// Whether strict published reads of a space may be served: no bootstrap, or one that
-/// succeeded.
+/// The platform's `isQueryReady`: with a bootstrap, whether it succeeded; without one, whether
+/// the space is free of legacy null-generation state (a space with a publication head is).
 pub async fn ready(
     conn: &mut PgConnection,
     tenant: &str,
@@ -107,17 +125,110 @@ pub async fn ready(
     )
     .bind(tenant)
     .bind(space)
-    .fetch_optional(conn)
+    .fetch_optional(&mut *conn)
     .await?;
-    Ok(state.is_none_or(|s| s == "succeeded"))
+    if let Some(s) = state {
+        return Ok(s == "succeeded");
+    }
+    let headed: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM projection_set_publication_heads WHERE tenant_id = $1 AND knowledge_space_id = $2)",
+    )
+    .bind(tenant)
+    .bind(space)
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(headed || !snapshot::legacy_state(conn, tenant, space).await?)
+}
+
+/// The operator's retry, as the platform's: a failed bootstrap goes back to `queued` in place
+/// (same row, same snapshot), its failed items `pending` with no compile attempt, its errors
+/// cleared; its retried runs start over. Returns false when the space's bootstrap is not
+/// failed (or there is none).
+pub async fn retry(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+) -> Result<bool, sqlx::Error> {
+    let mut tx = conn.begin().await?;
+    let id: Option<Uuid> = sqlx::query_scalar(&format!(
+        "UPDATE {TABLE} SET run_state = 'queued', last_error_code = NULL, last_error_message = NULL, \
+           completed_at = NULL, snapshot_metadata = snapshot_metadata - 'failures' - 'notBefore', \
+           row_version = row_version + 1, updated_at = now() \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND run_state = 'failed' RETURNING id"
+    ))
+    .bind(tenant)
+    .bind(space)
+    .fetch_optional(&mut *tx)
+    .await?;
+    let Some(id) = id else {
+        return Ok(false);
+    };
+    sqlx::query(
+        "UPDATE legacy_space_publication_bootstrap_items SET status = 'pending', compilation_attempt_id = NULL, \
+           last_error = NULL, updated_at = now() \
+         WHERE bootstrap_id = $1 AND status = 'failed'",
+    )
+    .bind(id)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(true)
 }
 
 /// The row as the job sees it in a step.
-struct Row {
-    tenant: String,
-    space: Uuid,
-    checkpoint: String,
-    total: i32,
+pub(crate) struct Row {
+    pub tenant: String,
+    pub space: Uuid,
+    pub checkpoint: String,
+    pub total: i32,
+    pub completed: i32,
+}
+
+impl BootstrapKind {
+    async fn walk(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
+        let (tenant, space, checkpoint, total, completed): (String, Uuid, String, i32, i32) =
+            sqlx::query_as(&format!(
+                "SELECT tenant_id::text, knowledge_space_id, checkpoint::text, total_documents, completed_documents \
+                 FROM {TABLE} WHERE id = $1"
+            ))
+            .bind(job.job_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        let row = Row {
+            tenant,
+            space,
+            checkpoint,
+            total,
+            completed,
+        };
+        let cp = Checkpoint::parse(&row.checkpoint).ok_or_else(|| {
+            walk::refuse(format!("unknown bootstrap checkpoint {}", row.checkpoint))
+        })?;
+        match cp {
+            Checkpoint::PendingSnapshot => {
+                snapshot::capture(tx, job, &row, self.max_documents).await?;
+                Ok(Step::Advance(Checkpoint::SnapshotCaptured.as_str().into()))
+            }
+            Checkpoint::SnapshotCaptured | Checkpoint::Rebuilding => {
+                let admitted = snapshot::admit(tx, job, &row, self.page).await?;
+                let settled = snapshot::follow(tx, job, &row).await?;
+                let items = walk::Items {
+                    admitted,
+                    settled,
+                    ..snapshot::counts(tx, job).await?
+                };
+                walk::after_items(cp, &items, self.waits)
+            }
+            Checkpoint::Verifying | Checkpoint::Published => {
+                let verdict = walk::verify(&verify::facts(tx, job, &row).await?);
+                let step = walk::after_verify(&verdict)?;
+                if let walk::Verdict::Published(head) = &verdict {
+                    verify::record(tx, job, head).await?;
+                }
+                Ok(step)
+            }
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -140,16 +251,17 @@ impl LeasedKind for BootstrapKind {
         worker_id: &str,
     ) -> Result<Option<Lease>, sqlx::Error> {
         let mut tx = conn.begin().await?;
-        // A job that died under its worker as often as it may fail is not run again.
+        // A job that died under its worker as often as it may be retried is not run again.
         sqlx::query(&format!(
             "UPDATE {TABLE} j SET run_state = 'failed', {LEASE_CLEAR}, completed_at = now(), \
-               last_error_code = 'attempts_exhausted', \
+               last_error_code = $2, \
                last_error_message = 'the bootstrap was taken over from dead workers too often', \
                row_version = j.row_version + 1, updated_at = now() \
              WHERE j.run_state = 'running' AND {FAILURES} >= $1 \
                AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))"
         ))
         .bind(self.policy.max_attempts)
+        .bind(EXHAUSTED)
         .execute(&mut *tx)
         .await?;
         let token = Uuid::new_v4();
@@ -158,16 +270,14 @@ impl LeasedKind for BootstrapKind {
                SELECT j.id, j.run_state::text AS was, \
                  {FAILURES} + CASE WHEN j.run_state = 'running' THEN 1 ELSE 0 END AS failures \
                FROM {TABLE} j \
-               WHERE coalesce((j.snapshot_metadata ->> 'notBefore')::bigint, 0) <= {NOW_MS} \
-                 AND (j.run_state = 'queued' \
-                   OR (j.run_state = 'failed' AND {FAILURES} < $4) \
-                   OR (j.run_state = 'running' AND {FAILURES} < $4 \
-                       AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id)))) \
+               WHERE (j.run_state = 'queued' \
+                      AND coalesce((j.snapshot_metadata ->> 'notBefore')::bigint, 0) <= {NOW_MS}) \
+                  OR (j.run_state = 'running' AND {FAILURES} < $4 \
+                      AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))) \
                ORDER BY j.updated_at, j.id LIMIT 1 FOR UPDATE OF j SKIP LOCKED \
              ) \
              UPDATE {TABLE} j SET run_state = 'running', worker_id = $1, lease_token = $2, \
                lease_expires_at = now() + $3::bigint * interval '1 millisecond', heartbeat_at = now(), \
-               completed_at = NULL, \
                snapshot_metadata = (j.snapshot_metadata - 'notBefore') || jsonb_build_object('failures', c.failures), \
                row_version = j.row_version + 1, updated_at = now() \
              FROM c WHERE j.id = c.id \
@@ -179,75 +289,32 @@ impl LeasedKind for BootstrapKind {
         .bind(self.policy.max_attempts)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((id, checkpoint, row_version, was, failures)) = row else {
-            tx.commit().await?;
-            return Ok(None);
-        };
-        if was == "failed" {
-            // Retried in place: the documents that did not compile are compiled again.
-            sqlx::query(
-                "UPDATE legacy_space_publication_bootstrap_items SET status = 'pending', updated_at = now() \
-                 WHERE bootstrap_id = $1 AND status = 'failed'",
-            )
-            .bind(id)
-            .execute(&mut *tx)
-            .await?;
-        }
         tx.commit().await?;
-        Ok(Some(Lease {
-            job_id: id,
-            lease_token: token,
-            row_version,
-            checkpoint,
-            attempt: failures + 1,
-            max_attempts: self.policy.max_attempts,
-            worker_id: worker_id.to_owned(),
-            taken_over: was == "running",
-        }))
+        Ok(
+            row.map(|(id, checkpoint, row_version, was, failures)| Lease {
+                job_id: id,
+                lease_token: token,
+                row_version,
+                checkpoint,
+                attempt: failures + 1,
+                max_attempts: self.policy.max_attempts,
+                worker_id: worker_id.to_owned(),
+                taken_over: was == "running",
+            }),
+        )
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
-        let (tenant, space, checkpoint, total): (String, Uuid, String, i32) = sqlx::query_as(&format!(
-            "SELECT tenant_id::text, knowledge_space_id, checkpoint::text, total_documents FROM {TABLE} WHERE id = $1"
-        ))
-        .bind(job.job_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let row = Row {
-            tenant,
-            space,
-            checkpoint,
-            total,
-        };
-        let cp = Checkpoint::parse(&row.checkpoint).ok_or_else(|| {
-            JobError::fatal(
-                "bootstrap_bad_checkpoint",
-                format!("unknown checkpoint {}", row.checkpoint),
-            )
-        })?;
-        let event = match cp {
-            Checkpoint::PendingSnapshot => capture(tx, job, &row).await?,
-            Checkpoint::SnapshotCaptured | Checkpoint::Rebuilding => {
-                let admitted = admit(tx, job, self.page).await?;
-                let settled = if cp == Checkpoint::Rebuilding {
-                    follow(tx, job, &row).await?
-                } else {
-                    0
-                };
-                Event::Items(Items {
-                    admitted,
-                    settled,
-                    ..counts(tx, job).await?
-                })
+        match self.walk(tx, job).await {
+            // Every other failure the platform's runtime records with its message only.
+            Err(JobError::Fatal { code, message }) if code != walk::COMPILATION_FAILED => {
+                if code != walk::PROCESSING_FAILED {
+                    tracing::warn!(job = %job.job_id, code, "bootstrap step failed");
+                }
+                Err(walk::refuse(message))
             }
-            Checkpoint::Verifying | Checkpoint::Published => {
-                let verdict = check(tx, job, &row).await?;
-                let step = walk::decide(cp, &Event::Verified(verdict.clone()), self.waits)?;
-                record(tx, job, &row, verdict).await?;
-                return Ok(step);
-            }
-        };
-        walk::decide(cp, &event, self.waits)
+            other => other,
+        }
     }
 
     async fn end(
@@ -263,10 +330,11 @@ impl LeasedKind for BootstrapKind {
                     .to_owned()
             }
             End::Fail { .. } => "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), \
-                 last_error_message = $5, snapshot_metadata = snapshot_metadata || jsonb_build_object('failures', $6::int)"
+                 last_error_message = $5, snapshot_metadata = snapshot_metadata - 'notBefore'"
                 .to_owned(),
+            // A transient failure: queued again after the backoff, the run counted.
             End::Wait { refund: false, .. } => format!(
-                "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), last_error_message = $5, \
+                "run_state = 'queued', last_error_code = left($4, 64), last_error_message = $5, \
                  snapshot_metadata = snapshot_metadata || jsonb_build_object('failures', $6::int, 'notBefore', {NOW_MS} + $7::bigint)"
             ),
             End::Wait { refund: true, .. } => format!(
@@ -278,23 +346,25 @@ impl LeasedKind for BootstrapKind {
                     .to_owned()
             }
         };
-        let (a, b, failures, delay): (String, String, i32, Duration) = match end {
-            End::Succeed { checkpoint } => (checkpoint.clone(), String::new(), 0, Duration::ZERO),
-            End::Fail { code, message } => (
-                code.clone(),
-                message.clone(),
-                self.policy.max_attempts,
-                Duration::ZERO,
-            ),
+        let (a, b, delay): (String, String, Duration) = match end {
+            End::Succeed { checkpoint } => (checkpoint.clone(), String::new(), Duration::ZERO),
+            // Only a transient failure with no attempts left ends here with a code of its own.
+            End::Fail { code, message }
+                if code != walk::COMPILATION_FAILED && code != walk::PROCESSING_FAILED =>
+            {
+                (EXHAUSTED.to_owned(), message.clone(), Duration::ZERO)
+            }
+            End::Fail { code, message } | End::Cancel { code, message } => {
+                (code.clone(), message.clone(), Duration::ZERO)
+            }
             End::Wait {
                 delay,
                 code,
                 message,
                 ..
-            } => (code.clone(), message.clone(), job.attempt, *delay),
-            End::Cancel { code, message } => (code.clone(), message.clone(), 0, Duration::ZERO),
-            End::Supersede { message } => ("superseded".into(), message.clone(), 0, Duration::ZERO),
-            End::Continue => (String::new(), String::new(), 0, Duration::ZERO),
+            } => (code.clone(), message.clone(), *delay),
+            End::Supersede { message } => ("superseded".into(), message.clone(), Duration::ZERO),
+            End::Continue => (String::new(), String::new(), Duration::ZERO),
         };
         let done = sqlx::query(&format!(
             "UPDATE {TABLE} SET {set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
@@ -305,7 +375,7 @@ impl LeasedKind for BootstrapKind {
         .bind(job.row_version)
         .bind(a)
         .bind(b)
-        .bind(failures)
+        .bind(job.attempt)
         .bind(millis(delay))
         .execute(conn)
         .await?;
@@ -327,277 +397,4 @@ impl LeasedKind for BootstrapKind {
         .await?;
         Ok(done.rows_affected())
     }
-}
-
-/// pending_snapshot: under the space row's lock, reclaim expired mutation leases; wait while a
-/// live one remains; otherwise freeze the space's active documents as items.
-async fn capture(tx: &mut PgConnection, job: &Lease, row: &Row) -> Result<Event, JobError> {
-    let locked: Option<Uuid> = sqlx::query_scalar(
-        "SELECT id FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
-    )
-    .bind(&row.tenant)
-    .bind(row.space)
-    .fetch_optional(&mut *tx)
-    .await?;
-    if locked.is_none() {
-        return Err(JobError::fatal(
-            "space_missing",
-            format!(
-                "knowledge space {} of tenant {} does not exist",
-                row.space, row.tenant
-            ),
-        ));
-    }
-    sqlx::query(
-        "DELETE FROM knowledge_space_mutation_leases \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND expires_at <= now()",
-    )
-    .bind(&row.tenant)
-    .bind(row.space)
-    .execute(&mut *tx)
-    .await?;
-    // A lease without an expiry never ends by itself: it fails closed until an operator
-    // removes it.
-    let (live, next_ms): (i64, Option<f64>) = sqlx::query_as(
-        "SELECT count(*), (EXTRACT(EPOCH FROM (min(expires_at) - now())) * 1000)::float8 \
-         FROM knowledge_space_mutation_leases WHERE tenant_id = $1 AND knowledge_space_id = $2",
-    )
-    .bind(&row.tenant)
-    .bind(row.space)
-    .fetch_one(&mut *tx)
-    .await?;
-    if live > 0 {
-        return Ok(Event::MutationLeased {
-            live,
-            retry_in: next_ms.map(|ms| Duration::from_millis(ms.max(0.0) as u64)),
-        });
-    }
-    sqlx::query(
-        "INSERT INTO legacy_space_publication_bootstrap_items \
-           (bootstrap_id, document_asset_id, document_version, document_sha256, ordinal, compilation_attempt_id, \
-            status, last_error, created_at, updated_at) \
-         SELECT $1, d.id, d.version, d.sha256, (row_number() OVER (ORDER BY d.created_at, d.id) - 1)::int, NULL, \
-            'pending', NULL, now(), now() \
-         FROM document_assets d JOIN knowledge_spaces s ON s.id = d.knowledge_space_id \
-         WHERE s.tenant_id = $2 AND d.knowledge_space_id = $3 AND d.lifecycle_state = 'active' \
-         ON CONFLICT (bootstrap_id, document_asset_id) DO NOTHING",
-    )
-    .bind(job.job_id)
-    .bind(&row.tenant)
-    .bind(row.space)
-    .execute(&mut *tx)
-    .await?;
-    let documents: i32 = sqlx::query_scalar(&format!(
-        "UPDATE {TABLE} SET total_documents = (SELECT count(*) FROM legacy_space_publication_bootstrap_items WHERE bootstrap_id = $1), \
-           snapshot_metadata = snapshot_metadata || jsonb_build_object('capturedAt', now()) \
-         WHERE id = $1 RETURNING total_documents"
-    ))
-    .bind(job.job_id)
-    .fetch_one(&mut *tx)
-    .await?;
-    Ok(Event::Captured { documents })
-}
-
-/// Requests compiles for a page of pending items; an active attempt of the same document
-/// version is adopted instead. Returns how many were admitted.
-async fn admit(tx: &mut PgConnection, job: &Lease, page: i64) -> Result<usize, JobError> {
-    let pending: Vec<Uuid> = sqlx::query_scalar(
-        "SELECT document_asset_id FROM legacy_space_publication_bootstrap_items \
-         WHERE bootstrap_id = $1 AND status = 'pending' ORDER BY ordinal LIMIT $2",
-    )
-    .bind(job.job_id)
-    .bind(page)
-    .fetch_all(&mut *tx)
-    .await?;
-    for doc in &pending {
-        let attempt = match compile::request(tx, *doc, RequestOptions::default()).await {
-            Ok(a) => a,
-            Err(CompileError::ActiveAttemptExists {
-                attempt: Some(a), ..
-            }) => a,
-            Err(CompileError::ActiveAttemptExists { attempt: None, .. }) => {
-                return Err(JobError::retryable(
-                    "compile_request_conflict",
-                    format!("document {doc}: another compile was requested at the same time"),
-                ))
-            }
-            Err(
-                e @ (CompileError::DocumentNotFound(_) | CompileError::DocumentDeleting { .. }),
-            ) => {
-                return Err(JobError::fatal(
-                    "snapshot_document_unavailable",
-                    e.to_string(),
-                ))
-            }
-            Err(CompileError::Db(e)) => return Err(e.into()),
-            Err(e) => return Err(JobError::fatal("compile_request_refused", e.to_string())),
-        };
-        sqlx::query(
-            "UPDATE legacy_space_publication_bootstrap_items SET status = 'running', compilation_attempt_id = $3, \
-               last_error = NULL, updated_at = now() \
-             WHERE bootstrap_id = $1 AND document_asset_id = $2",
-        )
-        .bind(job.job_id)
-        .bind(doc)
-        .bind(attempt)
-        .execute(&mut *tx)
-        .await?;
-    }
-    Ok(pending.len())
-}
-
-/// Settles the running items whose compile attempt ended. Returns how many were settled.
-async fn follow(tx: &mut PgConnection, job: &Lease, row: &Row) -> Result<usize, JobError> {
-    let done = sqlx::query(
-        "WITH s AS ( \
-           SELECT i.document_asset_id, \
-             CASE WHEN a.id IS NULL OR a.run_state IN ('succeeded', 'superseded') THEN 'succeeded' \
-                  WHEN a.run_state IN ('failed', 'canceled') THEN 'failed' END AS status, \
-             CASE WHEN a.run_state IN ('failed', 'canceled') \
-                  THEN a.run_state || ' ' || coalesce(a.last_error_code, '') || ': ' || coalesce(a.last_error_message, '') END AS err \
-           FROM legacy_space_publication_bootstrap_items i \
-           LEFT JOIN document_compilation_attempts a ON a.id = i.compilation_attempt_id \
-             AND a.tenant_id = $2 AND a.knowledge_space_id = $3 \
-           WHERE i.bootstrap_id = $1 AND i.status = 'running' \
-         ) \
-         UPDATE legacy_space_publication_bootstrap_items i SET status = s.status, last_error = s.err, updated_at = now() \
-         FROM s WHERE i.bootstrap_id = $1 AND i.document_asset_id = s.document_asset_id AND s.status IS NOT NULL",
-    )
-    .bind(job.job_id)
-    .bind(&row.tenant)
-    .bind(row.space)
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query(&format!(
-        "UPDATE {TABLE} SET completed_documents = (SELECT count(*) FROM legacy_space_publication_bootstrap_items \
-           WHERE bootstrap_id = $1 AND status = 'succeeded') WHERE id = $1"
-    ))
-    .bind(job.job_id)
-    .execute(&mut *tx)
-    .await?;
-    Ok(done.rows_affected() as usize)
-}
-
-async fn counts(tx: &mut PgConnection, job: &Lease) -> Result<Items, JobError> {
-    let rows: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT status::text, count(*) FROM legacy_space_publication_bootstrap_items WHERE bootstrap_id = $1 GROUP BY 1",
-    )
-    .bind(job.job_id)
-    .fetch_all(&mut *tx)
-    .await?;
-    let mut items = Items::default();
-    for (status, n) in rows {
-        let n = n as usize;
-        match status.as_str() {
-            "pending" => items.pending = n,
-            "running" => items.running = n,
-            "succeeded" => items.succeeded = n,
-            _ => items.failed += n,
-        }
-    }
-    Ok(items)
-}
-
-/// Checks the locked head against the frozen items.
-async fn check(tx: &mut PgConnection, job: &Lease, row: &Row) -> Result<Verdict, JobError> {
-    type ItemRow = (Uuid, i32, Option<Uuid>, Option<i32>, Option<String>);
-    let items: Vec<ItemRow> = sqlx::query_as(
-        "SELECT i.document_asset_id, i.document_version, a.publication_generation_id, a.document_version, a.run_state::text \
-         FROM legacy_space_publication_bootstrap_items i \
-         LEFT JOIN document_compilation_attempts a ON a.id = i.compilation_attempt_id \
-           AND a.tenant_id = $2 AND a.knowledge_space_id = $3 \
-         WHERE i.bootstrap_id = $1 ORDER BY i.ordinal",
-    )
-    .bind(job.job_id)
-    .bind(&row.tenant)
-    .bind(row.space)
-    .fetch_all(&mut *tx)
-    .await?;
-    let rebuilt: Vec<Rebuilt> = items
-        .into_iter()
-        .map(
-            |(document, version, generation, built_version, state)| Rebuilt {
-                document,
-                version,
-                built: match (generation, built_version, state.as_deref()) {
-                    (Some(generation), Some(version), Some("succeeded")) => Some(Member {
-                        generation,
-                        version,
-                    }),
-                    _ => None,
-                },
-            },
-        )
-        .collect();
-    let head = publication::head(tx, &row.tenant, row.space, true).await?;
-    let members = head.map(|h| h.members).unwrap_or_default();
-    Ok(walk::verify(&rebuilt, &members))
-}
-
-/// Publishes what the head lacks (by compare-and-swap on its locked revision) and records the
-/// head on the bootstrap row.
-async fn record(
-    tx: &mut PgConnection,
-    job: &Lease,
-    row: &Row,
-    verdict: Verdict,
-) -> Result<(), JobError> {
-    let head = publication::head(tx, &row.tenant, row.space, true).await?;
-    let (publication_id, revision) = match verdict {
-        Verdict::Unserved { .. } => return Ok(()),
-        Verdict::Served => match head {
-            Some(h) => (h.publication_id, h.revision),
-            None if row.total == 0 => return Ok(()),
-            None => {
-                return Err(JobError::fatal(
-                    "bootstrap_verify_failed",
-                    "the space has no published head",
-                ))
-            }
-        },
-        Verdict::Publish(missing) => {
-            let (expected, mut members) =
-                head.map_or((0, Members::new()), |h| (h.revision, h.members));
-            members.extend(missing);
-            let (id, _) = publication::create(
-                tx,
-                &row.tenant,
-                row.space,
-                &members,
-                serde_json::json!({ "bootstrapId": job.job_id }),
-            )
-            .await?;
-            match publication::swap_head(tx, &row.tenant, row.space, expected, id).await? {
-                Ok(revision) => (id, revision),
-                Err(moved) => {
-                    return Err(JobError::retryable(
-                        "head_moved",
-                        format!(
-                            "the head moved to revision {} while publishing",
-                            moved.current
-                        ),
-                    ))
-                }
-            }
-        }
-    };
-    let fingerprint: String = sqlx::query_scalar(
-        "SELECT fingerprint FROM projection_set_publications WHERE id = $1 AND tenant_id = $2 AND knowledge_space_id = $3",
-    )
-    .bind(publication_id)
-    .bind(&row.tenant)
-    .bind(row.space)
-    .fetch_one(&mut *tx)
-    .await?;
-    sqlx::query(&format!(
-        "UPDATE {TABLE} SET published_publication_id = $2, published_fingerprint = $3, published_head_revision = $4, \
-           completed_documents = total_documents WHERE id = $1"
-    ))
-    .bind(job.job_id)
-    .bind(publication_id)
-    .bind(fingerprint)
-    .bind(revision)
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
 }

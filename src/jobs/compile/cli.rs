@@ -1,5 +1,5 @@
 //! The command line of compile jobs:
-//! `kfs-worker compile <documentId> [--defer]`, `compile release <attemptId>`,
+//! `kfs-worker compile <documentId> [--defer] [--as SUBJECT --snapshot ID]`, `compile release <attemptId>`,
 //! `compile retry <attemptId>`, `compile show <attemptId>`, `compile wait <attemptId>`.
 //! Invariant: ids are validated before any service is contacted; a refusal (unknown document,
 //! document deleting, an attempt already active, an attempt in the wrong state) is one line on
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use super::request::{self, CompileError, RequestOptions};
+use super::request::{self, CompileError, RequestOptions, Requester};
 use crate::cli::{ConnArgs, Failure};
 
 #[derive(Debug, clap::Args)]
@@ -23,6 +23,12 @@ pub struct CompileArgs {
     /// Write the job with its dispatch deferred until `compile release <attemptId>`
     #[arg(long)]
     pub defer: bool,
+    /// The requesting subject, recorded on the attempt with --snapshot (both or neither)
+    #[arg(long = "as", value_name = "SUBJECT", requires = "snapshot")]
+    pub requested_by: Option<String>,
+    /// The permission snapshot that authorises the request
+    #[arg(long, value_name = "SNAPSHOT_ID", requires = "requested_by")]
+    pub snapshot: Option<String>,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -92,9 +98,25 @@ fn plan(args: &CompileArgs) -> Result<Plan, Failure> {
                     "compile needs a document id, or one of: release, retry, show, wait <attemptId>",
                 )
             })?;
+            let requester = match (&args.requested_by, &args.snapshot) {
+                (Some(subject), Some(snapshot)) => {
+                    let subject = subject.trim();
+                    if subject.is_empty() {
+                        return Err(Failure::usage("--as needs a subject id"));
+                    }
+                    Some(Requester {
+                        subject: subject.to_owned(),
+                        snapshot: uuid_arg("snapshot id", snapshot)?,
+                    })
+                }
+                _ => None,
+            };
             Ok(Plan::Request(
                 uuid_arg("document id", raw)?,
-                RequestOptions { defer: args.defer },
+                RequestOptions {
+                    defer: args.defer,
+                    requester,
+                },
             ))
         }
     }
@@ -186,12 +208,40 @@ mod tests {
         let id = "0198c6a0-0000-7000-8000-000000000001";
         assert!(matches!(
             parse(&[id]),
-            Ok(Plan::Request(_, RequestOptions { defer: false }))
+            Ok(Plan::Request(
+                _,
+                RequestOptions {
+                    defer: false,
+                    requester: None
+                }
+            ))
         ));
         assert!(matches!(
             parse(&[id, "--defer"]),
-            Ok(Plan::Request(_, RequestOptions { defer: true }))
+            Ok(Plan::Request(
+                _,
+                RequestOptions {
+                    defer: true,
+                    requester: None
+                }
+            ))
         ));
+        let snap = "0198c6a0-0000-7000-8000-000000000002";
+        assert!(matches!(
+            parse(&[id, "--as", "alice", "--snapshot", snap]),
+            Ok(Plan::Request(_, RequestOptions { requester: Some(Requester { subject, .. }), .. }))
+                if subject == "alice"
+        ));
+        assert!(
+            parse(&[id, "--as", "alice"]).is_err(),
+            "--as needs --snapshot"
+        );
+        assert!(
+            parse(&[id, "--snapshot", snap]).is_err(),
+            "--snapshot needs --as"
+        );
+        assert!(parse(&[id, "--as", " ", "--snapshot", snap]).is_err());
+        assert!(parse(&[id, "--as", "alice", "--snapshot", "nope"]).is_err());
         assert!(matches!(parse(&["release", id]), Ok(Plan::Release(_))));
         assert!(matches!(parse(&["retry", id]), Ok(Plan::Retry(_))));
         assert!(matches!(parse(&["show", id]), Ok(Plan::Show(_))));

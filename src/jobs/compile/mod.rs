@@ -1,41 +1,52 @@
-//! document.compile: a document version becomes an outline, knowledge nodes and a full-text
-//! projection under the attempt's own publication generation, and is published by moving the
-//! space's head. Invariant: each step does the work of exactly one checkpoint
-//! ([`walk::next`]), commits it together with the checkpoint in the engine's fenced
-//! transaction, and is idempotent when repeated; readers only ever see the generation a head
-//! publishes, so a crashed, failed or superseded attempt leaves nothing served.
+//! document.compile: a document version becomes the platform's compiled read model — its parse
+//! artifact, outline, page index, knowledge paths, multimodal manifest, knowledge nodes and index
+//! projections under the attempt's own publication generation — and is published by moving the
+//! space's head to a publication whose members include it. Invariant: each step does the work of
+//! exactly one checkpoint ([`walk::next`]), commits it together with the checkpoint in the
+//! engine's fenced transaction, and is idempotent when repeated (deterministic ids, `ON CONFLICT
+//! DO NOTHING`); readers only ever see what a head's publication lists, so a crashed, failed or
+//! superseded attempt leaves nothing served.
 //!
 //! The walk: `queued → parsed → outline_built → nodes_generated → projection_built →
 //! smoke_eval_passed → published`.
 //! - **parsed**: the bytes are read from the object store, checked against the document's
-//!   SHA-256 (`hash_mismatch`) and parsed by MIME type or extension: text, Markdown, HTML
-//!   (`unsupported_format`, `corrupt_document` otherwise). `document_assets.parser_status`
-//!   becomes `parsed`, or `failed` when the attempt fails on the document's bytes.
-//! - **outline_built**: the heading tree goes to `document_outlines`.
-//! - **nodes_generated**: chunks of at most [`parse::MAX_CHUNK_CHARS`] characters, following
-//!   sections and paragraphs, go to `knowledge_nodes`.
-//! - **projection_built**: `to_tsvector('english', content)` per node goes to
-//!   `index_projections`; the candidate publication (head members + this document) is created
-//!   and bound to the attempt, once.
-//! - **smoke_eval_passed**: every node is found by `plainto_tsquery` of a few of its own words
-//!   (`smoke_eval_failed` with the numbers otherwise).
-//! - **published**: compare-and-swap of the head from `base_head_revision` to the candidate; if
-//!   the head moved, a new publication of the moved head's members plus this document, swapped
-//!   against the new revision.
-//!
-//! No parse survives a step in memory: steps after `parsed` regenerate it from the hash-checked
-//! bytes (parsing is deterministic and cheap), so any worker can run any step.
+//!   SHA-256 (`hash_mismatch`) and parsed by MIME type or extension: Markdown and plain text with
+//!   the Markdown parser, HTML (`unsupported_format`, `corrupt_document` otherwise); the elements
+//!   go to `parse_artifacts`.
+//! - **outline_built**: `document_outlines`, the page index (`page_index_manifests`, `_nodes`,
+//!   `_terms`, status `building`), `knowledge_paths` and `document_multimodal_manifests`.
+//! - **nodes_generated**: `knowledge_nodes` from the platform's chunker, an `fts` projection of
+//!   each (`to_tsvector('simple', …)` of its normalised path and text), and a `dense-vector`
+//!   projection of each where the space has an active embedding profile, through the
+//!   [`crate::embed`] port; all `building`.
+//! - **projection_built**: a `candidate` publication (the platform's fingerprint) whose members
+//!   are the head's other documents and this document's components, bound to the attempt.
+//! - **smoke_eval_passed**: the platform's structural check of the candidate.
+//! - **published**: in one transaction, projections and page index `ready`, the document
+//!   `parsed`, the candidate `validating` then `published`, the old head's publication
+//!   `superseded`, and the head moved by compare-and-swap (see [`publish`] for what happens when
+//!   another publication moved it first).
 //!
 //! Every step first checks that the attempt may still go on ([`walk::gate`]): a document or
 //! space being deleted cancels it (`document_deleting`); a newer version of the document, an
 //! active attempt for a newer version, or (at publish) a head serving a newer version or a
 //! later attempt's generation of this version supersedes it: the attempt ends `superseded`,
-//! its slot freed and its outbox row canceled.
+//! its slot freed, its outbox row canceled and its candidate `inactive`.
 
+pub mod artifact;
+pub(crate) mod build;
+pub mod candidate;
+pub mod chunk;
 pub mod cli;
+pub(crate) mod compose;
+pub mod multimodal;
+pub mod outline;
+pub mod page_index;
 pub mod parse;
+pub mod paths;
+pub(crate) mod publish;
 pub mod request;
-mod steps;
+pub(crate) mod steps;
 pub mod walk;
 
 use sqlx::PgConnection;
@@ -43,7 +54,7 @@ use sqlx::PgConnection;
 use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
 pub use request::{
     release, request, retry, search_published, show, wait, AttemptStatus, CompileError, Hit,
-    RequestOptions,
+    RequestOptions, Requester,
 };
 use walk::{Checkpoint, Outcome};
 
@@ -69,6 +80,7 @@ impl Handler for CompileHandler {
         job: &JobCtx,
         code: &str,
     ) -> Result<(), sqlx::Error> {
+        publish::deactivate(tx, job.job_id).await?;
         if !matches!(
             code,
             "hash_mismatch" | "unsupported_format" | "corrupt_document" | "object_missing"
@@ -105,19 +117,24 @@ impl Handler for CompileHandler {
         let newest = steps::newest_other_active(tx, &attempt).await?;
         if let Some(stopped) = steps::stop(walk::gate(&steps::facts(&attempt, &doc, newest, None)))
         {
+            publish::deactivate(tx, attempt.id).await?;
             return stopped;
         }
         let store = &self.deps.store;
         match cp {
             Checkpoint::Queued => steps::parse_step(tx, store, &attempt, &doc).await?,
-            Checkpoint::Parsed => steps::outline_step(tx, store, &attempt, &doc).await?,
+            Checkpoint::Parsed => build::outline_step(tx, &attempt, &doc).await?,
             Checkpoint::OutlineBuilt => {
-                steps::nodes_step(tx, store, &attempt, &doc).await?;
+                build::nodes_step(tx, self.deps.embedder.as_ref(), &attempt, &doc).await?;
             }
-            Checkpoint::NodesGenerated => steps::projection_step(tx, &attempt).await?,
-            Checkpoint::ProjectionBuilt => steps::smoke_step(tx, &attempt).await?,
+            Checkpoint::NodesGenerated => {
+                if let Some(stopped) = compose::candidate_step(tx, &attempt).await? {
+                    return Ok(stopped);
+                }
+            }
+            Checkpoint::ProjectionBuilt => publish::smoke_step(tx, &attempt).await?,
             Checkpoint::SmokeEvalPassed => {
-                return steps::publish_step(tx, &attempt, &doc).await;
+                return publish::publish_step(tx, &attempt, &doc).await;
             }
             Checkpoint::Published => {}
         }

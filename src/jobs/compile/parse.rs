@@ -1,14 +1,10 @@
-//! Parsing, outlines, chunks and smoke-probe words: pure functions of a document's bytes.
-//! Invariant: the same bytes and format always give the same sections, outline and chunks (so
-//! any step may regenerate them after a crash or on another worker), every chunk holds at most
-//! [`MAX_CHUNK_CHARS`] characters and never spans two sections, and no input makes these
-//! functions panic: bad input is an [`ParseError`].
+//! Parsing: a pure function of a document's bytes and format into sections of typed blocks
+//! (the elements of its parse artifact, see [`super::artifact`]). Invariant: the same bytes and
+//! format always give the same sections, and no input makes these functions panic: bad input
+//! is a [`ParseError`].
 
 use pulldown_cmark::{Event, HeadingLevel, Options, Parser, Tag, TagEnd};
 use serde::Serialize;
-
-/// The largest chunk, in characters.
-pub const MAX_CHUNK_CHARS: usize = 1200;
 
 /// A format the compiler understands.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -81,6 +77,17 @@ pub fn detect(mime_type: &str, filename: &str) -> Result<Format, ParseError> {
     }
 }
 
+/// What a block of text is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockKind {
+    /// A paragraph, a table row, a quote.
+    Paragraph,
+    /// A list item.
+    List,
+    /// Preformatted code, line breaks kept.
+    Code,
+}
+
 /// A run of blocks under one heading (or before the first heading).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Section {
@@ -88,8 +95,8 @@ pub struct Section {
     pub level: u8,
     /// The headings from the top down to this section's own.
     pub heading_path: Vec<String>,
-    /// Paragraphs, list items, code blocks, table rows: the text of each block.
-    pub blocks: Vec<String>,
+    /// Paragraphs, list items, code blocks, table rows: the kind and text of each block.
+    pub blocks: Vec<(BlockKind, String)>,
 }
 
 /// A parsed document.
@@ -166,9 +173,9 @@ impl Builder {
         });
     }
 
-    /// Adds a block; `raw` keeps its line breaks (code).
-    fn block(&mut self, text: &str, raw: bool) {
-        let text = if raw {
+    /// Adds a block; code keeps its line breaks.
+    fn block(&mut self, text: &str, kind: BlockKind) {
+        let text = if kind == BlockKind::Code {
             text.trim_matches('\n').trim_end().to_owned()
         } else {
             collapse(text)
@@ -177,7 +184,7 @@ impl Builder {
             return;
         }
         if let Some(s) = self.sections.last_mut() {
-            s.blocks.push(text);
+            s.blocks.push((kind, text));
         }
     }
 
@@ -199,14 +206,14 @@ fn parse_text(text: &str) -> Parsed {
     let mut para = String::new();
     for line in text.lines() {
         if line.trim().is_empty() {
-            b.block(&para, false);
+            b.block(&para, BlockKind::Paragraph);
             para.clear();
         } else {
             para.push_str(line);
             para.push('\n');
         }
     }
-    b.block(&para, false);
+    b.block(&para, BlockKind::Paragraph);
     b.finish(Format::Text, None)
 }
 
@@ -232,10 +239,19 @@ fn parse_markdown(text: &str) -> Parsed {
     let mut heading: Option<(u8, String)> = None;
     let mut in_code = false;
     let mut in_metadata = false;
+    // List items open around the text being read.
+    let mut items = 0usize;
+    let kind = |items: usize| {
+        if items > 0 {
+            BlockKind::List
+        } else {
+            BlockKind::Paragraph
+        }
+    };
     for event in Parser::new_ext(text, options) {
         match event {
             Event::Start(Tag::Heading { level, .. }) => {
-                b.block(&buf, in_code);
+                b.block(&buf, kind(items));
                 buf.clear();
                 heading = Some((level_of(level), String::new()));
             }
@@ -247,18 +263,27 @@ fn parse_markdown(text: &str) -> Parsed {
             Event::Start(Tag::MetadataBlock(_)) => in_metadata = true,
             Event::End(TagEnd::MetadataBlock(_)) => in_metadata = false,
             Event::Start(Tag::CodeBlock(_)) => {
-                b.block(&buf, false);
+                b.block(&buf, kind(items));
                 buf.clear();
                 in_code = true;
             }
             Event::End(TagEnd::CodeBlock) => {
-                b.block(&buf, true);
+                b.block(&buf, BlockKind::Code);
                 buf.clear();
                 in_code = false;
             }
+            Event::Start(Tag::Item) => {
+                b.block(&buf, kind(items));
+                buf.clear();
+                items += 1;
+            }
+            Event::End(TagEnd::Item) => {
+                b.block(&buf, kind(items));
+                buf.clear();
+                items = items.saturating_sub(1);
+            }
             Event::Start(
                 Tag::Paragraph
-                | Tag::Item
                 | Tag::List(_)
                 | Tag::BlockQuote(_)
                 | Tag::Table(_)
@@ -270,7 +295,6 @@ fn parse_markdown(text: &str) -> Parsed {
             )
             | Event::End(
                 TagEnd::Paragraph
-                | TagEnd::Item
                 | TagEnd::List(_)
                 | TagEnd::BlockQuote(_)
                 | TagEnd::Table
@@ -282,7 +306,7 @@ fn parse_markdown(text: &str) -> Parsed {
                 | TagEnd::HtmlBlock,
             )
             | Event::Rule => {
-                b.block(&buf, false);
+                b.block(&buf, kind(items));
                 buf.clear();
             }
             Event::End(TagEnd::TableCell) => buf.push_str(" | "),
@@ -303,7 +327,14 @@ fn parse_markdown(text: &str) -> Parsed {
             _ => {}
         }
     }
-    b.block(&buf, in_code);
+    b.block(
+        &buf,
+        if in_code {
+            BlockKind::Code
+        } else {
+            kind(items)
+        },
+    );
     b.finish(Format::Markdown, None)
 }
 
@@ -381,6 +412,17 @@ fn parse_html(text: &str) -> Parsed {
     let mut heading: Option<(u8, String)> = None;
     let mut skip = 0usize;
     let mut pre = 0usize;
+    // List items (li, dt, dd) open around the text being read.
+    let mut items = 0usize;
+    let kind = |pre: usize, items: usize| {
+        if pre > 0 {
+            BlockKind::Code
+        } else if items > 0 {
+            BlockKind::List
+        } else {
+            BlockKind::Paragraph
+        }
+    };
     // Iterative traversal: nesting depth never grows the stack.
     for edge in doc.tree.root().traverse() {
         match edge {
@@ -390,16 +432,19 @@ fn parse_html(text: &str) -> Parsed {
                     if skip > 0 || HTML_SKIP.contains(&name) {
                         skip += 1;
                     } else if let Some(level) = html_heading(name) {
-                        b.block(&buf, false);
+                        b.block(&buf, kind(pre, items));
                         buf.clear();
                         heading = Some((level, String::new()));
                     } else if name == "pre" {
-                        b.block(&buf, false);
+                        b.block(&buf, kind(pre, items));
                         buf.clear();
                         pre += 1;
                     } else if HTML_BLOCKS.contains(&name) {
-                        b.block(&buf, pre > 0);
+                        b.block(&buf, kind(pre, items));
                         buf.clear();
+                        if matches!(name, "li" | "dt" | "dd") {
+                            items += 1;
+                        }
                     } else if matches!(name, "br" | "td" | "th" | "img") {
                         buf.push(if pre > 0 { '\n' } else { ' ' });
                         if name == "img" {
@@ -426,264 +471,22 @@ fn parse_html(text: &str) -> Parsed {
                             b.heading(level, &t);
                         }
                     } else if name == "pre" {
-                        b.block(&buf, true);
+                        b.block(&buf, BlockKind::Code);
                         buf.clear();
                         pre = pre.saturating_sub(1);
                     } else if HTML_BLOCKS.contains(&name) {
-                        b.block(&buf, pre > 0);
+                        b.block(&buf, kind(pre, items));
                         buf.clear();
+                        if matches!(name, "li" | "dt" | "dd") {
+                            items = items.saturating_sub(1);
+                        }
                     }
                 }
             }
         }
     }
-    b.block(&buf, false);
+    b.block(&buf, kind(pre, items));
     b.finish(Format::Html, title)
-}
-
-/// One heading of the outline tree.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
-pub struct OutlineNode {
-    pub level: u8,
-    pub text: String,
-    /// The index of this heading's section among the document's sections.
-    pub section: usize,
-    pub children: Vec<OutlineNode>,
-}
-
-/// The heading tree of a parsed document, as stored in `document_outlines.outline`.
-pub fn outline(p: &Parsed) -> serde_json::Value {
-    let mut roots: Vec<OutlineNode> = Vec::new();
-    // Open headings, outermost first; each is attached to its parent when it closes.
-    let mut open: Vec<OutlineNode> = Vec::new();
-    fn close(open: &mut Vec<OutlineNode>, roots: &mut Vec<OutlineNode>) {
-        if let Some(done) = open.pop() {
-            match open.last_mut() {
-                Some(parent) => parent.children.push(done),
-                None => roots.push(done),
-            }
-        }
-    }
-    for (i, s) in p.sections.iter().enumerate() {
-        if s.level == 0 {
-            continue;
-        }
-        while open.last().is_some_and(|o| o.level >= s.level) {
-            close(&mut open, &mut roots);
-        }
-        open.push(OutlineNode {
-            level: s.level,
-            text: s.heading_path.last().cloned().unwrap_or_default(),
-            section: i,
-            children: Vec::new(),
-        });
-    }
-    while !open.is_empty() {
-        close(&mut open, &mut roots);
-    }
-    serde_json::json!({
-        "schema": 1,
-        "format": p.format,
-        "title": p.title,
-        "sections": p.sections.len(),
-        "headings": roots,
-    })
-}
-
-/// A piece of a section, the content of one knowledge node.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Chunk {
-    pub heading_path: Vec<String>,
-    pub content: String,
-}
-
-impl Chunk {
-    /// Whitespace-separated words.
-    pub fn token_count(&self) -> i32 {
-        i32::try_from(self.content.split_whitespace().count()).unwrap_or(i32::MAX)
-    }
-}
-
-/// Splits the document into chunks of at most `max_chars` characters, following sections and
-/// then blocks; a block longer than `max_chars` is cut at a sentence end or a space. Chunks
-/// without any letter or digit are dropped.
-pub fn chunks(p: &Parsed, max_chars: usize) -> Vec<Chunk> {
-    let max_chars = max_chars.max(16);
-    let mut out = Vec::new();
-    for s in &p.sections {
-        let mut cur = String::new();
-        let mut cur_len = 0usize;
-        let mut emit = |text: &mut String, len: &mut usize| {
-            if text.chars().any(char::is_alphanumeric) {
-                out.push(Chunk {
-                    heading_path: s.heading_path.clone(),
-                    content: std::mem::take(text),
-                });
-            } else {
-                text.clear();
-            }
-            *len = 0;
-        };
-        for block in &s.blocks {
-            for piece in split_long(block, max_chars) {
-                let n = piece.chars().count();
-                if cur_len > 0 && cur_len + 2 + n > max_chars {
-                    emit(&mut cur, &mut cur_len);
-                }
-                if cur_len > 0 {
-                    cur.push_str("\n\n");
-                    cur_len += 2;
-                }
-                cur.push_str(&piece);
-                cur_len += n;
-            }
-        }
-        if cur_len > 0 {
-            emit(&mut cur, &mut cur_len);
-        }
-    }
-    out
-}
-
-/// Cuts `text` into pieces of at most `max` characters, preferring sentence ends, then spaces,
-/// in the second half of each window.
-fn split_long(text: &str, max: usize) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut rest = text.trim();
-    while rest.chars().count() > max {
-        // Byte offset just past the max-th character.
-        let window_end = rest.char_indices().nth(max).map_or(rest.len(), |(i, _)| i);
-        let window = &rest[..window_end];
-        let half = window.char_indices().nth(max / 2).map_or(0, |(i, _)| i);
-        let sentence = window[half..]
-            .rmatch_indices(['.', '!', '?', '\n'])
-            .map(|(i, m)| half + i + m.len())
-            .find(|&end| window[end..].starts_with(char::is_whitespace) || end == window.len());
-        let space = || {
-            window[half..]
-                .rfind(char::is_whitespace)
-                .map(|i| half + i)
-                .filter(|&i| i > 0)
-        };
-        let cut = sentence.or_else(space).unwrap_or(window_end);
-        let (head, tail) = rest.split_at(cut);
-        let head = head.trim();
-        if !head.is_empty() {
-            out.push(head.to_owned());
-        }
-        rest = tail.trim_start();
-    }
-    if !rest.is_empty() {
-        out.push(rest.to_owned());
-    }
-    out
-}
-
-/// Common English words that make poor probes (Postgres drops most of them anyway).
-const STOP: &[&str] = &[
-    "about",
-    "above",
-    "after",
-    "again",
-    "against",
-    "also",
-    "because",
-    "been",
-    "before",
-    "being",
-    "below",
-    "between",
-    "both",
-    "could",
-    "does",
-    "doing",
-    "down",
-    "during",
-    "each",
-    "from",
-    "further",
-    "have",
-    "having",
-    "here",
-    "into",
-    "itself",
-    "just",
-    "more",
-    "most",
-    "myself",
-    "once",
-    "only",
-    "other",
-    "ourselves",
-    "over",
-    "same",
-    "should",
-    "some",
-    "such",
-    "than",
-    "that",
-    "their",
-    "theirs",
-    "them",
-    "themselves",
-    "then",
-    "there",
-    "these",
-    "they",
-    "this",
-    "those",
-    "through",
-    "under",
-    "until",
-    "very",
-    "were",
-    "what",
-    "when",
-    "where",
-    "which",
-    "while",
-    "whom",
-    "will",
-    "with",
-    "would",
-    "your",
-    "yours",
-    "yourself",
-    "yourselves",
-];
-
-/// How many words a smoke probe uses.
-pub const PROBE_WORDS: usize = 4;
-
-/// A few distinctive words of `content`, for a `plainto_tsquery` probe: the longest plain
-/// alphabetic words (never parts of URLs, e-mail addresses, paths or hyphenated compounds,
-/// which the full-text parser keeps whole), without common words. Empty when the content has
-/// no such word.
-pub fn probe_words(content: &str) -> String {
-    let mut words: Vec<(usize, usize, String)> = Vec::new();
-    for (pos, raw) in content.split_whitespace().enumerate() {
-        let w = raw
-            .trim_start_matches(['(', '[', '{', '"', '\'', '*', '_'])
-            .trim_end_matches([
-                '.', ',', ';', ':', '!', '?', ')', ']', '}', '"', '\'', '*', '_',
-            ]);
-        if w.chars().count() < 3 || !w.chars().all(char::is_alphabetic) {
-            continue;
-        }
-        let lower = w.to_lowercase();
-        if STOP.contains(&lower.as_str()) || words.iter().any(|(_, _, x)| *x == lower) {
-            continue;
-        }
-        words.push((lower.chars().count(), pos, lower));
-    }
-    words.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
-    words.truncate(PROBE_WORDS);
-    words.sort_by_key(|w| w.1);
-    words
-        .into_iter()
-        .map(|(_, _, w)| w)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[cfg(test)]
@@ -747,7 +550,7 @@ mod tests {
                 (
                     s.level,
                     s.heading_path.iter().map(String::as_str).collect(),
-                    s.blocks.iter().map(String::as_str).collect(),
+                    s.blocks.iter().map(|(_, t)| t.as_str()).collect(),
                 )
             })
             .collect();
@@ -764,11 +567,9 @@ mod tests {
                 (1, vec!["Other"], vec!["End."]),
             ]
         );
-        let o = outline(&p);
-        assert_eq!(o["headings"][0]["text"], "Guide");
-        assert_eq!(o["headings"][0]["children"][0]["text"], "Install");
-        assert_eq!(o["headings"][1]["text"], "Other");
-        assert_eq!(o["format"], "markdown");
+        let kinds: Vec<BlockKind> = p.sections[2].blocks.iter().map(|(k, _)| *k).collect();
+        assert_eq!(kinds, [BlockKind::List, BlockKind::List, BlockKind::Code]);
+        assert_eq!(p.sections[1].blocks[0].0, BlockKind::Paragraph);
     }
 
     #[test]
@@ -788,10 +589,27 @@ mod tests {
                 vec!["Top".to_owned(), "Mid".to_owned()],
             ]
         );
-        assert_eq!(p.sections[0].blocks, vec!["Alpha beta"]);
-        assert_eq!(p.sections[1].blocks, vec!["item one", "item two"]);
-        assert_eq!(p.sections[2].blocks, vec!["a\n  b", "c1 c2"]);
-        let all: String = p.sections.iter().flat_map(|s| s.blocks.clone()).collect();
+        let texts = |i: usize| -> Vec<(BlockKind, &str)> {
+            p.sections[i]
+                .blocks
+                .iter()
+                .map(|(k, t)| (*k, t.as_str()))
+                .collect()
+        };
+        assert_eq!(texts(0), vec![(BlockKind::Paragraph, "Alpha beta")]);
+        assert_eq!(
+            texts(1),
+            vec![(BlockKind::List, "item one"), (BlockKind::List, "item two")]
+        );
+        assert_eq!(
+            texts(2),
+            vec![(BlockKind::Code, "a\n  b"), (BlockKind::Paragraph, "c1 c2")]
+        );
+        let all: String = p
+            .sections
+            .iter()
+            .flat_map(|s| s.blocks.iter().map(|(_, t)| t.clone()))
+            .collect();
         assert!(!all.contains("evil") && !all.contains("x{}"));
     }
 
@@ -799,59 +617,12 @@ mod tests {
     fn text_paragraphs_split_on_blank_lines() {
         let p = parse(Format::Text, b"one\r\ntwo\r\n\r\n\r\nthree\n").unwrap();
         assert_eq!(p.sections.len(), 1);
-        assert_eq!(p.sections[0].blocks, vec!["one two", "three"]);
-        assert_eq!(outline(&p)["headings"], serde_json::json!([]));
-    }
-
-    #[test]
-    fn chunks_are_bounded_and_deterministic() {
-        let sentence = "The quick brown fox jumps over the lazy dog. ";
-        let long_para = sentence.repeat(80);
-        let word_soup = "x".repeat(3000);
-        let md = format!("# A\n\n{long_para}\n\nshort\n\n# B\n\n{word_soup}\n\n# C\n\n---\n\n");
-        let p = parse(Format::Markdown, md.as_bytes()).unwrap();
-        let c = chunks(&p, MAX_CHUNK_CHARS);
-        assert!(c
-            .iter()
-            .all(|c| c.content.chars().count() <= MAX_CHUNK_CHARS));
-        assert!(c.iter().all(|c| !c.content.trim().is_empty()));
-        let a: Vec<&Chunk> = c.iter().filter(|c| c.heading_path == ["A"]).collect();
-        assert!(a.len() >= 3, "{}", a.len());
-        assert!(a
-            .iter()
-            .all(|c| c.content.ends_with('.') || c.content.ends_with("short")));
-        let joined: String = a
-            .iter()
-            .map(|c| c.content.replace("\n\n", " "))
-            .collect::<Vec<_>>()
-            .join(" ");
-        assert_eq!(collapse(&joined), collapse(&format!("{long_para} short")));
-        let b: Vec<&Chunk> = c.iter().filter(|c| c.heading_path == ["B"]).collect();
-        assert_eq!(b.iter().map(|c| c.content.len()).sum::<usize>(), 3000);
-        assert!(c.iter().all(|c| c.heading_path != ["C"]));
         assert_eq!(
-            c,
-            chunks(
-                &parse(Format::Markdown, md.as_bytes()).unwrap(),
-                MAX_CHUNK_CHARS
-            )
+            p.sections[0].blocks,
+            vec![
+                (BlockKind::Paragraph, "one two".to_owned()),
+                (BlockKind::Paragraph, "three".to_owned())
+            ]
         );
-        // Multi-byte characters are counted as characters and never cut in half.
-        let wide = "ü".repeat(5000);
-        let p = parse(Format::Text, wide.as_bytes()).unwrap();
-        let c = chunks(&p, 100);
-        assert_eq!(c.len(), 50);
-        assert!(c.iter().all(|c| c.content.chars().count() == 100));
-    }
-
-    #[test]
-    fn probe_words_pick_long_plain_words() {
-        assert_eq!(
-            probe_words("The configuration of kubernetes clusters (see https://x.io/a) requires patience, it's said."),
-            "configuration kubernetes clusters requires"
-        );
-        assert_eq!(probe_words("a b c -- 12 34"), "");
-        assert_eq!(probe_words("mail me@example.com e-mail"), "mail");
-        assert_eq!(probe_words("Über straße"), "über straße");
     }
 }

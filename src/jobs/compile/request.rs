@@ -20,10 +20,20 @@ pub const DEFERRED_UNTIL: &str = "9999-12-31T23:59:59.999Z";
 /// The unique index that allows one active attempt per tenant, space, document and version.
 pub const ACTIVE_UNIQUE_INDEX: &str = "document_compilation_attempts_scope_version_active_uq";
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct RequestOptions {
     /// Write the outbox row with `available_at` far in the future; [`release`] sends it.
     pub defer: bool,
+    /// Who asks, under which permission snapshot: recorded on the attempt as the platform's
+    /// requester binding (0016), all four columns, or none when `None`.
+    pub requester: Option<Requester>,
+}
+
+/// The requester of a compilation and the permission snapshot that authorises it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Requester {
+    pub subject: String,
+    pub snapshot: Uuid,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +75,8 @@ pub enum CompileError {
         run_state: String,
         checkpoint: String,
     },
+    #[error("permission snapshot {snapshot} cannot authorise this request: {why}")]
+    Snapshot { snapshot: Uuid, why: String },
     #[error("database: {0}")]
     Db(sqlx::Error),
 }
@@ -196,7 +208,11 @@ pub async fn request(
     .fetch_optional(&mut *tx)
     .await?
     .unwrap_or(0);
-    let attempt = Uuid::now_v7();
+    let binding = match &opts.requester {
+        None => None,
+        Some(r) => Some(requester_binding(&mut tx, &d, r).await?),
+    };
+    let attempt = Uuid::new_v4();
     let generation = Uuid::new_v4();
     // A concurrent request for the same version loses here without aborting the transaction.
     let inserted: Option<Uuid> = sqlx::query_scalar(
@@ -205,9 +221,10 @@ pub async fn request(
             base_head_revision, candidate_publication_id, candidate_fingerprint, checkpoint, run_state, active_slot, \
             execution_attempts, max_execution_attempts, queue_job_id, external_job_id, worker_id, lease_token, \
             lease_expires_at, heartbeat_at, retry_at, last_error_code, last_error_message, row_version, \
-            created_at, updated_at, started_at, completed_at) \
+            created_at, updated_at, started_at, completed_at, requested_by_subject_id, permission_snapshot_id, \
+            permission_snapshot_revision, access_channel) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, NULL, 'queued', 'dispatch_pending', 1, 0, $8, NULL, NULL, NULL, \
-            NULL, NULL, NULL, NULL, NULL, NULL, 0, now(), now(), NULL, NULL) \
+            NULL, NULL, NULL, NULL, NULL, NULL, 0, now(), now(), NULL, NULL, $9, $10, $11, $12) \
          ON CONFLICT (tenant_id, knowledge_space_id, document_asset_id, document_version, active_slot) DO NOTHING \
          RETURNING id",
     )
@@ -219,6 +236,10 @@ pub async fn request(
     .bind(generation)
     .bind(base)
     .bind(COMPILE.policy.max_attempts)
+    .bind(binding.as_ref().map(|b| b.0.clone()))
+    .bind(binding.as_ref().map(|b| b.1))
+    .bind(binding.as_ref().map(|b| b.2))
+    .bind(binding.as_ref().map(|b| b.3.clone()))
     .fetch_optional(&mut *tx)
     .await
     .map_err(|e| conflict_or(e, document_id, d.version))?;
@@ -241,7 +262,7 @@ pub async fn request(
             CASE WHEN $3 THEN $4::timestamptz ELSE now() END, \
             NULL, NULL, NULL, NULL, NULL, NULL, NULL, now(), now())",
     )
-    .bind(Uuid::now_v7())
+    .bind(Uuid::new_v4())
     .bind(attempt)
     .bind(opts.defer)
     .bind(DEFERRED_UNTIL)
@@ -249,6 +270,42 @@ pub async fn request(
     .await?;
     tx.commit().await?;
     Ok(attempt)
+}
+
+/// The requester binding of a request: the snapshot must be this space's, issued to the
+/// requester, and still valid for writing (the platform's revalidation, a role that may write).
+async fn requester_binding(
+    conn: &mut PgConnection,
+    d: &DocScope,
+    r: &Requester,
+) -> Result<(String, Uuid, i32, String), CompileError> {
+    let channel: Option<String> = sqlx::query_scalar(
+        "SELECT access_channel::text FROM knowledge_space_permission_snapshots \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND id = $3 AND subject_id = $4",
+    )
+    .bind(&d.tenant)
+    .bind(d.space)
+    .bind(r.snapshot)
+    .bind(&r.subject)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let refuse = |why: &str| CompileError::Snapshot {
+        snapshot: r.snapshot,
+        why: why.to_owned(),
+    };
+    let channel = channel.ok_or_else(|| {
+        refuse("it is not a snapshot of this knowledge space issued to that subject")
+    })?;
+    let valid =
+        crate::access::revalidate(conn, &d.tenant, d.space, r.snapshot, &r.subject, &channel)
+            .await?
+            .ok_or_else(|| {
+                refuse("it is revoked, expired, or no longer matches the space's access")
+            })?;
+    if valid.role == "viewer" {
+        return Err(refuse("a viewer may not compile documents"));
+    }
+    Ok((r.subject.clone(), r.snapshot, valid.revision, channel))
 }
 
 fn conflict_or(e: sqlx::Error, document: Uuid, version: i32) -> CompileError {
@@ -417,6 +474,10 @@ pub struct AttemptStatus {
     pub outbox_status: Option<String>,
     pub outbox_available_at: Option<DateTime<Utc>>,
     pub dispatch_attempts: Option<i32>,
+    pub requested_by_subject_id: Option<String>,
+    pub permission_snapshot_id: Option<Uuid>,
+    pub permission_snapshot_revision: Option<i32>,
+    pub access_channel: Option<String>,
 }
 
 impl AttemptStatus {
@@ -446,7 +507,8 @@ pub async fn show(
            a.run_state::text AS run_state, a.active_slot, a.execution_attempts, a.max_execution_attempts, \
            a.last_error_code::text AS last_error_code, a.last_error_message, a.row_version, a.created_at, \
            a.completed_at, o.status::text AS outbox_status, o.available_at AS outbox_available_at, \
-           o.dispatch_attempts \
+           o.dispatch_attempts, a.requested_by_subject_id::text AS requested_by_subject_id, \
+           a.permission_snapshot_id, a.permission_snapshot_revision, a.access_channel::text AS access_channel \
          FROM document_compilation_attempts a \
          LEFT JOIN document_compilation_outbox o ON o.attempt_id = a.id AND o.event_type = 'document.compile' \
          WHERE a.id = $1",
@@ -484,43 +546,45 @@ pub async fn wait(
     }
 }
 
-/// One full-text hit among the nodes the space's head serves.
+/// One full-text hit among the nodes the space's head serves, found the way the platform's
+/// retrieval finds them ([`crate::publication::FTS_READ_SQL`]).
 #[derive(Clone, Debug, PartialEq, Serialize, sqlx::FromRow)]
 #[serde(rename_all = "camelCase")]
 pub struct Hit {
+    pub projection_id: Uuid,
     pub node_id: Uuid,
     pub document_asset_id: Uuid,
     pub document_version: i32,
-    pub ordinal: i32,
-    pub heading_path: serde_json::Value,
-    pub content: String,
-    pub rank: f32,
+    pub text: String,
+    pub source_location: serde_json::Value,
+    pub filename: String,
+    pub score: f64,
 }
 
-/// Full-text search (`plainto_tsquery('english', query)`) over the published nodes of one
-/// tenant's space, best first.
+/// Full-text search over what the space's head publishes, for a reader whose permission scopes
+/// are `scopes` (nodes without a scope are visible to every reader), best first.
 pub async fn search_published(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
     query: &str,
+    scopes: &[String],
     limit: i64,
 ) -> Result<Vec<Hit>, sqlx::Error> {
-    let sql = format!(
-        "SELECT n.id AS node_id, n.document_asset_id, n.document_version, n.ordinal, n.heading_path, n.content, \
-           ts_rank(p.search_vector, q.query) AS rank \
-         FROM knowledge_nodes n \
-         JOIN index_projections p ON p.node_id = n.id AND p.tenant_id = $1 AND p.knowledge_space_id = $2 \
-           AND p.publication_generation_id = n.publication_generation_id \
-         CROSS JOIN plainto_tsquery('english', $3) AS q(query) \
-         WHERE {} AND p.search_vector @@ q.query \
-         ORDER BY rank DESC, n.document_asset_id, n.ordinal LIMIT $4",
-        crate::publication::PUBLISHED_NODE_FILTER
-    );
+    let q = crate::canonical::normalize_fts_text(query);
+    if q.is_empty() {
+        return Ok(Vec::new());
+    }
+    let Some(head) = crate::publication::head(conn, tenant, space, false).await? else {
+        return Ok(Vec::new());
+    };
+    let sql = format!("{} LIMIT $6", crate::publication::FTS_READ_SQL);
     sqlx::query_as::<_, Hit>(&sql)
-        .bind(tenant)
         .bind(space)
-        .bind(query)
+        .bind(q)
+        .bind(tenant)
+        .bind(head.publication_id)
+        .bind(serde_json::json!(scopes))
         .bind(limit)
         .fetch_all(conn)
         .await

@@ -1,8 +1,10 @@
-//! `deleting_objects`: erase the inventoried objects, secret references and cache keys through
-//! the ports, one batch of due items per step. Invariant: an item is completed only after its
-//! port confirmed the erase (already gone counts), and completing it redacts its key in the same
-//! statement; a failed item retries on its own schedule and is `dead` once its attempts are used
-//! up, which fails the job at the next step (after the dead state has committed).
+//! `deleting_objects`: erase the inventoried objects and secret references through the ports,
+//! one batch of due items per step. Invariant: an object is erased only if its key lies under the
+//! space's manifest prefix; an item is completed only after its port confirmed the erase (already
+//! gone counts), and completing it redacts its key in the same statement; an erased secret's 0014
+//! lifecycle row is marked `deleted` in the step that completes its item; a failed item retries on
+//! its own schedule and is `dead` once its attempts are used up, which fails the job at the next
+//! step (after the dead state has committed). Dead items keep their key for a manual retry.
 
 use std::time::Duration;
 
@@ -10,7 +12,7 @@ use futures_util::stream::{self, StreamExt};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::ports::{PortError, Ports};
+use super::ports::{PortError, Ports, SecretRef};
 use super::walk::Event;
 use super::{clamp_wait, DeletionConfig, JobRow};
 use crate::jobs::JobError;
@@ -46,6 +48,7 @@ pub(super) async fn step(
     type Due = (
         Uuid,
         String,
+        Option<Uuid>,
         Option<String>,
         Option<String>,
         Option<String>,
@@ -53,10 +56,11 @@ pub(super) async fn step(
         i32,
     );
     let due: Vec<Due> = sqlx::query_as(&format!(
-        "SELECT id, kind, object_key, credential_ref, cache_key, attempts, max_attempts FROM deletion_job_items \
+        "SELECT id, kind, resource_id, object_key, credential_ref, cache_key, attempts, max_attempts \
+         FROM deletion_job_items \
          WHERE deletion_job_id = $1 AND {ERASABLE} \
            AND (status = 'pending' OR (status = 'retry_wait' AND next_attempt_at <= now())) \
-         ORDER BY ordinal LIMIT $2 FOR UPDATE"
+         ORDER BY ordinal, id LIMIT $2 FOR UPDATE SKIP LOCKED"
     ))
     .bind(job.id)
     .bind(cfg.item_batch)
@@ -80,19 +84,57 @@ pub(super) async fn step(
         });
     }
 
-    let results: Vec<(Uuid, i32, i32, Result<(), PortError>)> = stream::iter(due)
+    // Re-read for every batch: an object outside the space's prefix is never erased.
+    let prefix = format!("{}/", job.prefix(tx).await?);
+    let prefix = &prefix;
+    type Erased = (
+        Uuid,
+        Option<(Option<Uuid>, String)>,
+        i32,
+        i32,
+        Result<(), PortError>,
+    );
+    let results: Vec<Erased> = stream::iter(due)
         .map(
-            |(id, kind, object_key, credential_ref, cache_key, attempts, max_attempts)| async move {
+            |(
+                id,
+                kind,
+                resource,
+                object_key,
+                credential_ref,
+                cache_key,
+                attempts,
+                max_attempts,
+            )| async move {
+                let mut secret = None;
                 let r = match (kind.as_str(), object_key, credential_ref, cache_key) {
-                    ("object", Some(k), _, _) => ports.objects.delete_object(&k).await,
-                    ("secret_ref", _, Some(c), _) => ports.secrets.delete_secret(&c).await,
-                    ("cache_key", _, _, Some(k)) => ports.cache.evict(&k).await,
+                    ("object", Some(k), _, _) if k.starts_with(prefix) => {
+                        ports.objects.delete_object(&k).await
+                    }
+                    ("object", Some(_), _, _) => Err(PortError::retryable(
+                        "object_key_outside_prefix",
+                        "the object key escapes the immutable space prefix",
+                    )),
+                    ("secret_ref", _, Some(c), _) => {
+                        let r = ports
+                            .secrets
+                            .delete_secret(&SecretRef {
+                                tenant: &job.tenant,
+                                space: job.space,
+                                source: resource,
+                                credential_ref: &c,
+                            })
+                            .await;
+                        secret = Some((resource, c));
+                        r
+                    }
+                    ("cache_key", _, _, Some(k)) => drain_cache(ports, &k).await,
                     _ => Err(PortError::permanent(
                         "item_malformed",
                         format!("{kind} item without its key"),
                     )),
                 };
-                (id, attempts, max_attempts, r)
+                (id, secret, attempts, max_attempts, r)
             },
         )
         .buffer_unordered(cfg.item_concurrency.max(1))
@@ -101,9 +143,28 @@ pub(super) async fn step(
 
     let done: Vec<Uuid> = results
         .iter()
-        .filter(|r| r.3.is_ok())
+        .filter(|r| r.4.is_ok())
         .map(|r| r.0)
         .collect();
+    // Erased secrets: their lifecycle rows are deleted as the platform records it.
+    for (_, secret, _, _, r) in &results {
+        let (Some((source, cred)), Ok(())) = (secret, r) else {
+            continue;
+        };
+        sqlx::query(
+            "UPDATE source_secret_lifecycle_refs SET state = 'deleted', worker_id = NULL, lease_token = NULL, \
+               lease_expires_at = NULL, heartbeat_at = NULL, next_delete_at = NULL, deleted_at = now(), \
+               updated_at = now(), row_version = row_version + 1 \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 AND ($3::uuid IS NULL OR source_id = $3) \
+               AND credential_ref = $4 AND state <> 'deleted'",
+        )
+        .bind(&job.tenant)
+        .bind(job.space)
+        .bind(*source)
+        .bind(cred)
+        .execute(&mut *tx)
+        .await?;
+    }
     if !done.is_empty() {
         sqlx::query(
             "UPDATE deletion_job_items SET status = 'completed', object_key = NULL, credential_ref = NULL, \
@@ -117,7 +178,7 @@ pub(super) async fn step(
         .execute(&mut *tx)
         .await?;
     }
-    for (id, attempts, max_attempts, r) in &results {
+    for (id, _, attempts, max_attempts, r) in &results {
         let Err(e) = r else { continue };
         let attempt = (attempts + 1).min(*max_attempts);
         let dead = !e.retryable || attempt >= *max_attempts;
@@ -143,6 +204,26 @@ pub(super) async fn step(
         .await?;
     }
     Ok(Event::PageDone)
+}
+
+/// A cache item names a key prefix (the platform's cache port deletes by prefix): all of it goes.
+async fn drain_cache(ports: &Ports, key: &str) -> Result<(), PortError> {
+    for _ in 0..1000 {
+        let page = ports.cache.delete_prefix(key, 1000).await?;
+        if !page.more {
+            return Ok(());
+        }
+        if page.deleted == 0 {
+            return Err(PortError::retryable(
+                "cache_no_progress",
+                "the retrieval cache reported more keys but deleted none",
+            ));
+        }
+    }
+    Err(PortError::retryable(
+        "cache_not_drained",
+        "the cache prefix still holds keys after 1000 pages",
+    ))
 }
 
 fn truncate(s: &str, max: usize) -> String {

@@ -1,25 +1,38 @@
-//! deletion.job: durable, fenced, redacting deletion of spaces, sources and documents.
+//! deletion.job: durable, fenced, redacting deletion of spaces, sources and documents, on the
+//! platform's schema and in the order of the platform's own durable-deletion runtime.
 //!
 //! Invariant: a deletion job touches only rows and objects of its own tenant and space (every
-//! statement on platform data names both, and only object keys under the space's own prefix
-//! `spaces/<space>/` are ever erased); each step commits its effects with its checkpoint, and
-//! repeating a step is harmless; the job completes only when a residue check, in the completing
-//! transaction, finds nothing of the target left, so it finishes having erased everything it was
-//! asked to erase, or it fails keeping its active slot for a manual retry.
+//! statement on platform data names both, and only object keys under the space's manifest prefix
+//! `knowledge_space_manifests.object_key_prefix` are ever listed or erased); each step commits its
+//! effects with its checkpoint, and repeating a step is harmless; the job completes only when a
+//! residue check over every table the target can leave rows in, and a probe of the object store,
+//! both in the completing transaction, find nothing of the target left, so it finishes having
+//! erased everything it was asked to erase, or it fails keeping its active slot for a manual retry.
 //!
 //! - [`walk`] — the checkpoint transitions, a pure function.
-//! - [`request`] — the request and manual-retry writes (library functions on the caller's
-//!   transaction).
+//! - [`request`], `retry` — the request and manual-retry writes (library functions on the
+//!   caller's transaction); `authz` — who may make them; `fence` — what a request fences.
 //! - [`ports`] — object store, secret store and retrieval cache ports.
-//! - `quiesce`, `erase`, `purge` — the I/O of each checkpoint.
+//! - `quiesce` (cancel and drain), `inventory`, `head` — the `quiescing` checkpoint.
+//! - `erase` — `deleting_objects`; `purge`, `derived` — `deleting_derived_data`;
+//!   `primary`, `residue` — `deleting_primary_data` and completion; `sql` — shared predicates.
 //! - [`cli`] — `kfs-worker delete ...`.
 
+mod authz;
 pub mod cli;
+mod derived;
 mod erase;
+mod fence;
+mod head;
+mod inventory;
 pub mod ports;
+mod primary;
 mod purge;
 mod quiesce;
 pub mod request;
+mod residue;
+mod retry;
+mod sql;
 pub mod walk;
 
 use std::sync::Arc;
@@ -30,7 +43,8 @@ use uuid::Uuid;
 
 use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
 pub use ports::{
-    ForgetSecrets, NoCache, ObjectEraser, PortError, Ports, RetrievalCache, SecretStore,
+    CachePage, ForgetSecrets, NoCache, ObjectEraser, PortError, Ports, RetrievalCache, SecretRef,
+    SecretStore,
 };
 pub use request::{
     request_deletion, retry_deletion, DeletionRequest, RequestError, Requested, Retried,
@@ -65,36 +79,100 @@ impl TargetType {
     }
 }
 
-/// The retrieval-cache key of one document's cached answers and chunks.
-pub fn cache_key_for_document(tenant: &str, space: Uuid, document: Uuid) -> String {
-    format!("kfs:retrieval:{tenant}:{space}:{document}")
+/// The cache prefixes a deletion of anything in the space drains, in the platform's order: the
+/// legacy prefixes (global: they carry no tenant or space), then the space's own v2 prefixes.
+pub fn cache_prefixes(tenant: &str, space: Uuid) -> Vec<String> {
+    let t = crate::platform::sha256_hex(tenant.as_bytes());
+    let mut out: Vec<String> = [
+        "contextual-enrichment:",
+        "evidence-bundle:",
+        "knowledge-path:",
+        "query-normalization:",
+        "session-context:",
+    ]
+    .iter()
+    .map(|p| (*p).to_owned())
+    .collect();
+    // A UUID is its own URI component.
+    out.push(format!(
+        "space-cache:v2:contextual-enrichment:space:{space}:"
+    ));
+    out.push(format!("space-cache:v2:evidence-bundle:space:{space}:"));
+    out.push(format!(
+        "space-cache:v2:knowledge-path:tenant:{t}:space:{space}:"
+    ));
+    out.push(format!(
+        "space-cache:v2:session-context:tenant:{t}:space:{space}:"
+    ));
+    out
 }
 
-/// The retrieval-cache key (a prefix) of everything a space has cached.
-pub fn cache_key_for_space(tenant: &str, space: Uuid) -> String {
-    format!("kfs:retrieval:{tenant}:{space}")
+/// Whether `prefix` is a well-formed manifest prefix: `/`-separated segments of
+/// `[A-Za-z0-9._=-]`, no `..`, at most 512 characters.
+pub fn valid_prefix(prefix: &str) -> bool {
+    !prefix.is_empty()
+        && prefix.len() <= 512
+        && !prefix.contains("..")
+        && prefix.split('/').all(|seg| {
+            !seg.is_empty()
+                && seg
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '=' | '-'))
+        })
 }
 
-/// The only object keys a job for `space` may erase.
-pub fn object_prefix(space: Uuid) -> String {
-    format!("spaces/{space}/")
+/// `agent_workspace_snapshots.invalidation_reason` written when a deletion is requested.
+pub fn request_invalidation_reason(target: TargetType) -> String {
+    format!("durable-deletion:{}", target.as_str())
 }
 
-/// `agent_workspace_snapshots.invalidation_reason` written by a job.
-pub fn invalidation_reason(job: Uuid) -> String {
-    format!("deletion_job:{job}")
+/// `agent_workspace_snapshots.invalidation_reason` written by the derived-data step.
+pub const INVALIDATION_REASON: &str = "durable-deletion";
+
+/// The digest of an inventory item (`payload_digest`): SHA-256 over the platform's framed
+/// fields (each prefixed by its byte length), with the job's idempotency key as the operation key
+/// and the item's canonical JSON as the value.
+pub(crate) fn payload_digest(
+    tenant: &str,
+    space: Uuid,
+    job_key: &str,
+    kind: &str,
+    resource: Option<Uuid>,
+    object_key: Option<&str>,
+    credential_ref: Option<&str>,
+) -> String {
+    let value = serde_json::json!({
+        "cacheKey": null,
+        "credentialRef": credential_ref,
+        "kind": kind,
+        "objectKey": object_key,
+        "resourceId": resource.map(|r| r.to_string()),
+    });
+    let mut framed = Vec::new();
+    for field in [
+        "knowledge-fs/durable-deletion/v1",
+        "inventory_payload",
+        tenant,
+        &space.to_string(),
+        job_key,
+        &value.to_string(),
+    ] {
+        framed.extend_from_slice(&(field.len() as u32).to_be_bytes());
+        framed.extend_from_slice(field.as_bytes());
+    }
+    crate::platform::sha256_hex(&framed)
 }
 
 /// Tuning; the defaults suit production, tests shrink them.
 #[derive(Clone, Debug)]
 pub struct DeletionConfig {
-    /// Rows per inventory page and per derived/primary delete statement.
+    /// Rows (or keys) per inventory page and per derived/primary delete statement.
     pub page_size: i64,
     /// Items erased per step.
     pub item_batch: i64,
     /// Port calls in flight at once within a step.
     pub item_concurrency: usize,
-    /// Attempts per item before it is dead.
+    /// Attempts per item before it is dead (the platform: the job's attempts, 10).
     pub item_max_attempts: i32,
     pub item_retry_base: Duration,
     pub item_retry_max: Duration,
@@ -110,8 +188,8 @@ impl Default for DeletionConfig {
             page_size: 500,
             item_batch: 200,
             item_concurrency: 16,
-            item_max_attempts: 5,
-            item_retry_base: Duration::from_secs(2),
+            item_max_attempts: request::MAX_EXECUTION_ATTEMPTS,
+            item_retry_base: Duration::from_secs(1),
             item_retry_max: Duration::from_secs(300),
             max_wait: Duration::from_secs(5),
             max_passes: 20,
@@ -128,6 +206,12 @@ pub(crate) enum Scope {
     SourceCascade(Uuid),
 }
 
+impl Scope {
+    pub fn is_source(self) -> bool {
+        matches!(self, Scope::SourceKeep(_) | Scope::SourceCascade(_))
+    }
+}
+
 /// The job row as a step sees it (locked by the engine's fence).
 #[derive(Clone, Debug)]
 pub(crate) struct JobRow {
@@ -137,9 +221,9 @@ pub(crate) struct JobRow {
     pub target_id: Uuid,
     pub scope: Scope,
     pub checkpoint: Checkpoint,
-    pub scan_phase: Option<String>,
     pub scan_cursor: Option<String>,
     pub inventory_complete: bool,
+    pub idempotency_key: String,
 }
 
 impl JobRow {
@@ -152,27 +236,18 @@ impl JobRow {
             String,
             String,
             Option<String>,
-            Option<String>,
             bool,
+            String,
         );
         let row: Option<Row> = sqlx::query_as(
-            "SELECT tenant_id, knowledge_space_id, target_type, target_id, delete_mode, checkpoint, scan_phase, \
-               scan_cursor, inventory_complete FROM deletion_jobs WHERE id = $1",
+            "SELECT tenant_id, knowledge_space_id, target_type, target_id, delete_mode, checkpoint, scan_cursor, \
+               inventory_complete, idempotency_key FROM deletion_jobs WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((
-            tenant,
-            space,
-            target_type,
-            target_id,
-            mode,
-            cp,
-            scan_phase,
-            scan_cursor,
-            inventory_complete,
-        )) = row
+        let Some((tenant, space, target_type, target_id, mode, cp, scan_cursor, complete, key)) =
+            row
         else {
             return Err(JobError::fatal(
                 "job_missing",
@@ -201,10 +276,34 @@ impl JobRow {
             target_id,
             scope,
             checkpoint,
-            scan_phase,
             scan_cursor,
-            inventory_complete,
+            inventory_complete: complete,
+            idempotency_key: key,
         })
+    }
+
+    /// The space's object-key prefix from its manifest, validated. A space without a manifest
+    /// has no prefix a deletion could stay inside: that is an error, never "everything".
+    pub(crate) async fn prefix(&self, tx: &mut PgConnection) -> Result<String, JobError> {
+        let prefix: Option<String> = sqlx::query_scalar(
+            "SELECT object_key_prefix::text FROM knowledge_space_manifests \
+             WHERE tenant_id = $1 AND knowledge_space_id = $2 ORDER BY manifest_version DESC LIMIT 1",
+        )
+        .bind(&self.tenant)
+        .bind(self.space)
+        .fetch_optional(&mut *tx)
+        .await?;
+        match prefix {
+            Some(p) if valid_prefix(&p) => Ok(p),
+            Some(_) => Err(JobError::retryable(
+                "object_prefix_invalid",
+                "the space's manifest names an invalid object key prefix",
+            )),
+            None => Err(JobError::retryable(
+                "manifest_missing",
+                "the space has no manifest, so no object key prefix to delete under",
+            )),
+        }
     }
 }
 
@@ -258,10 +357,12 @@ impl DeletionHandler {
     async fn event(&self, tx: &mut PgConnection, job: &JobRow) -> Result<Event, JobError> {
         match job.checkpoint {
             Checkpoint::Requested => Ok(Event::Started),
-            Checkpoint::Quiescing => quiesce::step(tx, job, &self.cfg).await,
+            Checkpoint::Quiescing => quiesce::step(tx, job, &self.cfg, &self.ports).await,
             Checkpoint::DeletingObjects => erase::step(tx, job, &self.cfg, &self.ports).await,
-            Checkpoint::DeletingDerivedData => purge::derived_step(tx, job, &self.cfg).await,
-            Checkpoint::DeletingPrimaryData => purge::primary_step(tx, job, &self.cfg).await,
+            Checkpoint::DeletingDerivedData => {
+                purge::derived_step(tx, job, &self.cfg, &self.ports).await
+            }
+            Checkpoint::DeletingPrimaryData => primary::step(tx, job, &self.cfg, &self.ports).await,
             Checkpoint::Completed => Err(JobError::fatal(
                 "already_completed",
                 "the job is already at its final checkpoint",
@@ -278,6 +379,12 @@ impl Handler for DeletionHandler {
 
     async fn step(&self, tx: &mut PgConnection, ctx: &JobCtx) -> Result<Step, JobError> {
         let job = JobRow::load(tx, ctx.job_id).await?;
+        if space_wide(job.checkpoint) && !lock_space(tx, job.space).await? {
+            return Ok(Step::Wait {
+                delay: SPACE_LOCK_RETRY,
+                reason: "another deletion in the space is taking a step".into(),
+            });
+        }
         let event = self.event(tx, &job).await?;
         let decision = walk::transition(job.checkpoint, event)
             .map_err(|e| JobError::fatal("bad_transition", e.to_string()))?;
@@ -289,12 +396,51 @@ impl Handler for DeletionHandler {
                 reason,
             }),
             Decision::Restart { reason } => {
-                quiesce::restart(tx, &job, &self.cfg, &reason).await?;
+                inventory::restart(tx, &job, &self.cfg, &reason).await?;
                 Ok(Step::Advance(Checkpoint::Quiescing.as_str().to_owned()))
             }
             Decision::Succeed => Ok(Step::Succeed(Checkpoint::Completed.as_str().to_owned())),
             Decision::Fail { code, message } => Err(JobError::fatal(code, message)),
         }
+    }
+}
+
+/// The advisory-lock class of the space-wide steps of deletions (the liveness locks use 7038579).
+const SPACE_LOCK_CLASS: i32 = 7_038_580;
+/// How long a space-wide step waits for another deletion's step in the same space before it
+/// gives its slice back.
+const SPACE_LOCK_PATIENCE: Duration = Duration::from_secs(10);
+const SPACE_LOCK_RETRY: Duration = Duration::from_millis(500);
+
+/// Steps that read and write rows of the whole space (its leases, research residue, head,
+/// historical publications, residue): deletions of the same space take them one at a time, so
+/// that they never deadlock on each other's rows. Erasing objects is per job.
+fn space_wide(cp: Checkpoint) -> bool {
+    matches!(
+        cp,
+        Checkpoint::Quiescing | Checkpoint::DeletingDerivedData | Checkpoint::DeletingPrimaryData
+    )
+}
+
+/// Takes the space's deletion lock for the rest of the transaction, waiting up to
+/// [`SPACE_LOCK_PATIENCE`]. `false`: another deletion held it all that time.
+async fn lock_space(tx: &mut PgConnection, space: uuid::Uuid) -> Result<bool, sqlx::Error> {
+    let start = std::time::Instant::now();
+    let mut nap = Duration::from_millis(5);
+    loop {
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, hashtext($2))")
+            .bind(SPACE_LOCK_CLASS)
+            .bind(space.to_string())
+            .fetch_one(&mut *tx)
+            .await?;
+        if got {
+            return Ok(true);
+        }
+        if start.elapsed() >= SPACE_LOCK_PATIENCE {
+            return Ok(false);
+        }
+        tokio::time::sleep(nap).await;
+        nap = (nap * 2).min(Duration::from_millis(100));
     }
 }
 
@@ -304,4 +450,35 @@ pub(crate) fn clamp_wait(ms: Option<f64>, min: Duration, max: Duration) -> Durat
         .filter(|m| m.is_finite() && *m > 0.0)
         .map_or(min, |m| Duration::from_millis(m.ceil() as u64));
     d.clamp(min, max.max(min))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_follow_the_platform() {
+        assert!(valid_prefix(
+            "tenant-a/spaces/0198c6a0-0000-7000-8000-000000000001"
+        ));
+        for bad in ["", "/a", "a/", "a//b", "a/../b", "a b", "a/ü"] {
+            assert!(!valid_prefix(bad), "{bad}");
+        }
+        let p = cache_prefixes("t", Uuid::nil());
+        assert_eq!(p.len(), 9);
+        assert_eq!(p[0], "contextual-enrichment:");
+        assert!(p[8].starts_with("space-cache:v2:session-context:tenant:"));
+        assert!(p[8].ends_with(&format!(":space:{}:", Uuid::nil())));
+    }
+
+    #[test]
+    fn item_digests_cover_the_job_and_the_payload() {
+        let d = |key: &str, obj: &str| {
+            payload_digest("t", Uuid::nil(), key, "object", None, Some(obj), None)
+        };
+        assert_eq!(d("k", "a").len(), 64);
+        assert_eq!(d("k", "a"), d("k", "a"));
+        assert_ne!(d("k", "a"), d("k2", "a"));
+        assert_ne!(d("k", "a"), d("k", "b"));
+    }
 }

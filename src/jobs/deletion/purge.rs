@@ -1,557 +1,563 @@
-//! `deleting_derived_data` and `deleting_primary_data`: bounded page deletes, then the residue
-//! check and the target row, in the completing transaction. Invariant: every statement names the
-//! job's tenant and space (the `p` parameters below), deletes at most one page, and each step
-//! runs statements in a fixed order until one of them changes a row, so a step never holds more
-//! than one page; a document row is deleted only once its inventoried objects and cache key are
-//! erased ("covered"), so no object is orphaned; completion happens only when nothing of the
-//! target is left, else the job goes back to `quiescing`.
+//! `deleting_derived_data`: the target's derived rows, in the platform's order, one bounded page
+//! per step — retrieval leases, resource mounts, failed queries, agent workspaces, KnowledgeFS
+//! leases and sessions, golden questions, research residue, historical publications and their
+//! members (one that an active compile attempt still builds on is waited for, not taken from
+//! under it), lifecycle secrets, source paths, (a kept source's) document metadata, traces and
+//! evidence, a document's derived residue (compile, page index, artifacts, paths, nodes with
+//! their projections and graph rows, ledgers, outlines, manifests, staged commits, parse
+//! artifacts), a space's cascade residue (children first, so RESTRICT keys hold: compile attempts,
+//! research tasks and traces before the permission snapshots they bind, snapshots before API keys,
+//! heads before publications), then the cache prefixes. Invariant: every statement names the
+//! job's tenant and space and touches at most one page; a step runs the parts in that fixed order
+//! until one changes something, so it holds at most one page; a kept source's documents keep
+//! every derived row.
 
-use std::collections::HashSet;
+use sqlx::PgConnection;
 
-use sqlx::{Connection, PgConnection};
-use uuid::Uuid;
-
-use super::request::sha256_hex;
-
+use super::ports::Ports;
+use super::sql::{
+    self, fs_lease_target, golden, in_space, items_ref, page_delete, page_delete_rows, scoped,
+    semantic_path, OWNED,
+};
 use super::walk::Event;
-use super::{invalidation_reason, object_prefix, DeletionConfig, JobRow, Scope};
+use super::{cache_prefixes, derived, DeletionConfig, JobRow, Scope, INVALIDATION_REASON};
 use crate::jobs::JobError;
-use crate::publication;
 
-/// The parameters of every statement: `$1` tenant, `$2` space, `$3` target id, `$4` page size,
-/// `$5` job id, `$6` invalidation reason.
-const P: &str = "WITH p AS (SELECT $1::varchar AS tenant, $2::uuid AS space, $3::uuid AS target, \
-                   $4::bigint AS lim, $5::uuid AS job, $6::text AS reason)";
-
-/// `k` names the tenant of a table without a tenant column, through its space.
-fn tenant_of(alias: &str) -> String {
-    format!(
-        "EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = {alias}.knowledge_space_id AND k.tenant_id = p.tenant)"
-    )
+/// One part of the derived-data order.
+pub(super) enum Part {
+    /// A page statement.
+    Sql(String),
+    /// Research tasks of the space with their outbox, partial results and progress.
+    Research,
+    /// Historical publications of the target's documents, with what references them.
+    Historical,
+    /// Answer traces citing the target, with their steps, failed queries and bundles.
+    Traces,
+    /// The target documents' knowledge nodes, with their graph rows and projections.
+    Nodes,
 }
 
-/// A page delete on a table with `id`, `tenant_id` and `knowledge_space_id`.
-fn page_delete(table: &str, filter: &str) -> String {
-    format!(
-        "{P}, victims AS (SELECT t.id FROM {table} t, p WHERE t.tenant_id = p.tenant AND t.knowledge_space_id = p.space \
-           AND ({filter}) LIMIT (SELECT lim FROM p)) \
-         DELETE FROM {table} x USING p WHERE x.tenant_id = p.tenant AND x.knowledge_space_id = p.space \
-           AND x.id IN (SELECT id FROM victims)"
-    )
+/// The target's documents own a row of `t` through `t.document_asset_id`.
+fn of_td(t: &str) -> String {
+    format!("{t}.document_asset_id IN (SELECT id FROM td)")
 }
 
-/// A page delete on a table with `id` and `knowledge_space_id` but no tenant column.
-fn page_delete_untenanted(table: &str, filter: &str) -> String {
-    format!(
-        "{P}, victims AS (SELECT t.id FROM {table} t, p WHERE t.knowledge_space_id = p.space AND {} \
-           AND ({filter}) LIMIT (SELECT lim FROM p)) \
-         DELETE FROM {table} x USING p WHERE x.knowledge_space_id = p.space AND {} \
-           AND x.id IN (SELECT id FROM victims)",
-        tenant_of("t"),
-        tenant_of("x")
-    )
+/// A row of a child table (`t.{col}`) whose parent in `parent` (alias `q`) matches `filter`.
+fn child_of(t: &str, col: &str, parent: &str, filter: &str) -> String {
+    format!("{t}.{col} IN (SELECT q.id FROM {parent} q WHERE {filter})")
 }
 
-/// Per-document derived tables, children first.
-const DOCUMENT_DERIVED: [&str; 7] = [
-    "index_projections",
-    "knowledge_nodes",
-    "document_outlines",
-    "document_multimodal_manifests",
-    "page_index_manifests",
-    "knowledge_paths",
-    "document_compilation_attempts",
+/// The space's cascade residue tables, in the platform's explicit order (0018 subset), and
+/// whether each has a tenant column.
+pub(super) const SPACE_TABLES: [(&str, bool); 39] = [
+    ("research_task_partial_results", true),
+    ("research_task_progress_events", true),
+    ("research_task_jobs", true),
+    ("document_compilation_attempts", true),
+    ("legacy_space_publication_bootstraps", true),
+    ("page_index_upgrade_backfills", true),
+    ("page_index_terms", false),
+    ("page_index_manifests", false),
+    ("document_outlines", false),
+    ("index_projection_fts_postings", false),
+    ("projection_set_publication_heads", true),
+    ("graph_relations", false),
+    ("graph_entities", false),
+    ("index_projections", false),
+    ("knowledge_nodes", false),
+    ("artifact_segments", false),
+    ("document_multimodal_manifests", false),
+    ("knowledge_space_staged_commits", true),
+    ("knowledge_paths", false),
+    ("answer_traces", false),
+    ("evidence_bundles", true),
+    ("golden_questions", false),
+    ("failed_queries", false),
+    ("agent_workspace_snapshots", true),
+    ("knowledge_fs_leases", true),
+    ("knowledge_fs_sessions", true),
+    ("retrieval_execution_leases", true),
+    ("tidb_fts_posting_backfills", true),
+    ("knowledge_space_mutation_leases", true),
+    ("source_credential_backfills", true),
+    ("source_secret_lifecycle_refs", true),
+    ("resource_mounts", true),
+    ("knowledge_space_access_policy_members", true),
+    ("knowledge_space_access_policies", true),
+    ("knowledge_space_permission_snapshots", true),
+    ("knowledge_space_api_keys", true),
+    ("knowledge_space_api_access", true),
+    ("knowledge_space_members", true),
+    ("projection_set_publications", true),
 ];
 
-/// Space-wide derived tables (no document column), children first.
-const SPACE_DERIVED: [&str; 7] = [
-    "graph_relations",
-    "graph_entities",
-    "evidence_bundles",
-    "research_task_progress_events",
-    "research_task_partial_results",
-    "research_task_jobs",
-    "agent_workspace_snapshots",
-];
+/// A row of a space table (alias `t`), with or without a tenant column.
+pub(super) fn space_row(tenant: bool) -> String {
+    if tenant {
+        scoped("t")
+    } else {
+        in_space("t")
+    }
+}
 
-/// Which rows of a per-document table (alias `t`) belong to the target.
-fn document_filter(scope: Scope) -> Option<&'static str> {
-    match scope {
-        Scope::Space => Some("TRUE"),
-        Scope::Document(_) => Some("t.document_asset_id = p.target"),
-        Scope::SourceCascade(_) => Some(
-            "t.document_asset_id IN (SELECT d.id FROM document_assets d \
-               WHERE d.knowledge_space_id = p.space AND d.source_id = p.target)",
+/// The FK children of the target documents' rows (the platform's first document residue group).
+pub(super) fn document_children() -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "document_compilation_outbox",
+            child_of(
+                "t",
+                "attempt_id",
+                "document_compilation_attempts",
+                &format!(
+                    "q.tenant_id = p.tenant AND q.knowledge_space_id = p.space AND {}",
+                    of_td("q")
+                ),
+            ),
         ),
-        Scope::SourceKeep(_) => None,
-    }
+        (
+            "page_index_terms",
+            format!(
+                "{} AND {}",
+                in_space("t"),
+                child_of(
+                    "t",
+                    "manifest_id",
+                    "page_index_manifests",
+                    &format!("q.knowledge_space_id = p.space AND {}", of_td("q"))
+                )
+            ),
+        ),
+        (
+            "page_index_nodes",
+            child_of(
+                "t",
+                "manifest_id",
+                "page_index_manifests",
+                &format!(
+                    "q.knowledge_space_id = p.space AND {OWNED} AND {}",
+                    of_td("q")
+                ),
+            ),
+        ),
+        (
+            "document_compilation_attempts",
+            format!("{} AND {}", scoped("t"), of_td("t")),
+        ),
+        (
+            "artifact_segments",
+            format!("{} AND {}", in_space("t"), of_td("t")),
+        ),
+    ]
 }
 
-fn derived_statements(scope: Scope) -> Vec<String> {
-    let mut out = Vec::new();
-    if let Some(filter) = document_filter(scope) {
-        for t in DOCUMENT_DERIVED {
-            out.push(page_delete(t, filter));
-        }
-    }
-    match scope {
-        Scope::Space => {
-            for t in SPACE_DERIVED {
-                out.push(page_delete(t, "TRUE"));
-            }
-            out.push(page_delete_untenanted("answer_traces", "TRUE"));
-        }
-        _ => {
-            // Workspaces this job invalidated cannot be attributed, so they go too.
-            out.push(page_delete(
-                "agent_workspace_snapshots",
-                "t.invalidation_reason = p.reason",
-            ));
-        }
-    }
-    out
+/// The target documents' ledgers (composite keys) and their last per-document rows.
+pub(super) fn document_tail() -> Vec<(&'static str, String, bool)> {
+    vec![
+        (
+            "page_index_upgrade_backfill_items",
+            format!(
+                "{} AND {}",
+                child_of(
+                    "t",
+                    "backfill_id",
+                    "page_index_upgrade_backfills",
+                    &scoped("q")
+                ),
+                of_td("t")
+            ),
+            true,
+        ),
+        (
+            "legacy_space_publication_bootstrap_items",
+            format!(
+                "{} AND {}",
+                child_of(
+                    "t",
+                    "bootstrap_id",
+                    "legacy_space_publication_bootstraps",
+                    &scoped("q")
+                ),
+                of_td("t")
+            ),
+            true,
+        ),
+        (
+            "page_index_manifests",
+            format!("{} AND {}", in_space("t"), of_td("t")),
+            false,
+        ),
+        (
+            "document_outlines",
+            format!("{} AND {}", in_space("t"), of_td("t")),
+            false,
+        ),
+        (
+            "document_multimodal_manifests",
+            format!("{} AND {}", in_space("t"), of_td("t")),
+            false,
+        ),
+        (
+            "knowledge_space_staged_commits",
+            format!("{} AND {}", scoped("t"), of_td("t")),
+            false,
+        ),
+        (
+            "parse_artifacts",
+            format!("{OWNED} AND {}", of_td("t")),
+            false,
+        ),
+    ]
 }
 
-/// A document (alias `d`) is covered when its cache key and the object its row names now were
-/// erased by this job (or the object lies outside the space's prefix and is not ours to erase).
-fn covered(d: &str) -> String {
-    format!(
-        "(EXISTS (SELECT 1 FROM deletion_job_items i WHERE i.deletion_job_id = p.job AND i.kind = 'cache_key' \
-            AND i.resource_id = {d}.id AND i.status = 'completed') \
-          AND (left({d}.object_key, length('spaces/' || p.space::text || '/')) <> 'spaces/' || p.space::text || '/' \
-            OR EXISTS (SELECT 1 FROM deletion_job_items i WHERE i.deletion_job_id = p.job AND i.kind = 'object' \
-              AND i.resource_id = {d}.id AND i.status = 'completed' \
-              AND i.payload_digest = encode(sha256(convert_to({d}.object_key, 'UTF8')), 'hex'))))"
-    )
-}
-
-/// A source (alias `s`) is covered when it has no credential reference or this job erased it.
-fn source_covered(s: &str) -> String {
-    format!(
-        "({s}.credential_ref IS NULL OR EXISTS (SELECT 1 FROM deletion_job_items i WHERE i.deletion_job_id = p.job \
-           AND i.kind = 'secret_ref' AND i.resource_id = {s}.id AND i.status = 'completed' \
-           AND i.payload_digest = encode(sha256(convert_to({s}.credential_ref, 'UTF8')), 'hex')))"
-    )
-}
-
-fn primary_statements(scope: Scope) -> Vec<String> {
-    let mut out = Vec::new();
-    match scope {
-        Scope::Space => {
-            for t in [
-                "knowledge_space_profile_heads",
-                "knowledge_space_profile_backfills",
-                "knowledge_space_profile_revisions",
+/// The space's indirect children and ledgers (before the explicit tables).
+pub(super) fn space_children() -> Vec<(&'static str, String, bool)> {
+    vec![
+        (
+            "document_compilation_outbox",
+            child_of(
+                "t",
+                "attempt_id",
+                "document_compilation_attempts",
+                &scoped("q"),
+            ),
+            false,
+        ),
+        (
+            "answer_trace_steps",
+            child_of(
+                "t",
+                "trace_id",
+                "answer_traces",
+                &format!("q.knowledge_space_id = p.space AND {OWNED}"),
+            ),
+            false,
+        ),
+        (
+            "page_index_nodes",
+            child_of(
+                "t",
+                "manifest_id",
+                "page_index_manifests",
+                &format!("q.knowledge_space_id = p.space AND {OWNED}"),
+            ),
+            false,
+        ),
+        (
+            "research_task_outbox",
+            child_of(
+                "t",
+                "research_task_job_id",
+                "research_task_jobs",
+                &scoped("q"),
+            ),
+            false,
+        ),
+        (
+            "legacy_space_publication_bootstrap_items",
+            child_of(
+                "t",
+                "bootstrap_id",
                 "legacy_space_publication_bootstraps",
-                "projection_set_publication_heads",
-                "projection_set_publications",
-                "knowledge_space_manifests",
-                "retrieval_execution_leases",
-                "knowledge_space_mutation_leases",
-            ] {
-                out.push(page_delete(t, "TRUE"));
-            }
-            out.push(page_delete_untenanted("sources", &source_covered("t")));
+                &scoped("q"),
+            ),
+            true,
+        ),
+        (
+            "page_index_upgrade_backfill_items",
+            child_of(
+                "t",
+                "backfill_id",
+                "page_index_upgrade_backfills",
+                &scoped("q"),
+            ),
+            true,
+        ),
+        ("projection_set_publication_members", scoped("t"), true),
+    ]
+}
+
+fn delete(scope: Scope, table: &str, filter: &str, by_row: bool) -> Part {
+    Part::Sql(if by_row {
+        page_delete_rows(scope, table, filter)
+    } else {
+        page_delete(scope, table, filter)
+    })
+}
+
+/// The derived-data order of a target.
+pub(super) fn parts(scope: Scope) -> Vec<Part> {
+    let w = sql::with(scope);
+    let keep = matches!(scope, Scope::SourceKeep(_));
+    let mut out = vec![
+        delete(
+            scope,
+            "retrieval_execution_leases",
+            &format!("{} AND (t.status <> 'active' OR t.expires_at <= now())", scoped("t")),
+            false,
+        ),
+        delete(scope, "resource_mounts", &scoped("t"), false),
+        delete(scope, "failed_queries", &in_space("t"), false),
+        Part::Sql(format!(
+            "{w}, v AS (SELECT t.id FROM agent_workspace_snapshots t, p WHERE {} AND t.invalidated_at IS NULL \
+               ORDER BY t.id LIMIT (SELECT lim FROM p)) \
+             UPDATE agent_workspace_snapshots x SET invalidated_at = now(), invalidation_reason = '{INVALIDATION_REASON}' \
+             WHERE x.id IN (SELECT id FROM v)",
+            scoped("t")
+        )),
+        delete(
+            scope,
+            "agent_workspace_snapshots",
+            &format!("{} AND t.invalidated_at IS NOT NULL", scoped("t")),
+            false,
+        ),
+        delete(
+            scope,
+            "knowledge_fs_leases",
+            &format!("{} AND (t.status <> 'active' OR t.expires_at <= now())", fs_lease_target(scope, "t")),
+            false,
+        ),
+        delete(
+            scope,
+            "knowledge_fs_leases",
+            &format!("{} AND (t.status <> 'active' OR t.expires_at <= now())", scoped("t")),
+            false,
+        ),
+        // Sessions only once no lease of the space is left (a live one sends the job back).
+        delete(
+            scope,
+            "knowledge_fs_sessions",
+            &format!(
+                "{} AND NOT EXISTS (SELECT 1 FROM knowledge_fs_leases l WHERE {})",
+                scoped("t"),
+                scoped("l")
+            ),
+            false,
+        ),
+        delete(scope, "golden_questions", &golden(scope, "t"), false),
+        Part::Research,
+        delete(
+            scope,
+            "research_task_partial_results",
+            &format!(
+                "{} AND NOT EXISTS (SELECT 1 FROM research_task_jobs j WHERE j.id = t.research_task_job_id)",
+                scoped("t")
+            ),
+            false,
+        ),
+        delete(
+            scope,
+            "research_task_progress_events",
+            &format!(
+                "{} AND NOT EXISTS (SELECT 1 FROM research_task_jobs j WHERE j.id = t.research_task_job_id)",
+                scoped("t")
+            ),
+            false,
+        ),
+    ];
+    if scope != Scope::Space {
+        out.push(Part::Historical);
+    }
+    if scope == Scope::Space || scope.is_source() {
+        let of_source = if scope.is_source() {
+            " AND t.source_id = p.target"
+        } else {
+            ""
+        };
+        out.push(delete(
+            scope,
+            "source_secret_lifecycle_refs",
+            &format!("{} AND t.state = 'deleted'{of_source}", scoped("t")),
+            false,
+        ));
+    }
+    if scope.is_source() {
+        out.push(delete(
+            scope,
+            "knowledge_paths",
+            &format!(
+                "{} AND ((t.resource_type = 'source' AND t.target_id = p.target::text) \
+                   OR t.virtual_path = '/sources/' || p.target::text)",
+                in_space("t")
+            ),
+            false,
+        ));
+    }
+    if keep {
+        out.push(Part::Sql(format!(
+            "{w}, v AS (SELECT t.id FROM document_assets t, p WHERE {} AND t.source_id = p.target AND {} \
+               ORDER BY t.id LIMIT (SELECT lim FROM p)) \
+             UPDATE document_assets x SET metadata = x.metadata - 'sourceId' - 'credentialRef' \
+               #- '{{fingerprintMaterial,sourceId}}' #- '{{projectionSetFingerprintMaterial,sourceId}}' \
+               #- '{{provenance,sourceId}}' #- '{{provenance,providerItemId}}' #- '{{provenance,remoteDeletionPolicy}}', \
+               row_version = x.row_version + 1, updated_at = now() \
+             WHERE x.id IN (SELECT id FROM v)",
+            in_space("t"),
+            source_identity("t")
+        )));
+    } else {
+        out.push(Part::Traces);
+        out.push(delete(
+            scope,
+            "evidence_bundles",
+            &format!(
+                "{} AND t.id IN (SELECT id FROM tb) AND NOT EXISTS (SELECT 1 FROM answer_traces a \
+                   WHERE a.evidence_bundle_id = t.id OR a.id = t.trace_id)",
+                scoped("t")
+            ),
+            false,
+        ));
+        let partial = if scope == Scope::Space {
+            scoped("t")
+        } else {
+            format!(
+                "{} AND {}",
+                scoped("t"),
+                items_ref("t.evidence_bundle->'items'")
+            )
+        };
+        out.push(delete(
+            scope,
+            "research_task_partial_results",
+            &partial,
+            false,
+        ));
+    }
+    if matches!(scope, Scope::Document(_) | Scope::SourceCascade(_)) {
+        for (table, filter) in document_children() {
+            out.push(delete(scope, table, &filter, false));
         }
-        Scope::SourceCascade(_) => {
-            out.push(complete_document_items("document_cascade", "TRUE"));
+        out.push(delete(
+            scope,
+            "knowledge_paths",
+            &semantic_path(scope, "t"),
+            false,
+        ));
+        out.push(Part::Nodes);
+        for (table, filter, by_row) in document_tail() {
+            out.push(delete(scope, table, &filter, by_row));
         }
-        Scope::SourceKeep(_) => {
-            out.push(format!(
-                "{P}, victims AS (SELECT d.id FROM deletion_job_items i JOIN document_assets d ON d.id = i.resource_id, p \
-                   WHERE i.deletion_job_id = p.job AND i.kind = 'document_detach' AND i.status = 'pending' \
-                     AND d.knowledge_space_id = p.space AND d.source_id = p.target AND {} LIMIT (SELECT lim FROM p)) \
-                 UPDATE document_assets x SET source_id = NULL, row_version = x.row_version + 1, updated_at = now() \
-                 FROM p WHERE x.knowledge_space_id = p.space AND x.source_id = p.target AND {} \
-                   AND x.id IN (SELECT id FROM victims)",
-                tenant_of("d"),
-                tenant_of("x")
-            ));
-            out.push(complete_document_items(
-                "document_detach",
-                "d.source_id = p.target",
-            ));
+    }
+    if scope == Scope::Space {
+        for (table, filter, by_row) in space_children() {
+            out.push(delete(scope, table, &filter, by_row));
         }
-        Scope::Document(_) => {}
+        for (table, tenant) in SPACE_TABLES {
+            out.push(delete(scope, table, &space_row(tenant), false));
+        }
+        out.push(delete(
+            scope,
+            "parse_artifacts",
+            &format!("{OWNED} AND {}", of_td("t")),
+            false,
+        ));
     }
     out
 }
 
-/// Completes a page of pending document items whose document is gone, or (`still`) no longer
-/// in the state the item changes.
-fn complete_document_items(kind: &str, still: &str) -> String {
+/// A document row (`t`) whose metadata still names its source.
+pub(super) fn source_identity(t: &str) -> String {
     format!(
-        "{P}, done AS (SELECT i.id FROM deletion_job_items i, p WHERE i.deletion_job_id = p.job AND i.kind = '{kind}' \
-           AND i.status = 'pending' AND NOT EXISTS (SELECT 1 FROM document_assets d WHERE d.id = i.resource_id \
-             AND d.knowledge_space_id = p.space AND {} AND {still}) \
-           LIMIT (SELECT lim FROM p)) \
-         UPDATE deletion_job_items x SET status = 'completed', completed_at = now(), \
-           attempts = least(x.attempts + 1, x.max_attempts), row_version = x.row_version + 1, updated_at = now() \
-         FROM p WHERE x.deletion_job_id = p.job AND x.id IN (SELECT id FROM done)",
-        tenant_of("d")
+        "({t}.metadata ? 'sourceId' OR {t}.metadata ? 'credentialRef' \
+           OR coalesce({t}.metadata->'fingerprintMaterial' ? 'sourceId', false) \
+           OR coalesce({t}.metadata->'projectionSetFingerprintMaterial' ? 'sourceId', false) \
+           OR coalesce({t}.metadata->'provenance' ? 'sourceId', false) \
+           OR coalesce({t}.metadata->'provenance' ? 'providerItemId', false))"
     )
 }
 
-/// Deletes one page of covered documents of a space or cascaded source. The page is chosen by
-/// key and coverage is decided here from the job's completed items (index lookups by id), so the
-/// cost of a page does not depend on the planner's statistics of freshly filled tables.
-/// Uncovered documents are left for the residue check.
-async fn delete_covered_documents(
-    tx: &mut PgConnection,
-    job: &JobRow,
-    cfg: &DeletionConfig,
-) -> Result<u64, JobError> {
-    let candidates: Vec<(Uuid, String)> = match job.scope {
-        Scope::Space => {
-            sqlx::query_as(
-                "SELECT d.id, d.object_key FROM document_assets d \
-                 WHERE d.knowledge_space_id = $2 \
-                   AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = d.knowledge_space_id AND k.tenant_id = $1) \
-                 ORDER BY d.id LIMIT $3",
-            )
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(cfg.page_size)
-            .fetch_all(&mut *tx)
-            .await?
-        }
-        Scope::SourceCascade(_) => {
-            let ids: Vec<Uuid> = sqlx::query_scalar(
-                "SELECT resource_id FROM deletion_job_items \
-                 WHERE deletion_job_id = $1 AND kind = 'document_cascade' AND status = 'pending' \
-                 ORDER BY resource_id LIMIT $2",
-            )
-            .bind(job.id)
-            .bind(cfg.page_size)
-            .fetch_all(&mut *tx)
-            .await?;
-            sqlx::query_as(
-                "SELECT d.id, d.object_key FROM document_assets d \
-                 WHERE d.knowledge_space_id = $2 AND d.id = ANY($3) \
-                   AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = d.knowledge_space_id AND k.tenant_id = $1)",
-            )
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(&ids)
-            .fetch_all(&mut *tx)
-            .await?
-        }
-        Scope::Document(_) | Scope::SourceKeep(_) => return Ok(0),
+/// Whether a publication's metadata (`expr`) still carries a source identity.
+pub(super) fn publication_source_identity(expr: &str) -> String {
+    let has = |e: String| {
+        format!(
+            "(coalesce({e} ? 'sourceId', false) OR coalesce({e} ? 'credentialRef', false) \
+               OR coalesce({e} ? 'sourceSnapshots', false) \
+               OR coalesce({e}->'provenance' ? 'sourceId', false) \
+               OR coalesce({e}->'provenance' ? 'providerItemId', false))"
+        )
     };
-    if candidates.is_empty() {
-        return Ok(0);
-    }
-    let ids: Vec<Uuid> = candidates.iter().map(|c| c.0).collect();
-    let done: Vec<(Uuid, String, String)> = sqlx::query_as(
-        "SELECT resource_id, kind, payload_digest::text FROM deletion_job_items \
-         WHERE deletion_job_id = $1 AND kind IN ('cache_key', 'object') AND status = 'completed' \
-           AND resource_id = ANY($2)",
+    format!(
+        "({} OR {} OR {})",
+        has(expr.to_owned()),
+        has(format!("{expr}->'fingerprintMaterial'")),
+        has(format!("{expr}->'projectionSetFingerprintMaterial'"))
     )
-    .bind(job.id)
-    .bind(&ids)
-    .fetch_all(&mut *tx)
-    .await?;
-    let erased: HashSet<(Uuid, &str, &str)> = done
-        .iter()
-        .map(|(r, k, d)| (*r, k.as_str(), d.as_str()))
-        .collect();
-    let prefix = object_prefix(job.space);
-    let covered: Vec<Uuid> = candidates
-        .iter()
-        .filter(|(doc, key)| {
-            let cache = done.iter().any(|(r, k, _)| r == doc && k == "cache_key");
-            let object = !key.starts_with(&prefix)
-                || erased.contains(&(*doc, "object", sha256_hex(key).as_str()));
-            cache && object
-        })
-        .map(|c| c.0)
-        .collect();
-    if covered.is_empty() {
-        return Ok(0);
-    }
-    let n = sqlx::query(
-        "DELETE FROM document_assets d WHERE d.knowledge_space_id = $2 AND d.id = ANY($3) \
-           AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = d.knowledge_space_id AND k.tenant_id = $1)",
-    )
-    .bind(&job.tenant)
-    .bind(job.space)
-    .bind(&covered)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    Ok(n)
-}
-
-/// Runs `statements` in order until one changes rows. `true`: a page was done.
-async fn one_page(
-    tx: &mut PgConnection,
-    job: &JobRow,
-    cfg: &DeletionConfig,
-    statements: &[String],
-) -> Result<bool, JobError> {
-    let reason = invalidation_reason(job.id);
-    for sql in statements {
-        let n = sqlx::query(sql)
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(job.target_id)
-            .bind(cfg.page_size)
-            .bind(job.id)
-            .bind(&reason)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected();
-        if n > 0 {
-            return Ok(true);
-        }
-    }
-    Ok(false)
 }
 
 pub(super) async fn derived_step(
     tx: &mut PgConnection,
     job: &JobRow,
     cfg: &DeletionConfig,
+    ports: &Ports,
 ) -> Result<Event, JobError> {
-    Ok(
-        if one_page(tx, job, cfg, &derived_statements(job.scope)).await? {
-            Event::PageDone
-        } else {
-            Event::PhaseDone
-        },
-    )
-}
-
-pub(super) async fn primary_step(
-    tx: &mut PgConnection,
-    job: &JobRow,
-    cfg: &DeletionConfig,
-) -> Result<Event, JobError> {
-    if delete_covered_documents(tx, job, cfg).await? > 0 {
+    // One page per step, shared by the parts in their order: a part that leaves room in the
+    // page lets the next one use the rest, so a small document's rows go in a few steps.
+    let page = u64::try_from(cfg.page_size.max(1)).unwrap_or(1);
+    let mut done = 0u64;
+    for part in parts(job.scope) {
+        let left = page - done;
+        let part_cfg = DeletionConfig {
+            page_size: i64::try_from(left).unwrap_or(i64::MAX),
+            ..cfg.clone()
+        };
+        let n = match part {
+            Part::Sql(sql) => sql::run(tx, job, part_cfg.page_size, &sql).await?,
+            Part::Research => derived::research(tx, job, &part_cfg).await?,
+            Part::Historical => derived::historical(tx, job, &part_cfg).await?,
+            Part::Traces => derived::traces(tx, job, &part_cfg).await?,
+            Part::Nodes => derived::nodes(tx, job, &part_cfg).await?,
+        };
+        done += n;
+        if done >= page {
+            break;
+        }
+    }
+    if done > 0 {
         return Ok(Event::PageDone);
     }
-    if one_page(tx, job, cfg, &primary_statements(job.scope)).await? {
-        return Ok(Event::PageDone);
+    // A compile attempt of another document may still build on a historical publication of the
+    // target: wait for it to rebase or end rather than delete it from under it.
+    if job.scope != Scope::Space && derived::historical_held(tx, job).await? {
+        return Ok(Event::LeasesActive {
+            retry_in: cfg.max_wait.min(std::time::Duration::from_secs(1)),
+        });
     }
-    if let Some(what) = residue(tx, job).await? {
-        return Ok(Event::ResidueFound { what });
-    }
-    // The target row itself, in a savepoint: a row that appeared since the residue check and
-    // still references it sends the job back to quiescing instead of failing it.
-    let mut sp = tx.begin().await?;
-    match delete_target(&mut sp, job).await {
-        Ok(()) => sp.commit().await?,
-        Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("23503") => {
-            let what = format!(
-                "rows still reference the target ({})",
-                d.constraint().unwrap_or("a foreign key")
-            );
-            sp.rollback().await?;
-            return Ok(Event::ResidueFound { what });
-        }
-        Err(e) => return Err(e.into()),
-    }
-    let n = sqlx::query(
-        "UPDATE deletion_tombstones SET state = 'completed', completed_at = now(), row_version = row_version + 1 \
-         WHERE deletion_job_id = $1 AND tenant_id = $2 AND knowledge_space_id = $3 AND state = 'active'",
-    )
-    .bind(job.id)
-    .bind(&job.tenant)
-    .bind(job.space)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    if n != 1 {
-        return Err(JobError::fatal(
-            "tombstone_missing",
-            "the job's active tombstone is missing",
-        ));
-    }
-    Ok(Event::Clean)
-}
-
-/// Anything of the target left? Returns what, first found.
-async fn residue(tx: &mut PgConnection, job: &JobRow) -> Result<Option<String>, JobError> {
-    let mut checks: Vec<(String, String)> = vec![(
-        "deletion items not completed".into(),
-        "SELECT 1 FROM deletion_job_items i, p WHERE i.deletion_job_id = p.job AND i.status <> 'completed'".into(),
-    )];
-    let derived_rows = |filter: &str| -> Vec<(String, String)> {
-        DOCUMENT_DERIVED
-            .iter()
-            .map(|t| {
-                (
-                    format!("{t} rows"),
-                    format!(
-                        "SELECT 1 FROM {t} t, p WHERE t.tenant_id = p.tenant AND t.knowledge_space_id = p.space AND ({filter})"
-                    ),
-                )
-            })
-            .collect()
-    };
-    match job.scope {
-        Scope::Space => {
-            checks.push((
-                "documents".into(),
-                format!("SELECT 1 FROM document_assets t, p WHERE t.knowledge_space_id = p.space AND {}", tenant_of("t")),
-            ));
-            checks.push((
-                "sources".into(),
-                format!(
-                    "SELECT 1 FROM sources t, p WHERE t.knowledge_space_id = p.space AND {}",
-                    tenant_of("t")
-                ),
-            ));
-            checks.extend(derived_rows("TRUE"));
-            for t in SPACE_DERIVED {
-                checks.push((
-                    format!("{t} rows"),
-                    format!("SELECT 1 FROM {t} t, p WHERE t.tenant_id = p.tenant AND t.knowledge_space_id = p.space"),
-                ));
-            }
-            checks.push((
-                "answer_traces rows".into(),
-                format!(
-                    "SELECT 1 FROM answer_traces t, p WHERE t.knowledge_space_id = p.space AND {}",
-                    tenant_of("t")
-                ),
+    // The caches last, prefix by prefix.
+    let limit = usize::try_from(cfg.page_size.max(1)).unwrap_or(500);
+    for prefix in cache_prefixes(&job.tenant, job.space) {
+        let page = ports
+            .cache
+            .delete_prefix(&prefix, limit)
+            .await
+            .map_err(|e| JobError::retryable(e.code, e.message))?;
+        if page.more && page.deleted == 0 {
+            return Err(JobError::retryable(
+                "cache_no_progress",
+                "the retrieval cache reported more keys but deleted none",
             ));
         }
-        Scope::Document(_) => {
-            checks.extend(derived_rows("t.document_asset_id = p.target"));
-            checks.push((
-                "the document's current objects are not erased".into(),
-                format!(
-                    "SELECT 1 FROM document_assets d, p WHERE d.id = p.target AND d.knowledge_space_id = p.space \
-                       AND {} AND NOT {}",
-                    tenant_of("d"),
-                    covered("d")
-                ),
-            ));
-        }
-        Scope::SourceCascade(_) | Scope::SourceKeep(_) => {
-            checks.push((
-                "documents still attached to the source".into(),
-                format!(
-                    "SELECT 1 FROM document_assets t, p WHERE t.knowledge_space_id = p.space AND t.source_id = p.target AND {}",
-                    tenant_of("t")
-                ),
-            ));
-            checks.push((
-                "the source's credential is not erased".into(),
-                format!(
-                    "SELECT 1 FROM sources s, p WHERE s.id = p.target AND s.knowledge_space_id = p.space AND {} AND NOT {}",
-                    tenant_of("s"),
-                    source_covered("s")
-                ),
-            ));
+        if page.deleted > 0 || page.more {
+            return Ok(Event::PageDone);
         }
     }
-    let reason = invalidation_reason(job.id);
-    for (what, sql) in checks {
-        let found: bool = sqlx::query_scalar(&format!("{P} SELECT EXISTS ({sql})"))
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(job.target_id)
-            .bind(1_i64)
-            .bind(job.id)
-            .bind(&reason)
-            .fetch_one(&mut *tx)
-            .await?;
-        if found {
-            return Ok(Some(what));
-        }
-    }
-    // The published head must not serve the target any more.
-    if !matches!(job.scope, Scope::Space | Scope::SourceKeep(_)) {
-        if let Some(head) = publication::head(tx, &job.tenant, job.space, false).await? {
-            let served: bool = match job.scope {
-                Scope::Document(doc) => head.members.contains_key(&doc),
-                _ => {
-                    let ids: Vec<uuid::Uuid> = sqlx::query_scalar(
-                        "SELECT resource_id FROM deletion_job_items WHERE deletion_job_id = $1 AND kind = 'document_cascade'",
-                    )
-                    .bind(job.id)
-                    .fetch_all(&mut *tx)
-                    .await?;
-                    ids.iter().any(|d| head.members.contains_key(d))
-                }
-            };
-            if served {
-                return Ok(Some("the published head still serves the target".into()));
-            }
-        }
-    }
-    Ok(None)
-}
-
-async fn delete_target(tx: &mut PgConnection, job: &JobRow) -> Result<(), sqlx::Error> {
-    match job.scope {
-        Scope::Space => {
-            // Explicitly, in foreign-key order: snapshots are RESTRICT-referenced by traces and
-            // research jobs (gone by now) and reference API keys with RESTRICT themselves.
-            sqlx::query("DELETE FROM knowledge_space_permission_snapshots WHERE tenant_id = $1 AND knowledge_space_id = $2")
-                .bind(&job.tenant)
-                .bind(job.space)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("DELETE FROM knowledge_space_api_keys WHERE tenant_id = $1 AND knowledge_space_id = $2")
-                .bind(&job.tenant)
-                .bind(job.space)
-                .execute(&mut *tx)
-                .await?;
-            sqlx::query("DELETE FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 AND deletion_job_id = $3")
-                .bind(&job.tenant)
-                .bind(job.space)
-                .bind(job.id)
-                .execute(&mut *tx)
-                .await?;
-        }
-        Scope::SourceKeep(source) | Scope::SourceCascade(source) => {
-            sqlx::query(
-                "DELETE FROM sources s WHERE s.id = $3 AND s.knowledge_space_id = $2 AND s.deletion_job_id = $4 \
-                   AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = s.knowledge_space_id AND k.tenant_id = $1)",
-            )
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(source)
-            .bind(job.id)
-            .execute(&mut *tx)
-            .await?;
-        }
-        Scope::Document(doc) => {
-            sqlx::query(
-                "DELETE FROM document_assets d WHERE d.id = $3 AND d.knowledge_space_id = $2 AND d.deletion_job_id = $4 \
-                   AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = d.knowledge_space_id AND k.tenant_id = $1)",
-            )
-            .bind(&job.tenant)
-            .bind(job.space)
-            .bind(doc)
-            .bind(job.id)
-            .execute(&mut *tx)
-            .await?;
-        }
-    }
-    Ok(())
+    Ok(Event::PhaseDone)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use uuid::Uuid;
 
     #[test]
-    fn every_statement_names_tenant_and_space() {
-        let scopes = [
+    fn every_statement_names_tenant_and_space_and_holds_one_page() {
+        for scope in [
             Scope::Space,
-            Scope::Document(uuid::Uuid::nil()),
-            Scope::SourceKeep(uuid::Uuid::nil()),
-            Scope::SourceCascade(uuid::Uuid::nil()),
-        ];
-        for scope in scopes {
-            for sql in derived_statements(scope)
-                .iter()
-                .chain(primary_statements(scope).iter())
-            {
+            Scope::Document(Uuid::nil()),
+            Scope::SourceKeep(Uuid::nil()),
+            Scope::SourceCascade(Uuid::nil()),
+        ] {
+            for part in parts(scope) {
+                let Part::Sql(sql) = part else { continue };
                 assert!(sql.contains("p.tenant"), "{scope:?}: {sql}");
                 assert!(sql.contains("p.space"), "{scope:?}: {sql}");
                 assert!(
@@ -560,10 +566,42 @@ mod tests {
                 );
             }
         }
-        // Keep mode deletes no derived data of the documents it keeps.
-        assert_eq!(
-            derived_statements(Scope::SourceKeep(uuid::Uuid::nil())).len(),
-            1
-        );
+    }
+
+    #[test]
+    fn a_kept_source_keeps_its_documents_derived_rows() {
+        for part in parts(Scope::SourceKeep(Uuid::nil())) {
+            let sql = match part {
+                Part::Sql(sql) => sql,
+                Part::Research | Part::Historical => continue,
+                Part::Traces | Part::Nodes => panic!("keep runs no document part"),
+            };
+            for t in [
+                "knowledge_nodes",
+                "document_outlines",
+                "parse_artifacts",
+                "index_projections",
+                "document_assets",
+            ] {
+                assert!(!sql.contains(&format!("DELETE FROM {t}")), "{sql}");
+            }
+        }
+    }
+
+    #[test]
+    fn permission_snapshots_go_after_everything_that_binds_them() {
+        let pos = |t: &str| SPACE_TABLES.iter().position(|(n, _)| *n == t).unwrap();
+        let snapshots = pos("knowledge_space_permission_snapshots");
+        for binder in [
+            "document_compilation_attempts",
+            "research_task_jobs",
+            "answer_traces",
+        ] {
+            assert!(pos(binder) < snapshots, "{binder}");
+        }
+        assert!(snapshots < pos("knowledge_space_api_keys"));
+        assert!(pos("knowledge_space_access_policies") < pos("knowledge_space_members"));
+        assert!(pos("projection_set_publication_heads") < pos("projection_set_publications"));
+        assert!(pos("document_compilation_attempts") < pos("projection_set_publications"));
     }
 }

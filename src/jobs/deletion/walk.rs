@@ -2,7 +2,9 @@
 //! commits. Invariant: the only forward path is
 //! `requested → quiescing → deleting_objects → deleting_derived_data → deleting_primary_data →
 //! completed`; a checkpoint may repeat itself (paged work), residue found at the end goes back to
-//! `quiescing` with a fresh inventory, a dead item fails the job, and nothing else moves it.
+//! `quiescing` with a fresh inventory, a dead item fails the job, and nothing else moves it; every
+//! wait (writers still draining, a writer that came back after the inventory, items not due) is
+//! a planned wait that uses up no attempt.
 
 use std::fmt;
 use std::time::Duration;
@@ -55,8 +57,12 @@ impl fmt::Display for Checkpoint {
 pub enum Event {
     /// The job was picked up (`requested`).
     Started,
-    /// Retrieval or mutation leases are still live; look again after `retry_in`.
+    /// Work that may still read or write the target holds a live lease; look again after
+    /// `retry_in`.
     LeasesActive { retry_in: Duration },
+    /// A writer became active after the inventory was complete: the inventory was reset and
+    /// starts again once it drains.
+    LateWriter { retry_in: Duration },
     /// One page (or batch) of this checkpoint's work committed; more may remain.
     PageDone,
     /// This checkpoint's work is finished.
@@ -102,7 +108,11 @@ pub fn transition(cp: Checkpoint, event: Event) -> Result<Decision, Invalid> {
         (C::Requested, E::Started) => Decision::Advance(C::Quiescing),
         (C::Quiescing, E::LeasesActive { retry_in }) => Decision::Wait {
             delay: *retry_in,
-            reason: "retrieval or mutation leases of the space are still active".into(),
+            reason: "work on the target still holds a live lease".into(),
+        },
+        (C::Quiescing, E::LateWriter { retry_in }) => Decision::Wait {
+            delay: *retry_in,
+            reason: "a writer became active after the inventory; the inventory starts again".into(),
         },
         (C::Quiescing, E::PageDone) => Decision::Advance(C::Quiescing),
         (C::Quiescing, E::PhaseDone) => Decision::Advance(C::DeletingObjects),
@@ -119,6 +129,10 @@ pub fn transition(cp: Checkpoint, event: Event) -> Result<Decision, Invalid> {
         },
         (C::DeletingObjects, E::PhaseDone) => Decision::Advance(C::DeletingDerivedData),
         (C::DeletingDerivedData, E::PageDone) => Decision::Advance(C::DeletingDerivedData),
+        (C::DeletingDerivedData, E::LeasesActive { retry_in }) => Decision::Wait {
+            delay: *retry_in,
+            reason: "an active compile attempt still builds on a publication of the target".into(),
+        },
         (C::DeletingDerivedData, E::PhaseDone) => Decision::Advance(C::DeletingPrimaryData),
         (C::DeletingPrimaryData, E::PageDone) => Decision::Advance(C::DeletingPrimaryData),
         (C::DeletingPrimaryData, E::ResidueFound { what }) => Decision::Restart {
@@ -165,7 +179,17 @@ mod tests {
                 Event::LeasesActive { retry_in: ms(500) },
                 Decision::Wait {
                     delay: ms(500),
-                    reason: "retrieval or mutation leases of the space are still active".into(),
+                    reason: "work on the target still holds a live lease".into(),
+                },
+            ),
+            (
+                C::Quiescing,
+                Event::LateWriter { retry_in: ms(700) },
+                Decision::Wait {
+                    delay: ms(700),
+                    reason:
+                        "a writer became active after the inventory; the inventory starts again"
+                            .into(),
                 },
             ),
             (
@@ -213,6 +237,15 @@ mod tests {
             ),
             (
                 C::DeletingDerivedData,
+                Event::LeasesActive { retry_in: ms(300) },
+                Decision::Wait {
+                    delay: ms(300),
+                    reason: "an active compile attempt still builds on a publication of the target"
+                        .into(),
+                },
+            ),
+            (
+                C::DeletingDerivedData,
                 Event::PhaseDone,
                 Decision::Advance(C::DeletingPrimaryData),
             ),
@@ -239,6 +272,7 @@ mod tests {
         let events = [
             Event::Started,
             Event::LeasesActive { retry_in: ms(1) },
+            Event::LateWriter { retry_in: ms(1) },
             Event::PageDone,
             Event::PhaseDone,
             Event::ItemsNotDue { retry_in: ms(1) },

@@ -1,13 +1,23 @@
-//! Whether a task may read its space. Invariant: fail closed. A request and every step re-check,
-//! in the same transaction as the work they guard, that the space is live (not being deleted)
-//! and that the permission snapshot is active, unrevoked, unexpired, at the job's revision and
-//! issued for this tenant, space, subject and channel; the rows are read `FOR SHARE`, so a
-//! revocation or a deletion mark waits for the step and is seen by the next one.
+//! Whether a task may read its space, decided the platform's way. Invariant: fail closed. A
+//! request and every step revalidate the permission snapshot with the platform's own statement
+//! ([`crate::access::revalidate`]: active, unrevoked, unexpired, and still matching the space's
+//! member, access policy, API access and API key), in the same transaction as the work it
+//! guards, with its rows share-locked so that a revocation waits for that transaction and is seen
+//! by the next one; a step also requires the snapshot's revision to be the one the task was
+//! requested under. A denial is explained from the snapshot row, but only revalidation grants.
+//! The deletion fence is read in the same way: a space being deleted stops every task in it.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-/// The fields of a permission snapshot that decide access.
+pub use crate::access::Valid;
+
+/// The platform's error of a task whose snapshot no longer grants access.
+pub const SNAPSHOT_INVALID: &str = "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID";
+/// The platform's cancel reason of a task whose space is being deleted.
+pub const DELETION_FENCE_ACTIVE: &str = "RESEARCH_TASK_DELETION_FENCE_ACTIVE";
+
+/// The fields of a permission snapshot that explain a denial.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SnapshotRow {
     pub tenant_id: String,
@@ -25,13 +35,15 @@ pub struct SnapshotRow {
 pub struct Expected<'a> {
     pub tenant_id: &'a str,
     pub space_id: Uuid,
+    pub snapshot_id: Uuid,
     pub subject_id: &'a str,
     pub access_channel: &'a str,
     /// The revision the job was requested under; `None` at request time.
     pub revision: Option<i32>,
 }
 
-/// Why access is denied, or `None` when it is granted. Pure.
+/// Why a snapshot row does not grant `want`, as far as the row itself tells; `None` when the row
+/// looks valid (then what changed is the space's members, policy, API access or key). Pure.
 pub fn snapshot_denial(row: Option<&SnapshotRow>, want: &Expected<'_>) -> Option<String> {
     let Some(s) = row else {
         return Some("the permission snapshot does not exist in this tenant".into());
@@ -74,7 +86,13 @@ pub fn snapshot_denial(row: Option<&SnapshotRow>, want: &Expected<'_>) -> Option
     None
 }
 
-/// Reads a snapshot by id within a tenant, `FOR SHARE`.
+/// Whether a revalidated snapshot grants `want`: the platform's revalidation found it, at the
+/// revision the task was requested under. Pure.
+pub fn granted(valid: Option<&Valid>, want: &Expected<'_>) -> bool {
+    valid.is_some_and(|v| want.revision.is_none_or(|r| r == v.revision))
+}
+
+/// Reads a snapshot by id within a tenant (to explain a denial).
 pub async fn read_snapshot(
     conn: &mut PgConnection,
     tenant_id: &str,
@@ -83,8 +101,8 @@ pub async fn read_snapshot(
     type Row = (String, Uuid, String, String, i32, String, bool, bool);
     let row: Option<Row> = sqlx::query_as(
         "SELECT tenant_id, knowledge_space_id, subject_id, access_channel, revision, status, \
-           revoked_at IS NOT NULL, (expires_at IS NOT NULL AND expires_at <= now()) \
-         FROM knowledge_space_permission_snapshots WHERE tenant_id = $1 AND id = $2 FOR SHARE",
+           revoked_at IS NOT NULL, expires_at <= now() \
+         FROM knowledge_space_permission_snapshots WHERE tenant_id = $1 AND id = $2",
     )
     .bind(tenant_id)
     .bind(snapshot_id)
@@ -106,33 +124,88 @@ pub async fn read_snapshot(
     ))
 }
 
-/// Why the space cannot be researched now, or `None`. Reads the space `FOR SHARE`.
-pub async fn space_denial(
+/// Revalidates the snapshot; `Err` explains the denial.
+pub async fn revalidate(
+    conn: &mut PgConnection,
+    want: &Expected<'_>,
+) -> Result<Result<Valid, String>, sqlx::Error> {
+    let valid = crate::access::revalidate(
+        conn,
+        want.tenant_id,
+        want.space_id,
+        want.snapshot_id,
+        want.subject_id,
+        want.access_channel,
+    )
+    .await?;
+    if granted(valid.as_ref(), want) {
+        return Ok(Ok(valid.expect("granted implies a row")));
+    }
+    let row = read_snapshot(conn, want.tenant_id, want.snapshot_id).await?;
+    Ok(Err(snapshot_denial(row.as_ref(), want).unwrap_or_else(|| {
+        "the permission snapshot no longer matches the space's members, access policy, API access or API key"
+            .into()
+    })))
+}
+
+/// What deletion is doing in a space.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Deletions {
+    pub space_exists: bool,
+    /// The space is marked `deleting`, or a live deletion job targets it.
+    pub space_deleting: bool,
+    /// A live deletion job (`active_slot = 1`) of any target in the space.
+    pub active_job: Option<Uuid>,
+}
+
+/// What stops a task from going on, given the space's deletions: the platform's deletion fence
+/// as kfs-worker applies it to a running task (see the module's notes in `mod.rs`). Pure.
+pub fn running_fence(d: &Deletions) -> Option<String> {
+    if !d.space_exists {
+        return Some("the knowledge space no longer exists".into());
+    }
+    d.space_deleting
+        .then(|| "the knowledge space is being deleted".into())
+}
+
+/// Why a new task may not be admitted, given the space's deletions. Pure.
+pub fn admission_fence(d: &Deletions) -> Option<String> {
+    if let Some(why) = running_fence(d) {
+        return Some(why);
+    }
+    d.active_job
+        .map(|j| format!("a deletion (job {j}) is in progress in the knowledge space"))
+}
+
+/// Reads the space's deletions, the space row share-locked.
+pub async fn deletions(
     conn: &mut PgConnection,
     tenant_id: &str,
     space_id: Uuid,
-) -> Result<Option<String>, sqlx::Error> {
+) -> Result<Deletions, sqlx::Error> {
     let state: Option<String> = sqlx::query_scalar(
-        "SELECT lifecycle_state FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR SHARE",
+        "SELECT lifecycle_state::text FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR SHARE",
     )
     .bind(tenant_id)
     .bind(space_id)
     .fetch_optional(&mut *conn)
     .await?;
-    match state.as_deref() {
-        None => return Ok(Some("the knowledge space no longer exists".into())),
-        Some("deleting") => return Ok(Some("the knowledge space is being deleted".into())),
-        _ => {}
-    }
-    let deleting: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM deletion_jobs WHERE tenant_id = $1 AND knowledge_space_id = $2 \
-           AND target_type = 'knowledge_space' AND target_id = $2 AND active_slot = 1)",
+    let Some(state) = state else {
+        return Ok(Deletions::default());
+    };
+    let jobs: Vec<(Uuid, String)> = sqlx::query_as(
+        "SELECT id, target_type::text FROM deletion_jobs \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND active_slot = 1 ORDER BY id",
     )
     .bind(tenant_id)
     .bind(space_id)
-    .fetch_one(conn)
+    .fetch_all(conn)
     .await?;
-    Ok(deleting.then(|| "the knowledge space has a live deletion job".into()))
+    Ok(Deletions {
+        space_exists: true,
+        space_deleting: state == "deleting" || jobs.iter().any(|(_, t)| t == "knowledge_space"),
+        active_job: jobs.first().map(|(id, _)| *id),
+    })
 }
 
 #[cfg(test)]
@@ -152,15 +225,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn snapshot_table() {
-        let want = Expected {
+    fn want() -> Expected<'static> {
+        Expected {
             tenant_id: "t1",
             space_id: Uuid::from_u128(1),
+            snapshot_id: Uuid::from_u128(5),
             subject_id: "alice",
             access_channel: "interactive",
             revision: Some(2),
-        };
+        }
+    }
+
+    #[test]
+    fn snapshot_table() {
+        let want = want();
         let table: Vec<(Option<SnapshotRow>, Option<&str>)> = vec![
             (Some(row()), None),
             (None, Some("does not exist")),
@@ -251,5 +329,63 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn grants_need_revalidation_at_the_requested_revision() {
+        let v = |revision| Valid {
+            revision,
+            role: "editor".into(),
+            permission_scopes: serde_json::json!([]),
+        };
+        let want = want();
+        assert!(granted(Some(&v(2)), &want));
+        assert!(!granted(Some(&v(3)), &want));
+        assert!(!granted(None, &want));
+        assert!(granted(
+            Some(&v(7)),
+            &Expected {
+                revision: None,
+                ..want
+            }
+        ));
+    }
+
+    #[test]
+    fn fence_table() {
+        let live = Deletions {
+            space_exists: true,
+            ..Deletions::default()
+        };
+        let doc_job = Deletions {
+            active_job: Some(Uuid::from_u128(3)),
+            ..live.clone()
+        };
+        let space_job = Deletions {
+            space_deleting: true,
+            ..doc_job.clone()
+        };
+        let table: Vec<(Deletions, Option<&str>, Option<&str>)> = vec![
+            (live.clone(), None, None),
+            (
+                Deletions::default(),
+                Some("no longer exists"),
+                Some("no longer exists"),
+            ),
+            (doc_job, None, Some("a deletion (job")),
+            (space_job, Some("being deleted"), Some("being deleted")),
+        ];
+        for (d, running, admission) in table {
+            let r = running_fence(&d);
+            let a = admission_fence(&d);
+            assert_eq!(r.is_some(), running.is_some(), "{d:?}: {r:?}");
+            assert_eq!(a.is_some(), admission.is_some(), "{d:?}: {a:?}");
+            if let (Some(g), Some(w)) = (r, running) {
+                assert!(g.contains(w), "{g}");
+            }
+            if let (Some(g), Some(w)) = (a, admission) {
+                assert!(g.contains(w), "{g}");
+            }
+        }
     }
 }

@@ -3,7 +3,8 @@
 //! ```text
 //! kfs-worker research <spaceId> "<question>" --subject <s> --snapshot <id> [--channel interactive]
 //!            [--budget-usd X] [--top-k N] [--mode auto] [--idempotency-key K]
-//! kfs-worker research pause|resume|cancel <jobId>
+//! kfs-worker research pause|cancel <jobId> [--reason R]
+//! kfs-worker research resume <jobId>
 //! kfs-worker research follow <jobId>
 //! kfs-worker research show <jobId>
 //! ```
@@ -42,7 +43,7 @@ pub struct ResearchArgs {
     /// Most USD the answer may cost (HTTP generator)
     #[arg(long)]
     pub budget_usd: Option<String>,
-    /// Evidence passages to keep (1-100, default 8)
+    /// Evidence passages to keep (1-100; default: the space's retrieval profile, else 10)
     #[arg(long)]
     pub top_k: Option<String>,
     /// auto, fast, research or deep
@@ -56,7 +57,12 @@ pub struct ResearchArgs {
 #[derive(Debug, clap::Subcommand)]
 pub enum ResearchAction {
     /// Pause a task (the running worker is fenced out at its next write)
-    Pause { job_id: String },
+    Pause {
+        job_id: String,
+        /// Why, recorded with the task
+        #[arg(long)]
+        reason: Option<String>,
+    },
     /// Resume a paused task where it stopped
     Resume { job_id: String },
     /// Cancel a task for good
@@ -158,14 +164,16 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
             println!("{}", done.job_id);
             Ok(())
         }
-        Some(ResearchAction::Pause { job_id })
+        Some(ResearchAction::Pause { job_id, .. })
         | Some(ResearchAction::Resume { job_id })
         | Some(ResearchAction::Cancel { job_id, .. }) => {
             let id = uuid("the job id", job_id)?;
             let pool = pool(conn).await?;
             let mut c = pool.acquire().await.map_err(Failure::runtime)?;
             let done = match &args.action {
-                Some(ResearchAction::Pause { .. }) => control::pause(&mut c, id).await,
+                Some(ResearchAction::Pause { reason, .. }) => {
+                    control::pause_with(&mut c, id, reason.as_deref()).await
+                }
                 Some(ResearchAction::Resume { .. }) => control::resume(&mut c, id).await,
                 Some(ResearchAction::Cancel { reason, .. }) => {
                     control::cancel(&mut c, id, reason.as_deref()).await
@@ -223,8 +231,8 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
                     None => println!("task ended {}", ended.stage),
                 }
             } else if ended.stage == super::Stage::Failed {
-                // A failure writes no event of its own (the engine fails the job after rolling
-                // the step back): say how it ended.
+                // A claim that finds the attempts used up fails the job without an event of the
+                // kind's: say how it ended.
                 println!(
                     "ended\t{}\t{}",
                     ended.stage,
@@ -237,11 +245,16 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
             let id = uuid("the job id", job_id)?;
             let pool = pool(conn).await?;
             let row: Option<serde_json::Value> = sqlx::query_scalar(
-                "SELECT jsonb_build_object('id', id, 'tenantId', tenant_id, 'spaceId', knowledge_space_id, \
-                   'query', query, 'stage', stage, 'pausedFromStage', paused_from_stage, 'error', error, \
-                   'rowVersion', row_version, 'attempts', execution_attempts, 'cost', cost, \
-                   'budgetUsd', budget_usd, 'result', metadata -> 'result', 'plan', metadata -> 'plan') \
-                 FROM research_task_jobs WHERE id = $1",
+                "SELECT jsonb_build_object('id', j.id, 'tenantId', j.tenant_id, 'spaceId', j.knowledge_space_id, \
+                   'query', j.query, 'mode', j.mode, 'topK', j.top_k, 'stage', j.stage, \
+                   'pausedFromStage', j.paused_from_stage, 'error', j.error, 'rowVersion', j.row_version, \
+                   'attempts', j.execution_attempts, 'cost', j.cost, 'budgetUsd', j.budget_usd, \
+                   'result', j.metadata -> 'result', 'plan', j.metadata -> 'plan', \
+                   'publication', j.metadata -> '__knowledgeFsPublishedRuntimeSnapshot' -> 'projectionSnapshot', \
+                   'evidence', (SELECT p.evidence_bundle FROM research_task_partial_results p \
+                     WHERE p.tenant_id = j.tenant_id AND p.research_task_job_id = j.id \
+                       AND p.idempotency_key = 'research-task:' || j.id::text || ':final-evidence')) \
+                 FROM research_task_jobs j WHERE j.id = $1",
             )
             .bind(id)
             .fetch_optional(&pool)

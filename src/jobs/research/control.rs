@@ -1,15 +1,16 @@
-//! Pause, resume and cancel. Invariant: each control locks the job row first and then its outbox
-//! rows (the engine's lock order), decides the move with the pure [`walk::control`], bumps
-//! `row_version` (which fences out any worker still running the job: its next fenced write
-//! matches no row) and writes its progress event, all in one transaction. A paused or canceled
-//! job has no live outbox row and holds no lease; a resumed job has exactly one new pending
-//! outbox revision.
+//! Pause, resume and cancel, as the platform's research task state machine does them.
+//! Invariant: each control locks the job row first and then its outbox rows (the engine's lock
+//! order), decides the move with the pure [`walk::control`], bumps `row_version` (which fences
+//! out any worker still running the job: its next fenced write matches no row, and a paused or
+//! terminal job's heartbeat is refused) and writes its progress event, all in one transaction.
+//! A paused or canceled job has no live outbox row; a resumed job has exactly one new pending
+//! outbox revision and no lease. As on the platform, a pause keeps the lease columns (only a
+//! terminal stage or a resume clears them) and records its reason as the job's `error`.
 
-use serde_json::json;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-use super::progress::{self, EventType, JobScope, NOW_MS};
+use super::progress::{self, payload, EventType, JobScope, NOW_MS};
 use super::request::insert_outbox;
 use super::walk::{self, Control, ControlMove, Refusal, Stage};
 
@@ -53,9 +54,18 @@ impl ControlError {
     }
 }
 
-/// Pauses a task: `paused`, remembering the stage to resume; cancels the live outbox row.
+/// Pauses a task: `paused`, remembering the stage to resume; cancels the live outbox rows.
 pub async fn pause(conn: &mut PgConnection, job_id: Uuid) -> Result<Controlled, ControlError> {
     apply(conn, job_id, Control::Pause, None).await
+}
+
+/// [`pause`] with a reason, recorded in the job's error and the event.
+pub async fn pause_with(
+    conn: &mut PgConnection,
+    job_id: Uuid,
+    reason: Option<&str>,
+) -> Result<Controlled, ControlError> {
+    apply(conn, job_id, Control::Pause, reason).await
 }
 
 /// Resumes a paused task at the stage it was paused in, with a new outbox revision.
@@ -73,18 +83,13 @@ pub async fn cancel(
 }
 
 /// Cancels every outbox row of the job that is still out for delivery.
-async fn cancel_outbox(
-    conn: &mut PgConnection,
-    job_id: Uuid,
-    why: &str,
-) -> Result<u64, sqlx::Error> {
+async fn cancel_outbox(conn: &mut PgConnection, job_id: Uuid) -> Result<u64, sqlx::Error> {
     Ok(sqlx::query(&format!(
         "UPDATE research_task_outbox SET status = 'canceled', lock_token = NULL, locked_by = NULL, \
-           locked_until = NULL, last_error = $2, updated_at = {NOW_MS} \
+           locked_until = NULL, updated_at = {NOW_MS} \
          WHERE research_task_job_id = $1 AND status IN ('pending', 'dispatching', 'dispatched', 'leased')"
     ))
     .bind(job_id)
-    .bind(why)
     .execute(conn)
     .await?
     .rows_affected())
@@ -130,27 +135,27 @@ async fn apply(
     };
 
     let mut outbox_revision = None;
-    let (set, event, payload) = match action {
+    let (set, event, body) = match action {
         Control::Pause => (
-            format!("stage = 'paused', paused_from_stage = $3, paused_at = {NOW_MS}, {LEASE_CLEAR}"),
+            format!("stage = 'paused', paused_from_stage = $3, paused_at = {NOW_MS}, error = $4"),
             EventType::Paused,
-            json!({ "from": stage.as_str() }),
+            payload::because(reason),
         ),
         Control::Resume => (
             format!(
                 "stage = $2, paused_from_stage = NULL, paused_at = NULL, resume_after = NULL, retry_at = NULL, \
-                 {LEASE_CLEAR}"
+                 error = NULL, queue_job_id = NULL, {LEASE_CLEAR}"
             ),
             EventType::Resumed,
-            json!({ "to": to.as_str() }),
+            payload::resumed(),
         ),
         Control::Cancel => (
             format!(
-                "stage = 'canceled', completed_at = {NOW_MS}, retry_at = NULL, error = 'canceled: ' || $4, \
+                "stage = 'canceled', completed_at = {NOW_MS}, retry_at = NULL, error = coalesce($4, error), \
                  {LEASE_CLEAR}"
             ),
             EventType::Canceled,
-            json!({ "from": stage.as_str(), "code": "canceled", "reason": reason.unwrap_or("canceled by request") }),
+            payload::because(reason),
         ),
     };
     let new_version: i32 = sqlx::query_scalar(&format!(
@@ -160,33 +165,24 @@ async fn apply(
     .bind(job_id)
     .bind(to.as_str())
     .bind(paused_from.map(Stage::as_str))
-    .bind(reason.unwrap_or("canceled by request"))
+    .bind(reason)
     .bind(row_version)
     .fetch_one(&mut *tx)
     .await?;
-    match action {
-        Control::Pause => {
-            cancel_outbox(&mut tx, job_id, "paused").await?;
-        }
-        Control::Cancel => {
-            cancel_outbox(&mut tx, job_id, "canceled").await?;
-        }
-        Control::Resume => {
-            // A paused job has no live row; cancel any left over so that only the new one runs.
-            cancel_outbox(&mut tx, job_id, "superseded by a resume").await?;
-            let next: i32 = sqlx::query_scalar(
-                "SELECT coalesce(max(delivery_revision), 0) + 1 FROM research_task_outbox \
-                 WHERE research_task_job_id = $1",
-            )
-            .bind(job_id)
-            .fetch_one(&mut *tx)
-            .await?;
-            insert_outbox(&mut tx, &scope, next).await?;
-            outbox_revision = Some(next);
-        }
+    cancel_outbox(&mut tx, job_id).await?;
+    if action == Control::Resume {
+        let next: i32 = sqlx::query_scalar(
+            "SELECT coalesce(max(delivery_revision), 0) + 1 FROM research_task_outbox \
+             WHERE research_task_job_id = $1",
+        )
+        .bind(job_id)
+        .fetch_one(&mut *tx)
+        .await?;
+        insert_outbox(&mut tx, &scope, next).await?;
+        outbox_revision = Some(next);
     }
     let event_sequence =
-        progress::append_event(&mut tx, &scope, new_version, event, to, payload).await?;
+        progress::append_event(&mut tx, &scope, new_version, event, to, body).await?;
     tx.commit().await?;
     Ok(Controlled {
         job_id,

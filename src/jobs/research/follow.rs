@@ -93,23 +93,49 @@ pub fn format_event(e: &ProgressEvent, pretty: bool) -> String {
     );
     let short = e.event_type.trim_start_matches("research_task.");
     let p = &e.payload;
-    let s = |k: &str| p.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_owned();
+    let s = |k: &str| p.get(k).and_then(|v| v.as_str()).map(str::to_owned);
     let detail = match short {
-        "started" => format!("“{}”", s("query")),
+        "started" => "requested".to_owned(),
+        "stage_changed" if p.get("workerClaimed").is_some() => format!(
+            "claimed at {} (attempt {})",
+            e.stage,
+            p.get("executionAttempt")
+                .unwrap_or(&serde_json::Value::Null)
+        ),
+        "stage_changed" if p.get("retryScheduled").is_some() => format!(
+            "retry at {}: {}",
+            p.get("retryAt")
+                .and_then(serde_json::Value::as_i64)
+                .and_then(chrono::DateTime::from_timestamp_millis)
+                .map_or_else(|| "?".into(), |t| t.format("%H:%M:%S%.3f").to_string()),
+            s("error").unwrap_or_default()
+        ),
         "stage_changed" => {
-            let mut d = format!("{} → {}", s("from"), s("to"));
-            let extra: Vec<String> = ["subQueries", "hits", "evidence", "documents", "citations"]
+            let mut d = format!(
+                "{} → {}",
+                s("previousStage").unwrap_or_else(|| "?".into()),
+                e.stage
+            );
+            let details = p.get("details");
+            let n = |k: &str| details.and_then(|d| d.get(k)).map(|v| format!("{k}={v}"));
+            let mut extra: Vec<String> = ["chunks", "documents", "retrievalCount", "topK"]
                 .iter()
-                .filter_map(|k| p.get(*k).map(|v| format!("{k}={v}")))
+                .filter_map(|k| n(k))
                 .collect();
+            if let Some(q) = details
+                .and_then(|d| d.get("questions"))
+                .and_then(|q| q.as_array())
+            {
+                extra.insert(0, format!("questions={}", q.len()));
+            }
             if !extra.is_empty() {
                 d.push_str(&format!(" ({})", extra.join(", ")));
             }
             d
         }
-        "paused" => format!("paused at {}", s("from")),
-        "resumed" => format!("resumed at {}", s("to")),
-        "canceled" => format!("{}: {}", s("code"), s("reason")),
+        "paused" | "canceled" => s("reason").unwrap_or_else(|| short.to_owned()),
+        "resumed" => format!("resumed at {}", e.stage),
+        "failed" => s("error").unwrap_or_else(|| "failed".into()),
         _ => p.to_string(),
     };
     format!("#{:<3} {time}  {short:<13} {detail}", e.sequence)
@@ -126,7 +152,7 @@ mod tests {
             sequence: 3,
             event_type: "research_task.stage_changed".into(),
             stage: "retrieving".into(),
-            payload: json!({ "from": "planning", "to": "retrieving", "subQueries": 2 }),
+            payload: json!({ "details": {"questions": ["a", "b"], "topK": 10}, "previousStage": "planning" }),
             created_at: 0,
         };
         let plain = format_event(&e, false);
@@ -139,9 +165,22 @@ mod tests {
         assert_eq!(payload, e.payload);
         let pretty = format_event(&e, true);
         assert!(
-            pretty.contains("planning → retrieving (subQueries=2)"),
+            pretty.contains("planning → retrieving (questions=2, topK=10)"),
             "{pretty}"
         );
         assert!(!pretty.contains('\n'));
+        let claimed = ProgressEvent {
+            event_type: "research_task.stage_changed".into(),
+            payload: json!({ "executionAttempt": 2, "workerClaimed": true }),
+            ..e.clone()
+        };
+        assert!(format_event(&claimed, true).contains("claimed at retrieving (attempt 2)"));
+        let failed = ProgressEvent {
+            event_type: "research_task.failed".into(),
+            stage: "failed".into(),
+            payload: json!({ "error": "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID" }),
+            ..e
+        };
+        assert!(format_event(&failed, true).contains("RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID"));
     }
 }

@@ -1,41 +1,59 @@
 //! research.task: a question asked of a knowledge space is planned, answered from the space's
-//! published knowledge, and reported with evidence.
+//! published knowledge, and reported with evidence, as the platform's research runtime does it
+//! on the platform's own tables.
 //!
 //! Invariant: each step does the work of the job's current stage and moves it exactly one stage
-//! along the walk of [`walk::next_stage`], writing its effects (plan, evidence partials, answer,
-//! cost) and exactly one progress event in the engine's fenced transaction; so a step commits
-//! all of that together with the stage it returns, or none of it. Every step re-checks, fail
-//! closed, that the space is live and the permission snapshot still grants access; retrieval
-//! reads only nodes the space's current head publishes, always naming the job's tenant and
-//! space.
+//! along the walk of [`walk::next_stage`] (or ends it), writing its effects (plan, retrieval,
+//! evidence, cost, answer, the final evidence bundle) and its progress events in the engine's
+//! fenced transaction; so a step commits all of that together with the stage it returns, or
+//! none of it. Every step first applies the deletion fence, then revalidates the task's
+//! permission snapshot with the platform's statement and fails closed
+//! (`RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID`); retrieval reads only the publication frozen
+//! into the task at admission, through its members, under the snapshot's permission scopes,
+//! always naming the job's tenant and space.
+//!
+//! Where kfs-worker differs from the platform's runtime (each also said where it is done):
+//! - The engine's claim commits on its own, so the claim's `stage_changed`
+//!   (`{"executionAttempt", "workerClaimed"}`) is written by the attempt's first step (or its
+//!   failure), keyed by the row version the claim wrote.
+//! - The deletion fence cancels a running task (`RESEARCH_TASK_DELETION_FENCE_ACTIVE`) when its
+//!   space is being deleted; a deletion of a document or source in the space refuses new tasks
+//!   but does not cancel running ones (the platform cancels those too): their documents are
+//!   already never read (only `active`, parsed documents are), and kfs-worker's deletion does not
+//!   wait for research tasks.
+//! - The answer is kept in `metadata.result` (0018 has no answer column), for `research show`.
 //!
 //! - [`request`] — request a task (library fn in the caller's transaction).
 //! - [`control`] — pause, resume, cancel.
 //! - [`follow`] — progress events as they commit.
 //! - [`walk`] — the stages and every allowed move, as pure functions.
-//! - [`plan`] — planning and ranking, as pure functions.
+//! - [`plan`], [`evidence`], [`budget`] — planning and ranking, the evidence bundle, the spend,
+//!   as pure functions.
 //! - [`generator`] — the answer: extractive (default) or an OpenAI-compatible service.
-//! - [`access`], [`retrieve`], [`progress`] — the SQL around them.
+//! - [`access`], [`snapshot`], [`retrieve`], [`progress`] — the SQL around them; `stages` does
+//!   each stage's work.
 
 pub mod access;
+pub mod budget;
 pub mod cli;
 pub mod control;
+pub mod evidence;
 pub mod follow;
 pub mod generator;
 pub mod plan;
 pub mod progress;
 pub mod request;
 pub mod retrieve;
+pub mod snapshot;
+mod stages;
 pub mod walk;
 
 use std::sync::Arc;
 
-use serde::{Deserialize, Serialize};
-use serde_json::json;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-pub use control::{cancel, pause, resume, ControlError, Controlled};
+pub use control::{cancel, pause, pause_with, resume, ControlError, Controlled};
 pub use follow::{follow, Ended};
 pub use generator::{Generator, GeneratorConfig};
 pub use progress::ProgressEvent;
@@ -43,51 +61,9 @@ pub use request::{request, RequestError, Requested, ResearchRequest};
 pub use walk::Stage;
 
 use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
-use generator::{Generation, GenerationRequest};
-use plan::{Bundle, Evidence, Plan};
-use progress::{EventType, JobScope, NOW_MS};
-
-/// What the task spent on generation, stored in `cost`.
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase", default)]
-pub struct Cost {
-    pub usd: f64,
-    pub prompt_tokens: u64,
-    pub completion_tokens: u64,
-    pub calls: u64,
-    /// Some usage was estimated from text length (the service reported none).
-    pub estimated: bool,
-}
-
-impl Cost {
-    pub fn add(&self, g: &Generation) -> Cost {
-        let u = g.usage.unwrap_or_default();
-        Cost {
-            usd: self.usd + g.cost_usd,
-            prompt_tokens: self.prompt_tokens + u.prompt_tokens,
-            completion_tokens: self.completion_tokens + u.completion_tokens,
-            calls: self.calls + u64::from(g.usage.is_some()),
-            estimated: self.estimated || u.estimated,
-        }
-    }
-}
-
-/// Whether spending `usd` stays within `budget`. Pure.
-pub fn within_budget(usd: f64, budget: Option<f64>) -> bool {
-    budget.is_none_or(|b| usd <= b)
-}
-
-/// A partial result, as stored in `evidence_bundle`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "kind", rename_all = "camelCase")]
-pub enum Partial {
-    /// The hits of one sub-query.
-    Retrieval(Bundle),
-    /// The ranked, de-duplicated evidence the answer is generated from.
-    Ranked { evidence: Vec<Evidence> },
-    /// The answer and its citations.
-    Answer(Generation),
-}
+use crate::embed::Embedder;
+use progress::{payload, EventType, JobScope};
+use snapshot::RuntimeSnapshot;
 
 /// The job row, as a step reads it.
 #[derive(Clone, Debug, sqlx::FromRow)]
@@ -102,36 +78,9 @@ struct JobRow {
     mode: Option<String>,
     top_k: Option<i32>,
     budget_usd: Option<f64>,
-    limits: serde_json::Value,
+    metadata: serde_json::Value,
     cost: serde_json::Value,
     stage: String,
-}
-
-pub struct ResearchHandler {
-    generator: Arc<dyn Generator>,
-}
-
-impl ResearchHandler {
-    /// Reads the generator settings from the environment (`KFS_GENERATOR`, `KFS_OPENAI_*`).
-    pub fn new(_deps: Deps) -> Result<Self, crate::config::ConfigError> {
-        let cfg = generator::generator_config(|k| std::env::var(k).ok())?;
-        Ok(Self {
-            generator: generator::build(&cfg)?,
-        })
-    }
-
-    /// A handler with this generator.
-    pub fn with_generator(generator: Arc<dyn Generator>) -> Self {
-        Self { generator }
-    }
-
-    pub fn generator(&self) -> &Arc<dyn Generator> {
-        &self.generator
-    }
-}
-
-fn fatal_db(what: &str) -> impl FnOnce(serde_json::Error) -> JobError + '_ {
-    move |e| JobError::fatal("bad_data", format!("{what}: {e}"))
 }
 
 impl JobRow {
@@ -143,28 +92,57 @@ impl JobRow {
         }
     }
 
-    fn top_k(&self) -> usize {
-        let from_limits = self.limits.get("topK").and_then(serde_json::Value::as_u64);
-        let k = from_limits
-            .or(self.top_k.and_then(|k| u64::try_from(k).ok()))
-            .unwrap_or(u64::try_from(request::DEFAULT_TOP_K).unwrap_or(8));
-        usize::try_from(k.clamp(1, 100)).unwrap_or(8)
+    fn expected(&self) -> access::Expected<'_> {
+        access::Expected {
+            tenant_id: &self.tenant_id,
+            space_id: self.knowledge_space_id,
+            snapshot_id: self.permission_snapshot_id,
+            subject_id: &self.subject_id,
+            access_channel: &self.access_channel,
+            revision: Some(self.permission_snapshot_revision),
+        }
     }
 
-    fn max_sub_queries(&self) -> usize {
-        self.limits
-            .get("maxSubQueries")
-            .and_then(serde_json::Value::as_u64)
-            .and_then(|n| usize::try_from(n).ok())
-            .unwrap_or_else(|| plan::max_sub_queries(self.mode.as_deref().unwrap_or("auto")))
-            .clamp(1, 16)
+    /// The frozen runtime snapshot; `None` for a task admitted before its space had a head.
+    fn frozen(&self) -> Result<Option<RuntimeSnapshot>, JobError> {
+        match self.metadata.get(snapshot::METADATA_KEY) {
+            None | Some(serde_json::Value::Null) => Ok(None),
+            Some(v) => snapshot::validate(v, &self.tenant_id, self.knowledge_space_id)
+                .map(Some)
+                .map_err(|why| JobError::fatal(snapshot::INVALID, why)),
+        }
+    }
+
+    /// `mode ?? retrievalProfile.defaultMode ?? 'research'`; an unrouted `auto` is invalid.
+    fn mode(&self, frozen: Option<&RuntimeSnapshot>) -> Result<String, JobError> {
+        let mode = self
+            .mode
+            .as_deref()
+            .or(frozen.and_then(RuntimeSnapshot::default_mode))
+            .unwrap_or("research");
+        match mode {
+            "fast" | "research" | "deep" => Ok(mode.to_owned()),
+            other => Err(JobError::fatal(
+                snapshot::INVALID,
+                format!("the task's mode is '{other}'; a task runs in the mode it was routed to when requested"),
+            )),
+        }
+    }
+
+    /// `top_k ?? retrievalProfile.topK ?? 10`, within 1..=100.
+    fn top_k(&self, frozen: Option<&RuntimeSnapshot>) -> usize {
+        let k = self
+            .top_k
+            .or(frozen.and_then(RuntimeSnapshot::top_k))
+            .unwrap_or(request::DEFAULT_TOP_K);
+        usize::try_from(k.clamp(1, request::MAX_TOP_K)).unwrap_or(10)
     }
 }
 
 async fn load(tx: &mut PgConnection, job_id: Uuid) -> Result<JobRow, JobError> {
     sqlx::query_as(
         "SELECT tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, permission_snapshot_revision, \
-           access_channel, query, mode, top_k, budget_usd, limits, cost, stage \
+           access_channel, query, mode, top_k, budget_usd, metadata, cost, stage \
          FROM research_task_jobs WHERE id = $1",
     )
     .bind(job_id)
@@ -173,270 +151,61 @@ async fn load(tx: &mut PgConnection, job_id: Uuid) -> Result<JobRow, JobError> {
     .ok_or_else(|| JobError::fatal("job_missing", "the research task row is gone"))
 }
 
-/// Fails closed unless the space is live and the snapshot still grants access.
-async fn check_access(tx: &mut PgConnection, job: &JobRow) -> Result<(), JobError> {
-    if let Some(why) = access::space_denial(tx, &job.tenant_id, job.knowledge_space_id).await? {
-        return Err(JobError::fatal("space_unavailable", why));
-    }
-    let snapshot = access::read_snapshot(tx, &job.tenant_id, job.permission_snapshot_id).await?;
-    let want = access::Expected {
-        tenant_id: &job.tenant_id,
-        space_id: job.knowledge_space_id,
-        subject_id: &job.subject_id,
-        access_channel: &job.access_channel,
-        revision: Some(job.permission_snapshot_revision),
-    };
-    match access::snapshot_denial(snapshot.as_ref(), &want) {
-        Some(why) => Err(JobError::fatal("permission_revoked", why)),
-        None => Ok(()),
-    }
-}
-
-async fn merge_metadata(
-    tx: &mut PgConnection,
-    scope: &JobScope,
-    patch: serde_json::Value,
-) -> Result<(), sqlx::Error> {
-    sqlx::query(&format!(
-        "UPDATE research_task_jobs SET metadata = metadata || $3, updated_at = {NOW_MS} \
-         WHERE tenant_id = $1 AND id = $2"
-    ))
-    .bind(&scope.tenant_id)
-    .bind(scope.job_id)
-    .bind(patch)
-    .execute(tx)
-    .await?;
-    Ok(())
-}
-
-async fn read_partials(tx: &mut PgConnection, scope: &JobScope) -> Result<Vec<Partial>, JobError> {
-    let rows: Vec<serde_json::Value> = sqlx::query_scalar(
-        "SELECT evidence_bundle FROM research_task_partial_results \
-         WHERE tenant_id = $1 AND research_task_job_id = $2 ORDER BY sequence",
-    )
-    .bind(&scope.tenant_id)
-    .bind(scope.job_id)
-    .fetch_all(tx)
-    .await?;
-    rows.into_iter()
-        .map(|v| serde_json::from_value(v).map_err(fatal_db("a stored partial result")))
-        .collect()
-}
-
-async fn stage_changed(
-    tx: &mut PgConnection,
-    scope: &JobScope,
-    row_version: i32,
-    from: Stage,
-    to: Stage,
-    extra: serde_json::Value,
-) -> Result<(), sqlx::Error> {
-    let mut payload = json!({ "from": from.as_str(), "to": to.as_str() });
-    if let (Some(p), serde_json::Value::Object(e)) = (payload.as_object_mut(), extra) {
-        p.extend(e);
-    }
-    progress::append_event(tx, scope, row_version, EventType::StageChanged, to, payload).await?;
-    Ok(())
+pub struct ResearchHandler {
+    generator: Arc<dyn Generator>,
+    embedder: Arc<dyn Embedder>,
 }
 
 impl ResearchHandler {
-    async fn plan(
-        &self,
-        tx: &mut PgConnection,
-        job: &JobRow,
-        scope: &JobScope,
-    ) -> Result<serde_json::Value, JobError> {
-        let plan = plan::plan(&job.query, job.max_sub_queries());
-        let n = plan.sub_queries.len();
-        merge_metadata(tx, scope, json!({ "plan": plan })).await?;
-        Ok(json!({ "subQueries": n }))
-    }
-
-    async fn retrieve(
-        &self,
-        tx: &mut PgConnection,
-        job: &JobRow,
-        scope: &JobScope,
-    ) -> Result<serde_json::Value, JobError> {
-        let stored: Option<serde_json::Value> = sqlx::query_scalar(
-            "SELECT metadata -> 'plan' FROM research_task_jobs WHERE tenant_id = $1 AND id = $2",
-        )
-        .bind(&scope.tenant_id)
-        .bind(scope.job_id)
-        .fetch_one(&mut *tx)
-        .await?;
-        let plan: Plan = match stored {
-            Some(v) if !v.is_null() => {
-                serde_json::from_value(v).map_err(fatal_db("the stored plan"))?
-            }
-            // Resumed from an older writer without a plan: plan again (a pure function).
-            _ => plan::plan(&job.query, job.max_sub_queries()),
-        };
-        let top_k = job.top_k();
-        let mut hits = 0usize;
-        for (i, sq) in plan.sub_queries.iter().enumerate() {
-            let found = retrieve::search(tx, &scope.tenant_id, scope.space_id, sq, top_k).await?;
-            hits += found.len();
-            let bundle = Partial::Retrieval(Bundle {
-                sub_query_index: i,
-                sub_query: sq.clone(),
-                hits: found,
-            });
-            let value = serde_json::to_value(&bundle).map_err(fatal_db("an evidence bundle"))?;
-            progress::append_partial(
-                tx,
-                scope,
-                &progress::partial_key(scope.job_id, &format!("retrieval:{i}")),
-                value,
-            )
-            .await?;
-        }
-        Ok(json!({ "subQueries": plan.sub_queries.len(), "hits": hits }))
-    }
-
-    async fn analyze(
-        &self,
-        tx: &mut PgConnection,
-        job: &JobRow,
-        scope: &JobScope,
-    ) -> Result<serde_json::Value, JobError> {
-        let bundles: Vec<Bundle> = read_partials(tx, scope)
-            .await?
-            .into_iter()
-            .filter_map(|p| match p {
-                Partial::Retrieval(b) => Some(b),
-                _ => None,
-            })
-            .collect();
-        let evidence = plan::rank(&bundles, job.top_k());
-        let n = evidence.len();
-        let documents: std::collections::BTreeSet<Uuid> =
-            evidence.iter().map(|e| e.document_id).collect();
-        let value = serde_json::to_value(Partial::Ranked { evidence })
-            .map_err(fatal_db("ranked evidence"))?;
-        progress::append_partial(
-            tx,
-            scope,
-            &progress::partial_key(scope.job_id, "ranked"),
-            value,
-        )
-        .await?;
-        merge_metadata(
-            tx,
-            scope,
-            json!({ "evidenceCount": n, "evidenceDocuments": documents.len() }),
-        )
-        .await?;
-        Ok(json!({ "evidence": n, "documents": documents.len() }))
-    }
-
-    /// Generates the answer. `Err(Step::Cancel)`-like outcomes come back as `Ok(Some(step))`.
-    async fn generate(
-        &self,
-        tx: &mut PgConnection,
-        job: &JobRow,
-        scope: &JobScope,
-        row_version: i32,
-    ) -> Result<Result<serde_json::Value, Step>, JobError> {
-        let evidence = read_partials(tx, scope)
-            .await?
-            .into_iter()
-            .rev()
-            .find_map(|p| match p {
-                Partial::Ranked { evidence } => Some(evidence),
-                _ => None,
-            })
-            .ok_or_else(|| {
-                JobError::fatal(
-                    "evidence_missing",
-                    "no ranked evidence was stored before generating",
-                )
-            })?;
-        let spent: Cost = serde_json::from_value(job.cost.clone()).unwrap_or_default();
-        let req = GenerationRequest {
-            question: &job.query,
-            evidence: &evidence,
-        };
-        let estimate = self.generator.estimate_usd(&req);
-        if !within_budget(spent.usd + estimate, job.budget_usd) {
-            let message = format!(
-                "the answer would cost at least ${:.6} (spent ${:.6}), over the budget of ${:.6}",
-                estimate,
-                spent.usd,
-                job.budget_usd.unwrap_or_default()
-            );
-            return Ok(Err(self
-                .cancel_for_budget(tx, scope, row_version, &spent, message)
-                .await?));
-        }
-        let generation = self.generator.generate(&req).await?;
-        let cost = spent.add(&generation);
-        sqlx::query(&format!(
-            "UPDATE research_task_jobs SET cost = $3, updated_at = {NOW_MS} WHERE tenant_id = $1 AND id = $2"
-        ))
-        .bind(&scope.tenant_id)
-        .bind(scope.job_id)
-        .bind(serde_json::to_value(&cost).map_err(fatal_db("cost"))?)
-        .execute(&mut *tx)
-        .await?;
-        if !within_budget(cost.usd, job.budget_usd) {
-            let message = format!(
-                "generation cost ${:.6} ({} prompt + {} completion tokens), over the budget of ${:.6}",
-                cost.usd,
-                cost.prompt_tokens,
-                cost.completion_tokens,
-                job.budget_usd.unwrap_or_default()
-            );
-            return Ok(Err(self
-                .cancel_for_budget(tx, scope, row_version, &cost, message)
-                .await?));
-        }
-        let citations = generation.citations.len();
-        merge_metadata(
-            tx,
-            scope,
-            json!({ "result": {
-                "answer": generation.answer,
-                "citations": generation.citations,
-                "generator": generation.generator,
-                "model": generation.model,
-            }}),
-        )
-        .await?;
-        let value =
-            serde_json::to_value(Partial::Answer(generation)).map_err(fatal_db("the answer"))?;
-        progress::append_partial(
-            tx,
-            scope,
-            &progress::partial_key(scope.job_id, "answer"),
-            value,
-        )
-        .await?;
-        Ok(Ok(json!({ "citations": citations, "costUsd": cost.usd })))
-    }
-
-    async fn cancel_for_budget(
-        &self,
-        tx: &mut PgConnection,
-        scope: &JobScope,
-        row_version: i32,
-        cost: &Cost,
-        message: String,
-    ) -> Result<Step, JobError> {
-        progress::append_event(
-            tx,
-            scope,
-            row_version,
-            EventType::Canceled,
-            Stage::Canceled,
-            json!({ "from": Stage::Generating.as_str(), "code": "budget_exceeded", "reason": message, "cost": cost }),
-        )
-        .await?;
-        Ok(Step::Cancel {
-            code: "budget_exceeded".into(),
-            message,
+    /// Reads the generator settings from the environment (`KFS_GENERATOR`, `KFS_OPENAI_*`); the
+    /// query embedder is the process's.
+    pub fn new(deps: Deps) -> Result<Self, crate::config::ConfigError> {
+        let cfg = generator::generator_config(|k| std::env::var(k).ok())?;
+        Ok(Self {
+            generator: generator::build(&cfg)?,
+            embedder: deps.embedder,
         })
     }
+
+    /// A handler with this generator and the deterministic offline embedder.
+    pub fn with_generator(generator: Arc<dyn Generator>) -> Self {
+        Self {
+            generator,
+            embedder: Arc::new(crate::embed::Offline),
+        }
+    }
+
+    /// The same handler embedding queries with `embedder`.
+    pub fn with_embedder(mut self, embedder: Arc<dyn Embedder>) -> Self {
+        self.embedder = embedder;
+        self
+    }
+
+    pub fn generator(&self) -> &Arc<dyn Generator> {
+        &self.generator
+    }
+}
+
+/// The scope and the stage a failure's or retry's hook records at, with the claim event of the
+/// attempt written first when no step of it committed.
+async fn hook_scope(
+    tx: &mut PgConnection,
+    ctx: &JobCtx,
+) -> Result<Option<(JobScope, i32, Option<String>, Option<i64>, String)>, sqlx::Error> {
+    let Some(scope) = progress::scope_of(tx, ctx.job_id).await? else {
+        return Ok(None);
+    };
+    let claimed = Stage::parse(&ctx.checkpoint).unwrap_or(Stage::Queued);
+    progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, claimed).await?;
+    let (row_version, error, retry_at, stage): (i32, Option<String>, Option<i64>, String) =
+        sqlx::query_as(
+            "SELECT row_version, error, retry_at, stage FROM research_task_jobs WHERE id = $1 AND tenant_id = $2",
+        )
+        .bind(ctx.job_id)
+        .bind(&scope.tenant_id)
+        .fetch_one(&mut *tx)
+        .await?;
+    Ok(Some((scope, row_version, error, retry_at, stage)))
 }
 
 #[async_trait::async_trait]
@@ -445,31 +214,51 @@ impl Handler for ResearchHandler {
         Kind::Research
     }
 
-    /// A task the engine fails gets its `research_task.failed` event in the same transaction,
-    /// keyed by the row version the failure wrote, so a follower sees how it ended.
+    /// A task the engine fails gets its `research_task.failed {"error": <code>}` in the same
+    /// transaction, keyed by the row version the failure wrote.
     async fn on_fail(
         &self,
         tx: &mut PgConnection,
         ctx: &JobCtx,
         code: &str,
     ) -> Result<(), sqlx::Error> {
-        let Some(scope) = progress::scope_of(tx, ctx.job_id).await? else {
+        let Some((scope, row_version, ..)) = hook_scope(tx, ctx).await? else {
             return Ok(());
         };
-        let (row_version, error): (i32, Option<String>) = sqlx::query_as(
-            "SELECT row_version, error FROM research_task_jobs WHERE id = $1 AND tenant_id = $2",
-        )
-        .bind(ctx.job_id)
-        .bind(&scope.tenant_id)
-        .fetch_one(&mut *tx)
-        .await?;
         progress::append_event(
             tx,
             &scope,
             row_version,
             EventType::Failed,
-            walk::Stage::Failed,
-            json!({ "code": code, "error": error }),
+            Stage::Failed,
+            payload::failed(code),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// A scheduled retry gets its `stage_changed {"error", "retryAt", "retryScheduled": true}`
+    /// at the job's stage, in the same transaction.
+    async fn on_retry(
+        &self,
+        tx: &mut PgConnection,
+        ctx: &JobCtx,
+        code: &str,
+    ) -> Result<(), sqlx::Error> {
+        let Some((scope, row_version, error, retry_at, stage)) = hook_scope(tx, ctx).await? else {
+            return Ok(());
+        };
+        let stage = Stage::parse(&stage).unwrap_or(Stage::Queued);
+        progress::append_event(
+            tx,
+            &scope,
+            row_version,
+            EventType::StageChanged,
+            stage,
+            payload::retry(
+                error.as_deref().unwrap_or(code),
+                retry_at.unwrap_or_default(),
+            ),
         )
         .await?;
         Ok(())
@@ -480,59 +269,58 @@ impl Handler for ResearchHandler {
         let stage = Stage::parse(&job.stage).ok_or_else(|| {
             JobError::fatal("bad_stage", format!("unknown stage '{}'", job.stage))
         })?;
-        let next = walk::next_stage(stage).ok_or_else(|| {
-            JobError::fatal(
+        if walk::next_stage(stage).is_none() {
+            return Err(JobError::fatal(
                 "bad_stage",
                 format!("a worker has nothing to do at stage '{stage}'"),
-            )
-        })?;
-        check_access(tx, &job).await?;
-        let scope = job.scope(ctx.job_id);
-        let summary = match stage {
-            Stage::Queued => json!({}),
-            Stage::Planning => self.plan(tx, &job, &scope).await?,
-            Stage::Retrieving => self.retrieve(tx, &job, &scope).await?,
-            Stage::Analyzing => self.analyze(tx, &job, &scope).await?,
-            Stage::Generating => match self.generate(tx, &job, &scope, ctx.row_version).await? {
-                Ok(summary) => summary,
-                Err(cancel) => return Ok(cancel),
-            },
-            _ => unreachable!("next_stage is None for every other stage"),
-        };
-        stage_changed(tx, &scope, ctx.row_version, stage, next, summary).await?;
-        Ok(if next == Stage::Completed {
-            Step::Succeed(next.as_str().into())
-        } else {
-            Step::Advance(next.as_str().into())
-        })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn budget_table() {
-        let table = [
-            (0.0, None, true),
-            (5.0, None, true),
-            (0.5, Some(1.0), true),
-            (1.0, Some(1.0), true),
-            (1.000_001, Some(1.0), false),
-            (0.0, Some(0.0), true),
-            (0.1, Some(0.0), false),
-        ];
-        for (usd, budget, ok) in table {
-            assert_eq!(within_budget(usd, budget), ok, "{usd} of {budget:?}");
+            ));
         }
-    }
-
-    #[test]
-    fn partials_are_tagged() {
-        let v = serde_json::to_value(Partial::Ranked { evidence: vec![] }).unwrap();
-        assert_eq!(v, json!({ "kind": "ranked", "evidence": [] }));
-        let back: Partial = serde_json::from_value(v).unwrap();
-        assert_eq!(back, Partial::Ranked { evidence: vec![] });
+        let scope = job.scope(ctx.job_id);
+        // The row version this step's transition writes.
+        let next_rv = ctx.row_version + 1;
+        let deletions = access::deletions(tx, &job.tenant_id, job.knowledge_space_id).await?;
+        if let Some(why) = access::running_fence(&deletions) {
+            progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, stage)
+                .await?;
+            progress::append_event(
+                tx,
+                &scope,
+                next_rv,
+                EventType::Canceled,
+                Stage::Canceled,
+                payload::because(Some(access::DELETION_FENCE_ACTIVE)),
+            )
+            .await?;
+            return Ok(Step::Cancel {
+                code: access::DELETION_FENCE_ACTIVE.into(),
+                message: why,
+            });
+        }
+        let valid = access::revalidate(tx, &job.expected())
+            .await?
+            .map_err(|why| JobError::fatal(access::SNAPSHOT_INVALID, why))?;
+        progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, stage)
+            .await?;
+        // As on the platform, the frozen tuple is loaded once the task is planning.
+        let (frozen, mode, top_k) = if stage == Stage::Queued {
+            (None, String::new(), 0)
+        } else {
+            let frozen = job.frozen()?;
+            let mode = job.mode(frozen.as_ref())?;
+            let top_k = job.top_k(frozen.as_ref());
+            (frozen, mode, top_k)
+        };
+        let run = stages::Run {
+            handler: self,
+            job: &job,
+            scope,
+            ctx,
+            next_rv,
+            valid,
+            frozen,
+            mode,
+            top_k,
+        };
+        run.stage(tx, stage).await
     }
 }

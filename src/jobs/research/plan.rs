@@ -1,6 +1,7 @@
-//! Planning and analysis as pure functions. Invariant: the same question and mode always give
-//! the same plan, and the same evidence always ranks the same way (ties broken by node id), so a
-//! replayed step writes exactly what the first run wrote.
+//! Planning and analysis as pure functions: the research mode's sub-queries (the whole question,
+//! then its clauses) and the ranking of what they found. Invariant: the same question and mode
+//! always give the same plan, and the same evidence always ranks the same way (ties broken by
+//! node id), so a replayed step writes exactly what the first run wrote.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,10 +33,11 @@ pub struct SubQuery {
 }
 
 impl SubQuery {
-    /// The search text for `websearch_to_tsquery`: the terms joined by `or`. Terms hold only
-    /// letters and digits, so no operator of the search syntax can come from the question.
+    /// The search text of the full-text leg (`plainto_tsquery('simple', …)` of its normalised
+    /// form): the meaningful terms, each of which a passage must contain. Terms hold only letters
+    /// and digits, so the question cannot inject search syntax.
     pub fn search_text(&self) -> String {
-        self.terms.join(" or ")
+        self.terms.join(" ")
     }
 }
 
@@ -46,7 +48,7 @@ pub struct Plan {
     pub sub_queries: Vec<SubQuery>,
 }
 
-/// How many sub-queries a mode plans at most.
+/// How many sub-queries a mode plans at most (`auto` only for rows of older writers).
 pub fn max_sub_queries(mode: &str) -> usize {
     match mode {
         "fast" => 1,
@@ -187,7 +189,7 @@ pub fn plan(question: &str, max: usize) -> Plan {
     Plan { sub_queries }
 }
 
-/// One search hit, as retrieved.
+/// One search hit, as retrieved (after fusing the retrieval legs).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Hit {
@@ -195,9 +197,25 @@ pub struct Hit {
     pub document_id: Uuid,
     pub document_version: i32,
     pub filename: String,
+    /// The node's `sectionPath`.
     pub heading_path: serde_json::Value,
     pub content: String,
+    /// The fused (reciprocal rank) score.
     pub rank: f64,
+    #[serde(default)]
+    pub artifact_hash: String,
+    #[serde(default)]
+    pub start_offset: i32,
+    #[serde(default)]
+    pub end_offset: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_number: Option<i64>,
+    /// The projections that found it.
+    #[serde(default)]
+    pub projection_ids: Vec<Uuid>,
+    /// The legs that found it: `dense`, `fts`.
+    #[serde(default)]
+    pub sources: Vec<String>,
 }
 
 /// The evidence of one sub-query: one partial result.
@@ -222,6 +240,18 @@ pub struct Evidence {
     pub score: f64,
     /// The sub-queries (by index) that found it.
     pub sub_queries: Vec<usize>,
+    #[serde(default)]
+    pub artifact_hash: String,
+    #[serde(default)]
+    pub start_offset: i32,
+    #[serde(default)]
+    pub end_offset: i32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub page_number: Option<i64>,
+    #[serde(default)]
+    pub projection_ids: Vec<Uuid>,
+    #[serde(default)]
+    pub sources: Vec<String>,
 }
 
 fn content_key(content: &str) -> String {
@@ -245,7 +275,23 @@ pub fn rank(bundles: &[Bundle], top_k: usize) -> Vec<Evidence> {
                 content: h.content.clone(),
                 score: 0.0,
                 sub_queries: Vec::new(),
+                artifact_hash: h.artifact_hash.clone(),
+                start_offset: h.start_offset,
+                end_offset: h.end_offset,
+                page_number: h.page_number,
+                projection_ids: Vec::new(),
+                sources: Vec::new(),
             });
+            for p in &h.projection_ids {
+                if !e.projection_ids.contains(p) {
+                    e.projection_ids.push(*p);
+                }
+            }
+            for s in &h.sources {
+                if !e.sources.contains(s) {
+                    e.sources.push(s.clone());
+                }
+            }
             if !e.sub_queries.contains(&b.sub_query_index) {
                 e.sub_queries.push(b.sub_query_index);
                 e.score += h.rank.max(0.0);
@@ -273,6 +319,8 @@ pub fn rank(bundles: &[Bundle], top_k: usize) -> Vec<Evidence> {
     }
     for e in &mut kept {
         e.sub_queries.sort_unstable();
+        e.projection_ids.sort_unstable();
+        e.sources.sort();
     }
     kept.truncate(top_k);
     kept
@@ -363,12 +411,9 @@ mod tests {
     }
 
     #[test]
-    fn search_text_is_terms_joined_by_or() {
-        let p = plan("Lease TTL -- \"quoted\" OR tricks", 4);
-        assert_eq!(
-            p.sub_queries[0].search_text(),
-            "lease or ttl or quoted or tricks"
-        );
+    fn search_text_is_the_terms() {
+        let p = plan("Lease TTL -- \"quoted\" OR tricks & !x", 4);
+        assert_eq!(p.sub_queries[0].search_text(), "lease ttl quoted tricks");
     }
 
     #[test]
@@ -388,6 +433,12 @@ mod tests {
             heading_path: serde_json::json!([]),
             content: content.into(),
             rank,
+            artifact_hash: "h".into(),
+            start_offset: 0,
+            end_offset: 1,
+            page_number: None,
+            projection_ids: vec![Uuid::from_u128(1000 + node)],
+            sources: vec!["fts".into()],
         }
     }
 

@@ -1,11 +1,14 @@
-//! Progress events and partial results. Invariant: both are appended only by a transaction that
-//! holds the job row's lock, with `sequence = max + 1` per job, so sequences are contiguous from
-//! 1; and both are keyed, so writing the same event or partial again (a replayed step, a
-//! repeated request) adds nothing. An event's key names the `row_version` the job row has when
-//! the writing transaction commits; only that transaction can create that version, so the key
-//! is unique per transition and the same for any replay of it.
+//! Progress events and partial results, with the platform's payloads and keys. Invariant: both
+//! are appended only by a transaction that holds the job row's lock, with `sequence = max + 1`
+//! per job, so sequences are contiguous from 1; and both are keyed, so writing the same event or
+//! partial again (a replayed step, a repeated request) adds nothing. An event's key
+//! (`research-task-progress:<jobId>:<rowVersion>:<type>`) names the `row_version` the job row
+//! has when the writing transaction commits; only that transaction can create that version, so
+//! the key is unique per transition and the same for any replay of it. The one partial is the
+//! final evidence bundle, `research-task:<jobId>:final-evidence`.
 
 use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
@@ -54,10 +57,56 @@ pub fn progress_key(job_id: Uuid, row_version: i32, event_type: EventType) -> St
     )
 }
 
-/// `research-task-partial:<jobId>:<name>`: partials are keyed by what they hold, not by when
-/// they were written, so a replay of the step that writes them maps to the same key.
-pub fn partial_key(job_id: Uuid, name: &str) -> String {
-    format!("research-task-partial:{job_id}:{name}")
+/// `research-task:<jobId>:final-evidence`: the platform's key of a task's final evidence.
+pub fn final_evidence_key(job_id: Uuid) -> String {
+    format!("research-task:{job_id}:final-evidence")
+}
+
+/// The platform's event payloads, as pure functions.
+pub mod payload {
+    use super::*;
+
+    /// `research_task.started`.
+    pub fn started() -> Value {
+        json!({})
+    }
+
+    /// The claim of an execution attempt (a `stage_changed` at the current stage).
+    pub fn claimed(attempt: i32) -> Value {
+        json!({ "executionAttempt": attempt, "workerClaimed": true })
+    }
+
+    /// A stage advance, with the runtime's details of what the stage did.
+    pub fn advanced(previous: Stage, details: Option<Value>) -> Value {
+        let mut p = json!({ "previousStage": previous.as_str() });
+        if let Some(d) = details {
+            p["details"] = d;
+        }
+        p
+    }
+
+    /// A retry scheduled (a `stage_changed` at the current stage).
+    pub fn retry(error: &str, retry_at: i64) -> Value {
+        json!({ "error": error, "retryAt": retry_at, "retryScheduled": true })
+    }
+
+    /// `research_task.failed`.
+    pub fn failed(error: &str) -> Value {
+        json!({ "error": error })
+    }
+
+    /// `research_task.canceled` and `research_task.paused`: `{"reason"}`, or `{}` without one.
+    pub fn because(reason: Option<&str>) -> Value {
+        match reason {
+            Some(r) => json!({ "reason": r }),
+            None => json!({}),
+        }
+    }
+
+    /// `research_task.resumed`.
+    pub fn resumed() -> Value {
+        json!({ "resumedFrom": "paused" })
+    }
 }
 
 /// Appends an event unless its key exists. Returns its sequence when it was added. The caller
@@ -89,6 +138,41 @@ pub async fn append_event(
     .bind(payload)
     .fetch_optional(conn)
     .await
+}
+
+/// Appends the claim event of execution attempt `attempt` unless it exists, keyed by the row
+/// version the claim wrote (`row_version`) and at the stage the job was claimed at. The engine's
+/// claim commits on its own; the first transaction of the attempt that the kind writes (its
+/// first step, or the end of a failed one) records it.
+pub async fn ensure_claimed(
+    conn: &mut PgConnection,
+    scope: &JobScope,
+    row_version: i32,
+    attempt: i32,
+    stage: Stage,
+) -> Result<(), sqlx::Error> {
+    let seen: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM research_task_progress_events \
+           WHERE tenant_id = $1 AND research_task_job_id = $2 AND event_type = 'research_task.stage_changed' \
+             AND payload @> $3)",
+    )
+    .bind(&scope.tenant_id)
+    .bind(scope.job_id)
+    .bind(payload::claimed(attempt))
+    .fetch_one(&mut *conn)
+    .await?;
+    if !seen {
+        append_event(
+            conn,
+            scope,
+            row_version,
+            EventType::StageChanged,
+            stage,
+            payload::claimed(attempt),
+        )
+        .await?;
+    }
+    Ok(())
 }
 
 /// Appends a partial result unless its key exists. Returns its sequence when it was added. The
@@ -177,8 +261,37 @@ mod tests {
             format!("research-task-progress:{id}:3:research_task.stage_changed")
         );
         assert_eq!(
-            partial_key(id, "retrieval:0"),
-            format!("research-task-partial:{id}:retrieval:0")
+            final_evidence_key(id),
+            format!("research-task:{id}:final-evidence")
         );
+    }
+
+    #[test]
+    fn payloads() {
+        use payload::*;
+        assert_eq!(started(), json!({}));
+        assert_eq!(
+            claimed(2),
+            json!({"executionAttempt": 2, "workerClaimed": true})
+        );
+        assert_eq!(
+            advanced(Stage::Queued, None),
+            json!({"previousStage": "queued"})
+        );
+        assert_eq!(
+            advanced(
+                Stage::Planning,
+                Some(json!({"questions": ["q"], "topK": 10}))
+            ),
+            json!({"details": {"questions": ["q"], "topK": 10}, "previousStage": "planning"})
+        );
+        assert_eq!(
+            retry("e", 5),
+            json!({"error": "e", "retryAt": 5, "retryScheduled": true})
+        );
+        assert_eq!(failed("X"), json!({"error": "X"}));
+        assert_eq!(because(Some("r")), json!({"reason": "r"}));
+        assert_eq!(because(None), json!({}));
+        assert_eq!(resumed(), json!({"resumedFrom": "paused"}));
     }
 }

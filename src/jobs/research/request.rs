@@ -1,23 +1,34 @@
-//! Requesting a research task, as the platform's API does. Invariant: the job row (`queued`,
-//! row version 1), its first outbox row (revision 1, pending) and the `research_task.started`
-//! event (sequence 1) are written together in the caller's transaction, or nothing is; and
-//! nothing is written for an invalid request, a space being deleted, or a permission snapshot
-//! that does not grant this subject, channel and space.
+//! Requesting a research task, as the platform's API admits one. Invariant: the job row
+//! (`queued`, row version 1), its first outbox row (revision 1, pending) and the
+//! `research_task.started` event (sequence 1) are written together in the caller's transaction,
+//! or nothing is; nothing is written for an invalid request, a space being deleted or with a
+//! deletion in progress, or a permission snapshot the platform's revalidation does not grant;
+//! the job records the mode and top-k it will run with (an `auto` request is routed here, by the
+//! platform's fallback, since kfs-worker has no routing model) and the published runtime
+//! snapshot of the space at this moment, so that the task reads what was published when it was
+//! asked.
+//!
+//! Where kfs-worker differs from the platform: a space with no published head yet is admitted
+//! (the platform refuses it as not query-ready) and freezes no snapshot; its task reads the head
+//! current at its retrieving step.
 
-use serde_json::json;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use super::access::{self, Expected};
+use super::budget::Cost;
 use super::plan;
-use super::progress::{self, EventType, JobScope, NOW_MS};
+use super::progress::{self, payload, EventType, JobScope, NOW_MS};
+use super::snapshot::{self, RuntimeSnapshot};
 use super::walk::Stage;
 use crate::jobs::RESEARCH;
 
 pub const CHANNELS: [&str; 4] = ["interactive", "service_api", "mcp", "agent"];
 pub const MODES: [&str; 4] = ["auto", "fast", "research", "deep"];
-pub const DEFAULT_TOP_K: i32 = 8;
+/// The platform's top-k when neither the request nor the retrieval profile names one.
+pub const DEFAULT_TOP_K: i32 = 10;
 pub const MAX_TOP_K: i32 = 100;
 pub const MAX_QUESTION_CHARS: usize = 4000;
 
@@ -135,14 +146,33 @@ impl ResearchRequest {
         hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
     }
 
-    /// The effective limits, stored in `limits`.
-    pub fn limits(&self) -> serde_json::Value {
+    /// The effective limits, stored in `limits`, for the resolved mode and top-k.
+    pub fn limits(&self, mode: &str, top_k: i32) -> Value {
         json!({
-            "topK": self.top_k.unwrap_or(DEFAULT_TOP_K),
-            "maxSubQueries": plan::max_sub_queries(&self.mode),
+            "topK": top_k,
+            "maxSubQueries": plan::max_sub_queries(mode),
             "budgetUsd": self.budget_usd,
         })
     }
+}
+
+/// The mode a request runs in, and the platform's record of how an `auto` request was routed:
+/// without a routing model, its fallback (the retrieval profile's default mode, else
+/// `research`). Pure.
+pub fn resolve_mode(requested: &str, default_mode: Option<&str>) -> (String, Option<Value>) {
+    if requested != "auto" {
+        return (requested.to_owned(), None);
+    }
+    let resolved = default_mode
+        .filter(|m| matches!(*m, "fast" | "research" | "deep"))
+        .unwrap_or("research");
+    (
+        resolved.to_owned(),
+        Some(json!({
+            "degraded": true, "durationMs": 0, "errorClass": "AutoRetrievalModeResolverUnavailable",
+            "requestedMode": "auto", "resolvedMode": resolved, "resolver": "fallback",
+        })),
+    )
 }
 
 /// Why a request was not accepted.
@@ -222,31 +252,31 @@ pub async fn request(
     req.validate()?;
     let mut tx = conn.begin().await?;
 
-    // The space, shared-locked so that a deletion cannot mark it between our check and commit.
-    let space: Option<String> =
-        sqlx::query_scalar("SELECT tenant_id FROM knowledge_spaces WHERE id = $1 FOR SHARE")
+    let tenant: Option<String> =
+        sqlx::query_scalar("SELECT tenant_id FROM knowledge_spaces WHERE id = $1")
             .bind(req.space_id)
             .fetch_optional(&mut *tx)
             .await?;
-    let tenant = space.ok_or(RequestError::SpaceNotFound(req.space_id))?;
-    if let Some(reason) = access::space_denial(&mut tx, &tenant, req.space_id).await? {
+    let tenant = tenant.ok_or(RequestError::SpaceNotFound(req.space_id))?;
+    // The space, share-locked so that a deletion cannot mark it between our check and commit.
+    let deletions = access::deletions(&mut tx, &tenant, req.space_id).await?;
+    if let Some(reason) = access::admission_fence(&deletions) {
         return Err(RequestError::SpaceUnavailable {
             space: req.space_id,
             reason,
         });
     }
-    let snapshot = access::read_snapshot(&mut tx, &tenant, req.permission_snapshot_id).await?;
     let want = Expected {
         tenant_id: &tenant,
         space_id: req.space_id,
+        snapshot_id: req.permission_snapshot_id,
         subject_id: req.subject_id.trim(),
         access_channel: &req.access_channel,
         revision: None,
     };
-    if let Some(why) = access::snapshot_denial(snapshot.as_ref(), &want) {
-        return Err(RequestError::PermissionDenied(why));
-    }
-    let snapshot_revision = snapshot.map_or(1, |s| s.revision);
+    let valid = access::revalidate(&mut tx, &want)
+        .await?
+        .map_err(RequestError::PermissionDenied)?;
 
     let fingerprint = req.fingerprint();
     if let Some(key) = &req.idempotency_key {
@@ -285,6 +315,28 @@ pub async fn request(
         }
     }
 
+    let frozen: Option<RuntimeSnapshot> = snapshot::capture(&mut tx, &tenant, req.space_id).await?;
+    let (mode, routed) = resolve_mode(&req.mode, frozen.as_ref().and_then(|s| s.default_mode()));
+    if mode != "research" {
+        let embedding = match &frozen {
+            Some(s) => s.embedding_profile.is_some(),
+            None => crate::jobs::compile::steps::embedding_profile(&mut tx, &tenant, req.space_id)
+                .await?
+                .is_some(),
+        };
+        if !embedding {
+            return Err(RequestError::SpaceUnavailable {
+                space: req.space_id,
+                reason: format!("{mode} mode needs an embedding profile, and the space has none"),
+            });
+        }
+    }
+    let top_k = req
+        .top_k
+        .or(frozen.as_ref().and_then(RuntimeSnapshot::top_k))
+        .unwrap_or(DEFAULT_TOP_K)
+        .clamp(1, MAX_TOP_K);
+
     let scope = JobScope {
         job_id: Uuid::now_v7(),
         tenant_id: tenant.clone(),
@@ -293,6 +345,12 @@ pub async fn request(
     let mut metadata = json!({ "requestFingerprint": fingerprint });
     if let Some(key) = &req.idempotency_key {
         metadata["idempotencyKey"] = json!(key);
+    }
+    if let Some(s) = &frozen {
+        metadata[snapshot::METADATA_KEY] = serde_json::to_value(s).unwrap_or(Value::Null);
+    }
+    if let Some(d) = routed {
+        metadata[snapshot::AUTO_MODE_KEY] = d;
     }
     sqlx::query(&format!(
         "INSERT INTO research_task_jobs (id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, \
@@ -308,15 +366,15 @@ pub async fn request(
     .bind(scope.space_id)
     .bind(req.subject_id.trim())
     .bind(req.permission_snapshot_id)
-    .bind(snapshot_revision)
+    .bind(valid.revision)
     .bind(&req.access_channel)
     .bind(req.question.trim())
-    .bind(&req.mode)
-    .bind(req.top_k)
+    .bind(&mode)
+    .bind(top_k)
     .bind(req.budget_usd)
-    .bind(req.limits())
+    .bind(req.limits(&mode, top_k))
     .bind(metadata)
-    .bind(json!({ "usd": 0.0, "promptTokens": 0, "completionTokens": 0, "calls": 0 }))
+    .bind(Cost::initial(req.budget_usd).to_json())
     .bind(RESEARCH.policy.max_attempts)
     .execute(&mut *tx)
     .await?;
@@ -327,14 +385,7 @@ pub async fn request(
         1,
         EventType::Started,
         Stage::Queued,
-        json!({
-            "query": req.question.trim(),
-            "mode": req.mode,
-            "topK": req.top_k.unwrap_or(DEFAULT_TOP_K),
-            "budgetUsd": req.budget_usd,
-            "subjectId": req.subject_id.trim(),
-            "accessChannel": req.access_channel,
-        }),
+        payload::started(),
     )
     .await?;
     tx.commit().await?;
@@ -468,6 +519,23 @@ mod tests {
             }
             .fingerprint()
         );
+    }
+
+    #[test]
+    fn auto_mode_routes_to_the_fallback() {
+        assert_eq!(
+            resolve_mode("deep", Some("fast")),
+            ("deep".to_owned(), None)
+        );
+        let (m, d) = resolve_mode("auto", None);
+        assert_eq!(m, "research");
+        assert_eq!(
+            d.unwrap(),
+            json!({"degraded": true, "durationMs": 0, "errorClass": "AutoRetrievalModeResolverUnavailable",
+                   "requestedMode": "auto", "resolvedMode": "research", "resolver": "fallback"})
+        );
+        assert_eq!(resolve_mode("auto", Some("deep")).0, "deep");
+        assert_eq!(resolve_mode("auto", Some("auto")).0, "research");
     }
 
     #[test]

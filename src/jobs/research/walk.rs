@@ -1,7 +1,8 @@
 //! The research walk as pure functions. Invariant: a step only ever moves a job one stage
-//! forward along `queued → planning → retrieving → analyzing → generating → completed`; pause,
-//! resume and cancel are the only other moves, a terminal stage never changes again, and every
-//! move is decided here, never in SQL, so that the table tests below cover all of them.
+//! forward along `queued → planning → retrieving → analyzing → generating → completed` (or ends
+//! it: failed, or canceled by a budget or a deletion fence); pause, resume and cancel are the
+//! only other moves, a terminal stage never changes again, and every move is decided here, never
+//! in SQL, so that the table tests below cover all of them.
 
 use std::fmt;
 
@@ -121,11 +122,12 @@ pub enum ControlMove {
 pub enum Refusal {
     #[error("the task already ended ({0}); it can no longer be {1}")]
     Terminal(Stage, &'static str),
-    #[error("the task is paused but records no stage to resume ({0:?}); cancel it instead")]
-    NothingToResume(Option<Stage>),
+    #[error("the task is paused at {0}, which is not a stage to resume; cancel it instead")]
+    NothingToResume(Stage),
 }
 
-/// Decides a control request from the job's stage and `paused_from_stage`.
+/// Decides a control request from the job's stage and `paused_from_stage`. A paused job that
+/// records no stage resumes at `queued`, as the platform's resume does.
 pub fn control(
     stage: Stage,
     paused_from: Option<Stage>,
@@ -144,8 +146,8 @@ pub fn control(
             to: Stage::Paused,
             paused_from: Some(s),
         }),
-        (Control::Resume, Stage::Paused) => match paused_from {
-            Some(from) if from.is_runnable() => Ok(ControlMove::Apply {
+        (Control::Resume, Stage::Paused) => match paused_from.unwrap_or(Stage::Queued) {
+            from if from.is_runnable() => Ok(ControlMove::Apply {
                 to: from,
                 paused_from: None,
             }),
@@ -232,12 +234,12 @@ mod tests {
             ),
             (Paused, Some(Retrieving), Resume, apply(Retrieving, None)),
             (Paused, Some(Queued), Resume, apply(Queued, None)),
-            (Paused, None, Resume, Err(Refusal::NothingToResume(None))),
+            (Paused, None, Resume, apply(Queued, None)),
             (
                 Paused,
                 Some(Completed),
                 Resume,
-                Err(Refusal::NothingToResume(Some(Completed))),
+                Err(Refusal::NothingToResume(Completed)),
             ),
             (Analyzing, None, Resume, done.clone()),
             (

@@ -1,16 +1,24 @@
 //! Answer generation behind the [`Generator`] trait. Invariant: a generator only sees the ranked
 //! evidence of its own job, every answer cites evidence by its 1-based position, the extractive
-//! generator is deterministic and offline, and the HTTP generator reports the tokens it was
-//! billed for (or an estimate, marked as such) so the budget can be enforced. The API key is
-//! never logged, printed or put into an error.
+//! generator is deterministic and offline, and a generator states before each call what it may
+//! cost at most ([`Generator::estimate`]: the estimated prompt and its largest answer) and after
+//! it the tokens it was billed for (or an estimate, marked as such), so the budget is reserved
+//! before the call and settled after it. The API key is never logged, printed or put into an
+//! error.
+//!
+//! - [`openai`] — the OpenAI-compatible HTTP generator.
 
-use std::fmt;
+pub mod openai;
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
+pub use openai::{cited_indices, user_prompt, ApiKey, OpenAiConfig, OpenAiGenerator};
+
+use super::budget::Estimate;
 use super::plan::{self, Evidence};
 use crate::config::{self, ConfigError};
 use crate::jobs::JobError;
@@ -35,7 +43,7 @@ pub struct Citation {
 }
 
 impl Citation {
-    fn of(index: usize, e: &Evidence) -> Self {
+    pub(crate) fn of(index: usize, e: &Evidence) -> Self {
         Self {
             index,
             node_id: e.node_id,
@@ -74,15 +82,18 @@ pub struct Generation {
 pub trait Generator: Send + Sync + 'static {
     fn name(&self) -> &'static str;
 
-    /// A lower bound of what a call will cost, checked against the budget before calling.
-    fn estimate_usd(&self, _req: &GenerationRequest<'_>) -> f64 {
-        0.0
+    /// The most a call for `req` may cost (its estimated prompt tokens, its largest answer, at
+    /// the generator's prices), reserved against the budget before the call. Free by default.
+    fn estimate(&self, _req: &GenerationRequest<'_>) -> Estimate {
+        Estimate::default()
     }
 
     async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError>;
 }
 
-pub const NO_EVIDENCE_ANSWER: &str = "No published knowledge in this space answers this question.";
+/// What the platform answers when retrieval found nothing (no model is called then).
+pub const NO_EVIDENCE_ANSWER: &str =
+    "I could not find evidence for that query in the indexed retrieval projections.";
 
 // ---------------------------------------------------------------------------------------------
 // Extractive
@@ -195,58 +206,8 @@ impl Generator for ExtractiveGenerator {
 }
 
 // ---------------------------------------------------------------------------------------------
-// OpenAI-compatible HTTP
+// Configuration
 
-/// An API key. Only its length can be printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ApiKey(String);
-
-impl ApiKey {
-    pub fn new(key: impl Into<String>) -> Self {
-        Self(key.into())
-    }
-
-    fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for ApiKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ApiKey(*** {} chars)", self.0.len())
-    }
-}
-
-/// Settings of the OpenAI-compatible generator.
-#[derive(Clone, Debug, PartialEq)]
-pub struct OpenAiConfig {
-    /// e.g. `https://api.openai.com/v1`; requests go to `{base}/chat/completions`.
-    pub base_url: url::Url,
-    pub api_key: Option<ApiKey>,
-    pub model: String,
-    /// USD per 1000 prompt tokens.
-    pub price_per_1k_input: f64,
-    /// USD per 1000 completion tokens.
-    pub price_per_1k_output: f64,
-    pub timeout: Duration,
-}
-
-impl OpenAiConfig {
-    pub fn endpoint(&self) -> String {
-        format!(
-            "{}/chat/completions",
-            self.base_url.as_str().trim_end_matches('/')
-        )
-    }
-
-    /// USD for a usage at this configuration's prices.
-    pub fn cost(&self, usage: &Usage) -> f64 {
-        (usage.prompt_tokens as f64) / 1000.0 * self.price_per_1k_input
-            + (usage.completion_tokens as f64) / 1000.0 * self.price_per_1k_output
-    }
-}
-
-/// Which generator the handler uses.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GeneratorConfig {
     Extractive,
@@ -271,7 +232,8 @@ fn price(var: &'static str, raw: Option<String>) -> Result<f64, ConfigError> {
 /// Reads the generator settings through `lookup` (the environment, or a table in tests):
 /// `KFS_GENERATOR` (`extractive`, the default, or `openai`), and for `openai`
 /// `KFS_OPENAI_BASE_URL`, `KFS_OPENAI_API_KEY`, `KFS_OPENAI_MODEL` (required),
-/// `KFS_OPENAI_PRICE_PER_1K_INPUT`, `KFS_OPENAI_PRICE_PER_1K_OUTPUT` and `KFS_OPENAI_TIMEOUT`.
+/// `KFS_OPENAI_PRICE_PER_1K_INPUT`, `KFS_OPENAI_PRICE_PER_1K_OUTPUT`, `KFS_OPENAI_TIMEOUT` and
+/// `KFS_OPENAI_MAX_OUTPUT_TOKENS` (the longest answer asked for and reserved, default 1024).
 pub fn generator_config(
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<GeneratorConfig, ConfigError> {
@@ -336,6 +298,18 @@ pub fn generator_config(
                     "must be more than 0",
                 ));
             }
+            let max_output_tokens = match lookup("KFS_OPENAI_MAX_OUTPUT_TOKENS") {
+                Some(t) if !t.trim().is_empty() => match t.trim().parse::<u32>() {
+                    Ok(n) if n >= 1 => n,
+                    _ => {
+                        return Err(ConfigError::new(
+                            "KFS_OPENAI_MAX_OUTPUT_TOKENS",
+                            "must be a whole number of tokens, at least 1, e.g. 1024",
+                        ))
+                    }
+                },
+                _ => openai::DEFAULT_MAX_OUTPUT_TOKENS,
+            };
             Ok(GeneratorConfig::OpenAi(OpenAiConfig {
                 base_url,
                 api_key,
@@ -349,6 +323,7 @@ pub fn generator_config(
                     lookup("KFS_OPENAI_PRICE_PER_1K_OUTPUT"),
                 )?,
                 timeout,
+                max_output_tokens,
             }))
         }
         _ => Err(ConfigError::new(
@@ -366,242 +341,12 @@ pub fn build(cfg: &GeneratorConfig) -> Result<Arc<dyn Generator>, ConfigError> {
     })
 }
 
-/// Calls `POST {base}/chat/completions` of an OpenAI-compatible service.
-pub struct OpenAiGenerator {
-    cfg: OpenAiConfig,
-    client: reqwest::Client,
-}
-
-impl fmt::Debug for OpenAiGenerator {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OpenAiGenerator")
-            .field("cfg", &self.cfg)
-            .finish()
-    }
-}
-
-/// Most characters of one evidence passage sent to the service.
-const PASSAGE_CHARS: usize = 2000;
-
-const SYSTEM_PROMPT: &str =
-    "You answer questions using only the numbered evidence passages you are given. \
-Cite every claim with the passage number in square brackets, e.g. [1]. If the evidence does not \
-answer the question, say so plainly.";
-
-/// The prompt's user message: the question and the numbered evidence.
-pub fn user_prompt(req: &GenerationRequest<'_>) -> String {
-    let mut s = format!("Question: {}\n\nEvidence:\n", req.question.trim());
-    for (i, e) in req.evidence.iter().enumerate() {
-        let passage: String = e.content.chars().take(PASSAGE_CHARS).collect();
-        s.push_str(&format!(
-            "[{}] ({}) {}\n",
-            i + 1,
-            e.filename,
-            passage.trim()
-        ));
-    }
-    if req.evidence.is_empty() {
-        s.push_str("(none)\n");
-    }
-    s
-}
-
-/// The `[n]` markers of an answer that name a passage, each once, in order.
-pub fn cited_indices(answer: &str, passages: usize) -> Vec<usize> {
-    let mut out = Vec::new();
-    let mut rest = answer;
-    while let Some(open) = rest.find('[') {
-        rest = &rest[open + 1..];
-        let Some(close) = rest.find(']') else { break };
-        for part in rest[..close].split(',') {
-            if let Ok(n) = part.trim().parse::<usize>() {
-                if (1..=passages).contains(&n) && !out.contains(&n) {
-                    out.push(n);
-                }
-            }
-        }
-        rest = &rest[close + 1..];
-    }
-    out.sort_unstable();
-    out
-}
-
-fn estimate_tokens(chars: usize) -> u64 {
-    u64::try_from(chars.div_ceil(4)).unwrap_or(u64::MAX)
-}
-
-#[derive(Deserialize)]
-struct ChatResponse {
-    choices: Vec<ChatChoice>,
-    usage: Option<ChatUsage>,
-    model: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct ChatChoice {
-    message: ChatMessage,
-}
-
-#[derive(Deserialize)]
-struct ChatMessage {
-    content: Option<String>,
-}
-
-#[derive(Deserialize)]
-struct ChatUsage {
-    prompt_tokens: Option<u64>,
-    completion_tokens: Option<u64>,
-}
-
-impl OpenAiGenerator {
-    pub fn new(cfg: OpenAiConfig) -> Result<Self, ConfigError> {
-        let client = reqwest::Client::builder()
-            .timeout(cfg.timeout)
-            .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
-            .build()
-            .map_err(|e| {
-                ConfigError::new(
-                    "KFS_GENERATOR",
-                    format!("cannot build the HTTP client: {}", e.without_url()),
-                )
-            })?;
-        Ok(Self { cfg, client })
-    }
-
-    pub fn config(&self) -> &OpenAiConfig {
-        &self.cfg
-    }
-
-    fn where_(&self) -> String {
-        config::redact(&self.cfg.base_url)
-    }
-}
-
-#[async_trait::async_trait]
-impl Generator for OpenAiGenerator {
-    fn name(&self) -> &'static str {
-        "openai"
-    }
-
-    fn estimate_usd(&self, req: &GenerationRequest<'_>) -> f64 {
-        let chars = SYSTEM_PROMPT.len() + user_prompt(req).len();
-        self.cfg.cost(&Usage {
-            prompt_tokens: estimate_tokens(chars),
-            completion_tokens: 0,
-            estimated: true,
-        })
-    }
-
-    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
-        let prompt = user_prompt(req);
-        let body = serde_json::json!({
-            "model": self.cfg.model,
-            "temperature": 0,
-            "messages": [
-                { "role": "system", "content": SYSTEM_PROMPT },
-                { "role": "user", "content": prompt },
-            ],
-        });
-        let mut call = self
-            .client
-            .post(self.cfg.endpoint())
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .body(body.to_string());
-        if let Some(key) = &self.cfg.api_key {
-            call = call.bearer_auth(key.expose());
-        }
-        let resp = call.send().await.map_err(|e| {
-            JobError::retryable(
-                "generator_unavailable",
-                format!(
-                    "the generator at {} did not answer: {}",
-                    self.where_(),
-                    e.without_url()
-                ),
-            )
-        })?;
-        let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| {
-            JobError::retryable(
-                "generator_unavailable",
-                format!("reading the generator's answer failed: {}", e.without_url()),
-            )
-        })?;
-        if status.as_u16() == 429 || status.is_server_error() {
-            return Err(JobError::retryable(
-                "generator_unavailable",
-                format!("the generator at {} answered HTTP {status}", self.where_()),
-            ));
-        }
-        if !status.is_success() {
-            return Err(JobError::fatal(
-                "generator_rejected",
-                format!(
-                    "the generator at {} refused the request with HTTP {status}",
-                    self.where_()
-                ),
-            ));
-        }
-        let parsed: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
-            JobError::fatal(
-                "generator_bad_response",
-                format!("the generator's answer is not a chat completion: {e}"),
-            )
-        })?;
-        let answer = parsed
-            .choices
-            .into_iter()
-            .next()
-            .and_then(|c| c.message.content)
-            .map(|a| a.trim().to_owned())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| {
-                JobError::fatal(
-                    "generator_bad_response",
-                    "the generator's answer has no message content",
-                )
-            })?;
-        let usage = match parsed.usage {
-            Some(ChatUsage {
-                prompt_tokens: Some(p),
-                completion_tokens: Some(c),
-            }) => Usage {
-                prompt_tokens: p,
-                completion_tokens: c,
-                estimated: false,
-            },
-            _ => Usage {
-                prompt_tokens: estimate_tokens(SYSTEM_PROMPT.len() + prompt.len()),
-                completion_tokens: estimate_tokens(answer.len()),
-                estimated: true,
-            },
-        };
-        let mut cited = cited_indices(&answer, req.evidence.len());
-        if cited.is_empty() {
-            // No marker: the answer rests on everything it was given.
-            cited = (1..=req.evidence.len()).collect();
-        }
-        let citations = cited
-            .into_iter()
-            .map(|n| Citation::of(n, &req.evidence[n - 1]))
-            .collect();
-        Ok(Generation {
-            answer,
-            citations,
-            generator: self.name().into(),
-            model: Some(parsed.model.unwrap_or_else(|| self.cfg.model.clone())),
-            cost_usd: self.cfg.cost(&usage),
-            usage: Some(usage),
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::collections::HashMap;
 
-    fn ev(n: u128, content: &str) -> Evidence {
+    pub(crate) fn ev(n: u128, content: &str) -> Evidence {
         Evidence {
             node_id: Uuid::from_u128(n),
             document_id: Uuid::from_u128(1000 + n),
@@ -611,6 +356,12 @@ mod tests {
             content: content.into(),
             score: 1.0,
             sub_queries: vec![0],
+            artifact_hash: String::new(),
+            start_offset: 0,
+            end_offset: 0,
+            page_number: None,
+            projection_ids: vec![],
+            sources: vec![],
         }
     }
 
@@ -654,20 +405,6 @@ mod tests {
         assert!(c.is_empty());
     }
 
-    #[test]
-    fn cited_indices_table() {
-        let table: Vec<(&str, usize, Vec<usize>)> = vec![
-            ("A [1] and B [2].", 3, vec![1, 2]),
-            ("A [2][2] [1, 3]", 3, vec![1, 2, 3]),
-            ("A [4] [0] [x]", 3, vec![]),
-            ("no markers", 3, vec![]),
-            ("[1", 3, vec![]),
-        ];
-        for (answer, n, want) in table {
-            assert_eq!(cited_indices(answer, n), want, "{answer:?}");
-        }
-    }
-
     fn lookup(vars: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
         let map: HashMap<String, String> = vars
             .iter()
@@ -703,6 +440,7 @@ mod tests {
             panic!("openai expected")
         };
         assert_eq!(c.endpoint(), "http://127.0.0.1:9/v1/chat/completions");
+        assert_eq!(c.max_output_tokens, openai::DEFAULT_MAX_OUTPUT_TOKENS);
         assert_eq!(c.model, "m1");
         assert!(
             !format!("{c:?}").contains("sk-secret-123"),
@@ -765,6 +503,14 @@ mod tests {
                     ("KFS_OPENAI_TIMEOUT", "soon"),
                 ],
                 "KFS_OPENAI_TIMEOUT",
+            ),
+            (
+                vec![
+                    ("KFS_GENERATOR", "openai"),
+                    ("KFS_OPENAI_MODEL", "m"),
+                    ("KFS_OPENAI_MAX_OUTPUT_TOKENS", "0"),
+                ],
+                "KFS_OPENAI_MAX_OUTPUT_TOKENS",
             ),
         ];
         for (vars, var) in bad {

@@ -1,0 +1,282 @@
+//! A document's candidate publication: its members (the head's members of every other document,
+//! inherited, and this document's own components of the attempt's generation), its fingerprint
+//! (the platform's, over exactly those members), and its binding on the attempt. Invariant: a
+//! candidate is composed over one head and is never given members of a head it was not composed
+//! over; a candidate of identical content that an ended
+//! attempt left is taken over rather than duplicated (fingerprints are unique in a space).
+
+use serde_json::json;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::candidate::{self, ProjectionConfig, SourceSnapshot};
+use super::steps::{embedding_profile, Attempt};
+use crate::canonical::child_id;
+use crate::jobs::{JobError, Step};
+use crate::publication::{
+    self, Head, Member, DOCUMENT_OUTLINE, INDEX_PROJECTION, KNOWLEDGE_PATH, MULTIMODAL_MANIFEST,
+};
+
+/// This document's own members of the attempt's generation.
+async fn own_members(conn: &mut PgConnection, a: &Attempt) -> Result<Vec<Member>, sqlx::Error> {
+    let rows: Vec<(String, Uuid)> = sqlx::query_as(
+        "SELECT $5::text, o.id FROM document_outlines o \
+           WHERE o.knowledge_space_id = $1 AND o.publication_generation_id = $2 AND o.document_asset_id = $3 \
+             AND o.version = $4 \
+         UNION ALL SELECT $6::text, mm.id FROM document_multimodal_manifests mm \
+           WHERE mm.knowledge_space_id = $1 AND mm.publication_generation_id = $2 AND mm.document_asset_id = $3 \
+             AND mm.version = $4 \
+         UNION ALL SELECT $7::text, kp.id FROM knowledge_paths kp \
+           WHERE kp.knowledge_space_id = $1 AND kp.publication_generation_id = $2 AND kp.resource_type = 'document' \
+             AND kp.target_id = $3::text \
+         UNION ALL SELECT $8::text, p.id FROM index_projections p \
+           JOIN knowledge_nodes n ON n.id = p.node_id AND n.knowledge_space_id = p.knowledge_space_id \
+             AND n.publication_generation_id = p.publication_generation_id \
+           WHERE p.knowledge_space_id = $1 AND p.publication_generation_id = $2 AND n.document_asset_id = $3",
+    )
+    .bind(a.space)
+    .bind(a.generation)
+    .bind(a.document)
+    .bind(a.version)
+    .bind(DOCUMENT_OUTLINE)
+    .bind(MULTIMODAL_MANIFEST)
+    .bind(KNOWLEDGE_PATH)
+    .bind(INDEX_PROJECTION)
+    .fetch_all(conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .map(|(component_type, component_key)| Member {
+            component_type,
+            component_key,
+            generation_id: a.generation,
+            document_asset_id: Some(a.document),
+        })
+        .collect())
+}
+
+/// A composed candidate.
+pub(crate) struct Composed {
+    pub id: Uuid,
+    pub fingerprint: String,
+}
+
+/// What became of composing a candidate.
+pub(crate) enum Compose {
+    Made(Composed),
+    /// The head already serves exactly this content.
+    Served,
+}
+
+/// Writes the candidate publication `id` over `head`: its row (`candidate`) and its members.
+pub(crate) async fn compose(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    head: Option<&Head>,
+    id: Uuid,
+) -> Result<Compose, JobError> {
+    let own = own_members(conn, a).await?;
+    if !own.iter().any(|m| m.component_type == DOCUMENT_OUTLINE) {
+        return Err(JobError::fatal(
+            "candidate_incomplete",
+            "the attempt's generation has no outline to publish",
+        ));
+    }
+    let mut members = own.clone();
+    if let Some(h) = head {
+        let inherited = publication::members(conn, &a.tenant, a.space, h.publication_id).await?;
+        members.extend(
+            inherited
+                .into_iter()
+                .filter(|m| m.document_asset_id != Some(a.document)),
+        );
+    }
+    let keys = |ty: &str| -> Vec<Uuid> {
+        members
+            .iter()
+            .filter(|m| m.component_type == ty)
+            .map(|m| m.component_key)
+            .collect()
+    };
+    let configs: Vec<(String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT DISTINCT type::text, model::text, projection_version FROM index_projections \
+         WHERE knowledge_space_id = $1 AND id = ANY($2)",
+    )
+    .bind(a.space)
+    .bind(keys(INDEX_PROJECTION))
+    .fetch_all(&mut *conn)
+    .await?;
+    let configs: Vec<ProjectionConfig> = configs
+        .into_iter()
+        .map(|(kind, model, projection_version)| ProjectionConfig {
+            kind,
+            model,
+            projection_version,
+        })
+        .collect();
+    let snapshots: Vec<(Uuid, i32, String, Option<String>)> = sqlx::query_as(
+        "SELECT o.document_asset_id, o.version, d.sha256, pa.artifact_hash FROM document_outlines o \
+         JOIN document_assets d ON d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id \
+         LEFT JOIN parse_artifacts pa ON pa.document_asset_id = o.document_asset_id AND pa.version = o.version \
+         WHERE o.knowledge_space_id = $1 AND o.id = ANY($2)",
+    )
+    .bind(a.space)
+    .bind(keys(DOCUMENT_OUTLINE))
+    .fetch_all(&mut *conn)
+    .await?;
+    let snapshots: Vec<SourceSnapshot> = snapshots
+        .into_iter()
+        .map(
+            |(document, version, sha256, artifact_hash)| SourceSnapshot {
+                document,
+                version,
+                sha256,
+                artifact_hash,
+            },
+        )
+        .collect();
+    let material = candidate::material(a.space, &configs, &snapshots);
+    let fingerprint = candidate::fingerprint(&material);
+    let base = head.map_or(0, |h| h.revision);
+    let mut meta_candidate = json!({
+        "attemptId": a.id, "baseHeadRevision": base, "ownerDocumentAssetId": a.document,
+        "ownerDocumentVersion": a.version, "publicationGenerationId": a.generation, "schemaVersion": 1,
+    });
+    if let Some((p, digest)) = embedding_profile(conn, &a.tenant, a.space).await? {
+        meta_candidate["embeddingProfile"] = json!({ "kind": "embedding", "revision": p.revision,
+            "revisionId": p.revision_id, "snapshotDigest": digest });
+    }
+    let metadata = json!({ "documentCompilationCandidate": meta_candidate,
+                           "projectionSetFingerprintMaterial": material });
+    publication::insert(
+        conn,
+        id,
+        &a.tenant,
+        a.space,
+        &fingerprint,
+        candidate::projection_version(&configs),
+        "candidate",
+        &metadata,
+    )
+    .await?;
+    let holder: Option<(Uuid, String, bool)> = sqlx::query_as(
+        "SELECT p.id, p.status::text, EXISTS (SELECT 1 FROM document_compilation_attempts a \
+             WHERE a.candidate_publication_id = p.id AND a.active_slot = 1 AND a.id <> $4) \
+         FROM projection_set_publications p \
+         WHERE p.tenant_id = $1 AND p.knowledge_space_id = $2 AND p.fingerprint = $3",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(&fingerprint)
+    .bind(a.id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let id = match holder {
+        Some((h, _, _)) if h == id => id,
+        Some((h, _, _)) if head.is_some_and(|x| x.publication_id == h) => return Ok(Compose::Served),
+        // A candidate of the same content that an ended attempt gave up (its row cannot be
+        // duplicated: fingerprints are unique in a space) becomes this attempt's candidate.
+        Some((h, status, false)) if status == "candidate" || status == "inactive" => {
+            sqlx::query(
+                "UPDATE projection_set_publications SET status = 'candidate', metadata = $4, \
+                   projection_version = $5, updated_at = now() \
+                 WHERE id = $3 AND tenant_id = $1 AND knowledge_space_id = $2",
+            )
+            .bind(&a.tenant)
+            .bind(a.space)
+            .bind(h)
+            .bind(&metadata)
+            .bind(candidate::projection_version(&configs))
+            .execute(&mut *conn)
+            .await?;
+            h
+        }
+        Some((h, status, _)) => {
+            return Err(JobError::fatal(
+                "candidate_fingerprint_taken",
+                format!(
+                    "publication {h} ({status}) of this space already has the candidate's fingerprint {fingerprint}"
+                ),
+            ))
+        }
+        None => {
+            return Err(JobError::fatal(
+                "candidate_missing",
+                format!("the candidate publication {id} was not written"),
+            ))
+        }
+    };
+    publication::set_members(
+        conn,
+        &a.tenant,
+        a.space,
+        id,
+        head.map(|h| h.publication_id),
+        Some(a.document),
+        &own,
+    )
+    .await?;
+    Ok(Compose::Made(Composed { id, fingerprint }))
+}
+
+/// Binds (or, after a rebase, re-binds) the attempt to its candidate.
+pub(crate) async fn bind(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    c: &Composed,
+    base: i32,
+) -> Result<(), JobError> {
+    let bound = sqlx::query(
+        "UPDATE document_compilation_attempts SET candidate_publication_id = $2, candidate_fingerprint = $3, \
+           base_head_revision = $4, updated_at = now() \
+         WHERE id = $1 AND tenant_id = $5 AND knowledge_space_id = $6 \
+           AND candidate_publication_id IS NOT DISTINCT FROM $7",
+    )
+    .bind(a.id)
+    .bind(c.id)
+    .bind(&c.fingerprint)
+    .bind(base)
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(a.candidate.as_ref().map(|(id, _)| *id))
+    .execute(&mut *conn)
+    .await?;
+    if bound.rows_affected() != 1 {
+        return Err(JobError::fatal(
+            "candidate_conflict",
+            "the candidate publication was bound concurrently",
+        ));
+    }
+    Ok(())
+}
+
+/// The stop of a step that found its content already served.
+pub(crate) fn already_served(a: &Attempt) -> Step {
+    Step::Supersede {
+        message: format!(
+            "the space already serves an identical build of document {} version {}",
+            a.document, a.version
+        ),
+    }
+}
+
+/// nodes_generated → projection_built: the candidate over the current head, bound once.
+pub(crate) async fn candidate_step(
+    conn: &mut PgConnection,
+    a: &Attempt,
+) -> Result<Option<Step>, JobError> {
+    if a.candidate.is_some() {
+        return Ok(None);
+    }
+    // No lock: a published head's members never change, and a head that moves on before this
+    // attempt publishes is composed over again then.
+    let head = publication::head(conn, &a.tenant, a.space, false).await?;
+    let id = child_id(a.id, "projection-publication-candidate");
+    match compose(conn, a, head.as_ref(), id).await? {
+        Compose::Served => Ok(Some(already_served(a))),
+        Compose::Made(c) => {
+            bind(conn, a, &c, head.map_or(0, |h| h.revision)).await?;
+            Ok(None)
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The compile steps after the candidate, inside the engine's fenced transaction: the smoke
+//! evaluation (the platform's structural check of the candidate, read only) and the publish.
+//! Invariant: publishing promotes the candidate's projections and page index to `ready`, marks
+//! the document `parsed` and moves the head by compare-and-swap, all in the one transaction, or
+//! changes nothing; a candidate given up (failure, cancel, supersede) becomes `inactive`.
+//!
+//! One deliberate difference from the platform's runtime: when another document's publication
+//! moved the head after this attempt's base, the platform fails the attempt; here the candidate
+//! is composed again over the moved head (the old candidate becomes `inactive`, the attempt is
+//! bound to the new one), so that documents compiled side by side in one space all publish.
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::compose::{already_served, bind, compose, Compose};
+use super::page_index::TOKENIZER_VERSION;
+use super::steps::{self, embedding_profile, Attempt, Document};
+use super::walk::{self, Checkpoint, Served};
+use crate::canonical::child_id;
+use crate::jobs::{JobError, Step};
+use crate::publication::{self, Head};
+
+/// How long a publish waits for a deletion of a document its candidate serves.
+const DELETION_FENCE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The first structural fault of a candidate, or `None`: of every document it serves, or of
+/// `only` that one (a candidate rebased over a published head, whose other documents that head
+/// already served).
+async fn fault(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    candidate: Uuid,
+    only: Option<Uuid>,
+) -> Result<Option<String>, JobError> {
+    let profile = embedding_profile(conn, &a.tenant, a.space).await?;
+    let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
+    // Per document: exactly one outline member, its outline row, a complete page index, and
+    // full-text (and, with a profile, dense) projections that are members of this generation.
+    // One pass over the members, grouped by document.
+    let docs: Vec<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
+        "WITH m AS (SELECT * FROM projection_set_publication_members \
+                    WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
+                      AND document_asset_id IS NOT NULL AND ($6::uuid IS NULL OR document_asset_id = $6)), \
+         outlines AS ( \
+           SELECT m.document_asset_id AS doc, count(*) AS n, \
+             count(*) FILTER (WHERE pim.status IN ('building', 'ready') AND pim.tokenizer_version = $4 \
+               AND pim.node_count > 0 AND pim.term_count > 0 \
+               AND pim.node_count = (SELECT count(*) FROM page_index_nodes x WHERE x.manifest_id = pim.id) \
+               AND pim.term_count = (SELECT count(*) FROM page_index_terms x WHERE x.manifest_id = pim.id)) AS indexed \
+           FROM m \
+           LEFT JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = m.knowledge_space_id \
+             AND o.publication_generation_id = m.generation_id AND o.document_asset_id = m.document_asset_id \
+           LEFT JOIN page_index_manifests pim ON pim.knowledge_space_id = m.knowledge_space_id \
+             AND pim.document_outline_id = m.component_key AND pim.publication_generation_id = m.generation_id \
+             AND pim.document_asset_id = m.document_asset_id AND pim.document_version = o.version \
+           WHERE m.component_type = 'document-outline' GROUP BY 1), \
+         projections AS ( \
+           SELECT m.document_asset_id AS doc, \
+             count(*) FILTER (WHERE p.id IS NULL OR p.status NOT IN ('building', 'ready') \
+               OR p.metadata ->> 'documentAssetId' IS DISTINCT FROM m.document_asset_id::text) AS broken, \
+             count(*) FILTER (WHERE p.type = 'fts') AS fts, \
+             count(*) FILTER (WHERE p.type = 'dense-vector' AND p.model = $5) AS dense \
+           FROM m LEFT JOIN index_projections p ON p.id = m.component_key \
+             AND p.knowledge_space_id = m.knowledge_space_id AND p.publication_generation_id = m.generation_id \
+           WHERE m.component_type = 'index-projection' GROUP BY 1) \
+         SELECT d.doc, coalesce(o.n, 0), coalesce(o.indexed, 0), coalesce(p.broken, 0), coalesce(p.fts, 0), \
+           coalesce(p.dense, 0) \
+         FROM (SELECT DISTINCT document_asset_id AS doc FROM m) d \
+         LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc ORDER BY d.doc",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(candidate)
+    .bind(TOKENIZER_VERSION)
+    .bind(&vsid)
+    .bind(only)
+    .fetch_all(&mut *conn)
+    .await?;
+    if docs.is_empty() {
+        return Ok(Some("the candidate has no documents".into()));
+    }
+    for (doc, outlines, indexed, broken, fts, dense) in docs {
+        if outlines != 1 {
+            return Ok(Some(format!(
+                "document {doc} has {outlines} outline members, not 1"
+            )));
+        }
+        if indexed != 1 {
+            return Ok(Some(format!("document {doc} has no complete page index")));
+        }
+        if broken > 0 {
+            return Ok(Some(format!(
+                "document {doc} has {broken} missing or foreign projection members"
+            )));
+        }
+        if fts == 0 {
+            return Ok(Some(format!("document {doc} has no full-text projection")));
+        }
+        if vsid.is_some() && dense == 0 {
+            return Ok(Some(format!(
+                "document {doc} has no dense projection of the space's embedding profile"
+            )));
+        }
+    }
+    // Every node of this document's generation is reachable through a member projection.
+    let (nodes, unreachable): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE NOT EXISTS ( \
+             SELECT 1 FROM index_projections p JOIN projection_set_publication_members m \
+               ON m.component_key = p.id AND m.tenant_id = $1 AND m.knowledge_space_id = p.knowledge_space_id \
+              AND m.publication_id = $5 AND m.component_type = 'index-projection' \
+             WHERE p.node_id = n.id AND p.type = 'fts' AND p.fts_document IS NOT NULL) \
+           OR ($6::text IS NOT NULL AND NOT EXISTS ( \
+             SELECT 1 FROM index_projections p JOIN projection_set_publication_members m \
+               ON m.component_key = p.id AND m.tenant_id = $1 AND m.knowledge_space_id = p.knowledge_space_id \
+              AND m.publication_id = $5 AND m.component_type = 'index-projection' \
+             WHERE p.node_id = n.id AND p.type = 'dense-vector' AND p.model = $6 AND p.dense_vector IS NOT NULL))) \
+         FROM knowledge_nodes n \
+         WHERE n.knowledge_space_id = $2 AND n.publication_generation_id = $3 AND n.document_asset_id = $4",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(a.generation)
+    .bind(a.document)
+    .bind(candidate)
+    .bind(&vsid)
+    .fetch_one(&mut *conn)
+    .await?;
+    if nodes == 0 {
+        return Ok(Some("the document has no knowledge nodes".into()));
+    }
+    if unreachable > 0 {
+        return Ok(Some(format!(
+            "{unreachable} of {nodes} nodes have no member projection"
+        )));
+    }
+    Ok(None)
+}
+
+fn bound(a: &Attempt) -> Result<(Uuid, String), JobError> {
+    a.candidate.clone().ok_or_else(|| {
+        JobError::fatal(
+            "candidate_missing",
+            "no candidate publication is bound to the attempt",
+        )
+    })
+}
+
+/// projection_built → smoke_eval_passed: the platform's structural check of the candidate.
+pub(crate) async fn smoke_step(conn: &mut PgConnection, a: &Attempt) -> Result<(), JobError> {
+    let (candidate, _) = bound(a)?;
+    if let Some(why) = fault(conn, a, candidate, None).await? {
+        return Err(JobError::fatal(
+            "smoke_eval_failed",
+            format!("document compilation candidate evaluation failed: {why}"),
+        ));
+    }
+    Ok(())
+}
+
+/// Marks the attempt's candidate `inactive` if it was never published: on failure, cancel or
+/// supersede, as the platform deactivates a candidate it gives up.
+pub(crate) async fn deactivate(conn: &mut PgConnection, attempt: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE projection_set_publications p SET status = 'inactive', updated_at = now() \
+         FROM document_compilation_attempts a \
+         WHERE a.id = $1 AND p.id = a.candidate_publication_id AND p.tenant_id = a.tenant_id \
+           AND p.knowledge_space_id = a.knowledge_space_id AND p.status IN ('candidate', 'validating')",
+    )
+    .bind(attempt)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+/// What the head serves of the attempt's document.
+async fn served(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    head: Option<&Head>,
+) -> Result<Option<Served>, JobError> {
+    let Some(h) = head else { return Ok(None) };
+    let generation: Option<Uuid> = sqlx::query_scalar(
+        "SELECT generation_id FROM projection_set_publication_members \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 AND document_asset_id = $4 \
+           AND component_type = 'document-outline' LIMIT 1",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(h.publication_id)
+    .bind(a.document)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let Some(g) = generation else { return Ok(None) };
+    if g == a.generation {
+        return Ok(Some(Served {
+            version: a.version,
+            ours: true,
+            by_later_attempt: false,
+        }));
+    }
+    let other: Option<(i32, bool)> = sqlx::query_as(
+        "SELECT document_version, (created_at, id) > ($5, $6) FROM document_compilation_attempts \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3 AND publication_generation_id = $4",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(a.document)
+    .bind(g)
+    .bind(a.created_at)
+    .bind(a.id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    let version: Option<i32> = match other {
+        Some((v, _)) => Some(v),
+        None => sqlx::query_scalar(
+            "SELECT version FROM document_outlines WHERE knowledge_space_id = $1 AND publication_generation_id = $2 \
+               AND document_asset_id = $3 LIMIT 1",
+        )
+        .bind(a.space)
+        .bind(g)
+        .bind(a.document)
+        .fetch_optional(&mut *conn)
+        .await?,
+    };
+    Ok(version.map(|v| Served {
+        version: v,
+        ours: false,
+        by_later_attempt: other.is_some_and(|(_, later)| later),
+    }))
+}
+
+/// smoke_eval_passed → published: the platform's publish transaction.
+pub(crate) async fn publish_step(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    d: &Document,
+) -> Result<Step, JobError> {
+    let (candidate, fingerprint) = bound(a)?;
+    let space: Option<(String, Option<Uuid>)> = sqlx::query_as(
+        "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR SHARE",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if !matches!(&space, Some((state, None)) if state == "active") {
+        deactivate(conn, a.id).await?;
+        return Ok(Step::Cancel {
+            code: "document_deleting".into(),
+            message: "the knowledge space is being deleted".into(),
+        });
+    }
+    if let Some((subject, snapshot, revision, channel)) = &a.requester {
+        let valid =
+            crate::access::revalidate(conn, &a.tenant, a.space, *snapshot, subject, channel)
+                .await?;
+        match valid {
+            Some(v) if v.revision == *revision && v.role != "viewer" => {}
+            _ => {
+                return Err(JobError::fatal(
+                    "permission_snapshot_invalid",
+                    format!(
+                        "the requester's permission snapshot {snapshot} no longer allows {subject} to write to the space"
+                    ),
+                ))
+            }
+        }
+    }
+    let head = publication::head(conn, &a.tenant, a.space, true).await?;
+    let newest = steps::newest_other_active(conn, a).await?;
+    let served_now = served(conn, a, head.as_ref()).await?;
+    if let Some(stopped) = steps::stop(walk::gate(&steps::facts(a, d, newest, served_now))) {
+        deactivate(conn, a.id).await?;
+        return stopped;
+    }
+    if served_now.is_some_and(|s| s.ours) {
+        // Already published (a repeated step after an uncertain commit).
+        return Ok(Step::Succeed(Checkpoint::Published.as_str().into()));
+    }
+    let current = head.as_ref().map_or(0, |h| h.revision);
+    let (candidate, fingerprint) = if current == a.base_head_revision {
+        (candidate, fingerprint)
+    } else {
+        let id = child_id(
+            a.id,
+            &format!("projection-publication-candidate:rebase:{current}"),
+        );
+        let c = match compose(conn, a, head.as_ref(), id).await? {
+            Compose::Served => {
+                deactivate(conn, a.id).await?;
+                return Ok(already_served(a));
+            }
+            Compose::Made(c) => c,
+        };
+        deactivate(conn, a.id).await?;
+        bind(conn, a, &c, current).await?;
+        if let Some(why) = fault(conn, a, c.id, Some(a.document)).await? {
+            return Err(JobError::fatal(
+                "smoke_eval_failed",
+                format!(
+                    "the candidate rebased over head revision {current} failed evaluation: {why}"
+                ),
+            ));
+        }
+        tracing::debug!(attempt = %a.id, from = a.base_head_revision, to = current, "head moved; candidate rebased");
+        (c.id, c.fingerprint)
+    };
+    let tombstoned: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM deletion_tombstones t WHERE t.tenant_id = $1 AND t.knowledge_space_id = $2 \
+           AND ((t.target_type = 'knowledge_space' AND t.target_id = $2) \
+             OR (t.target_type = 'document_asset' AND t.target_id IN \
+                  (SELECT m.document_asset_id FROM projection_set_publication_members m \
+                   WHERE m.tenant_id = $1 AND m.knowledge_space_id = $2 AND m.publication_id = $3)) \
+             OR (t.target_type = 'source' AND t.target_id IN \
+                  (SELECT d.source_id FROM document_assets d JOIN projection_set_publication_members m \
+                     ON m.document_asset_id = d.id \
+                   WHERE m.tenant_id = $1 AND m.knowledge_space_id = $2 AND m.publication_id = $3))))",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(candidate)
+    .fetch_one(&mut *conn)
+    .await?;
+    if tombstoned {
+        // The platform refuses to publish over a deletion in progress. The deletion takes its
+        // target out of the head at the end of its quiescing; this attempt then finds the head
+        // moved and composes its candidate again without it. Waiting uses no attempt.
+        return Ok(Step::Wait {
+            delay: DELETION_FENCE_WAIT,
+            reason: "a deletion of the space or of a document the candidate serves is under way"
+                .into(),
+        });
+    }
+    promote(conn, a, candidate).await?;
+    let parsed = sqlx::query(
+        "UPDATE document_assets SET parser_status = 'parsed', updated_at = now() \
+         WHERE id = $1 AND knowledge_space_id = $2 AND version = $3 AND lifecycle_state = 'active' \
+           AND deletion_job_id IS NULL",
+    )
+    .bind(a.document)
+    .bind(a.space)
+    .bind(a.version)
+    .execute(&mut *conn)
+    .await?;
+    if parsed.rows_affected() != 1 {
+        return Err(JobError::retryable(
+            "document_changed",
+            "the document changed while its compilation was being published",
+        ));
+    }
+    match publication::publish(conn, &a.tenant, a.space, current, candidate, &fingerprint).await? {
+        Ok(revision) => {
+            tracing::debug!(attempt = %a.id, revision, "published");
+            Ok(Step::Succeed(Checkpoint::Published.as_str().into()))
+        }
+        Err(moved) => Err(JobError::retryable(
+            "head_contended",
+            format!(
+                "the publication head appeared at revision {} during publish",
+                moved.current
+            ),
+        )),
+    }
+}
+
+/// The candidate's projections and page index become `ready`.
+async fn promote(conn: &mut PgConnection, a: &Attempt, candidate: Uuid) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE index_projections ip SET status = 'ready', updated_at = now() \
+         FROM projection_set_publication_members pm \
+         WHERE pm.tenant_id = $1 AND pm.knowledge_space_id = $2 AND pm.publication_id = $3 \
+           AND pm.component_type = 'index-projection' AND ip.id = pm.component_key \
+           AND ip.knowledge_space_id = pm.knowledge_space_id AND ip.publication_generation_id = pm.generation_id \
+           AND ip.status = 'building'",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(candidate)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE page_index_manifests pim SET status = 'ready', updated_at = now() \
+         FROM projection_set_publication_members pm \
+         JOIN document_outlines o ON o.id = pm.component_key AND o.knowledge_space_id = pm.knowledge_space_id \
+           AND o.publication_generation_id = pm.generation_id \
+         WHERE pm.tenant_id = $1 AND pm.knowledge_space_id = $2 AND pm.publication_id = $3 \
+           AND pm.component_type = 'document-outline' AND pim.knowledge_space_id = pm.knowledge_space_id \
+           AND pim.document_outline_id = pm.component_key AND pim.publication_generation_id = pm.generation_id \
+           AND pim.document_asset_id = pm.document_asset_id AND pim.document_version = o.version \
+           AND pim.status = 'building'",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(candidate)
+    .execute(conn)
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,411 @@
+//! The work of each stage, inside the step's fenced transaction. Invariant: a stage reads what
+//! the stages before it committed (`metadata.plan`, `metadata.retrieval`, `metadata.evidence`)
+//! and writes its own result there, its progress event (the platform's `stage_changed` with the
+//! runtime's details, keyed by the row version this step's transition writes) and, at the end,
+//! the final evidence bundle; a step replayed at the same row version writes the same rows, and
+//! a model call is made only after its price was reserved within the budget, and once per
+//! execution attempt.
+
+use std::collections::BTreeSet;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::access::Valid;
+use super::budget::{self, Actual, Cost};
+use super::evidence;
+use super::generator::{Generation, GenerationRequest, NO_EVIDENCE_ANSWER};
+use super::plan::{self, Bundle, Evidence, Plan};
+use super::progress::{self, payload, EventType, JobScope, NOW_MS};
+use super::retrieve::{self, ReadModel};
+use super::snapshot::{self, RuntimeSnapshot};
+use super::walk::{self, Stage};
+use super::{JobRow, ResearchHandler};
+use crate::embed::{self, EmbedError, Input};
+use crate::jobs::{JobCtx, JobError, Step};
+
+/// One step of one task.
+pub(super) struct Run<'a> {
+    pub handler: &'a ResearchHandler,
+    pub job: &'a JobRow,
+    pub scope: JobScope,
+    pub ctx: &'a JobCtx,
+    /// The row version this step's transition writes (its events' key).
+    pub next_rv: i32,
+    pub valid: Valid,
+    pub frozen: Option<RuntimeSnapshot>,
+    pub mode: String,
+    pub top_k: usize,
+}
+
+/// What the retrieving stage found (`metadata.retrieval`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Retrieved {
+    /// The publication read; `None` when the space had published nothing.
+    publication_id: Option<Uuid>,
+    /// How many retrieval legs ran (full-text, and dense when the profile asks for it).
+    legs: usize,
+    /// Distinct nodes the legs found over all sub-queries.
+    retrieval_count: usize,
+    bundles: Vec<Bundle>,
+}
+
+fn bad(what: &str) -> impl FnOnce(serde_json::Error) -> JobError + '_ {
+    move |e| JobError::fatal("bad_data", format!("{what}: {e}"))
+}
+
+fn embed_error(e: EmbedError) -> JobError {
+    match e {
+        EmbedError::Unavailable(m) => JobError::retryable("embedder_unavailable", m),
+        EmbedError::Rejected(m) => JobError::fatal("embedder_rejected", m),
+    }
+}
+
+/// Epoch milliseconds as the platform's ISO timestamps.
+fn iso(ms: i64) -> String {
+    chrono::DateTime::from_timestamp_millis(ms)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+/// The answer as `metadata.result` keeps it.
+fn result_of(g: &Generation) -> Value {
+    json!({ "answer": g.answer, "citations": g.citations, "generator": g.generator, "model": g.model })
+}
+
+impl Run<'_> {
+    pub(super) async fn stage(
+        &self,
+        tx: &mut PgConnection,
+        stage: Stage,
+    ) -> Result<Step, JobError> {
+        match stage {
+            Stage::Queued => self.advance(tx, Stage::Queued, None).await,
+            Stage::Planning => self.plan(tx).await,
+            Stage::Retrieving => self.retrieve(tx).await,
+            Stage::Analyzing => self.analyze(tx).await,
+            Stage::Generating => self.generate(tx).await,
+            other => Err(JobError::fatal(
+                "bad_stage",
+                format!("a worker has nothing to do at stage '{other}'"),
+            )),
+        }
+    }
+
+    /// Appends the stage change and returns the move.
+    async fn advance(
+        &self,
+        tx: &mut PgConnection,
+        from: Stage,
+        details: Option<Value>,
+    ) -> Result<Step, JobError> {
+        let to = walk::next_stage(from)
+            .ok_or_else(|| JobError::fatal("bad_stage", format!("no stage follows {from}")))?;
+        progress::append_event(
+            tx,
+            &self.scope,
+            self.next_rv,
+            EventType::StageChanged,
+            to,
+            payload::advanced(from, details),
+        )
+        .await?;
+        Ok(if to == Stage::Completed {
+            Step::Succeed(to.as_str().into())
+        } else {
+            Step::Advance(to.as_str().into())
+        })
+    }
+
+    async fn merge(&self, tx: &mut PgConnection, patch: Value) -> Result<(), sqlx::Error> {
+        sqlx::query(&format!(
+            "UPDATE research_task_jobs SET metadata = metadata || $3, updated_at = {NOW_MS} \
+             WHERE tenant_id = $1 AND id = $2"
+        ))
+        .bind(&self.scope.tenant_id)
+        .bind(self.scope.job_id)
+        .bind(patch)
+        .execute(tx)
+        .await?;
+        Ok(())
+    }
+
+    fn meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, JobError> {
+        match self.job.metadata.get(key) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => serde_json::from_value(v.clone())
+                .map(Some)
+                .map_err(bad(key)),
+        }
+    }
+
+    fn planned(&self) -> Result<Plan, JobError> {
+        Ok(self
+            .meta("plan")?
+            .unwrap_or_else(|| plan::plan(&self.job.query, plan::max_sub_queries(&self.mode))))
+    }
+
+    async fn plan(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+        let plan = plan::plan(&self.job.query, plan::max_sub_queries(&self.mode));
+        let questions: Vec<&str> = plan.sub_queries.iter().map(|q| q.text.as_str()).collect();
+        let details = json!({ "questions": questions, "topK": self.top_k });
+        self.merge(tx, json!({ "plan": plan })).await?;
+        self.advance(tx, Stage::Planning, Some(details)).await
+    }
+
+    /// The publication and vector space this task reads: the frozen ones, or (for a task
+    /// admitted before its space had a head) the current head and active profile.
+    async fn read_model(&self, tx: &mut PgConnection) -> Result<Option<ReadModel>, JobError> {
+        let (tenant, space) = (&self.scope.tenant_id, self.scope.space_id);
+        let (publication, embedding) = match &self.frozen {
+            Some(s) => {
+                let embedding = match &s.embedding_profile {
+                    Some(p) => Some(snapshot::profile_of(tx, tenant, space, p).await?),
+                    None => None,
+                };
+                (Some(s.projection_snapshot.publication_id), embedding)
+            }
+            None => {
+                let head = crate::publication::head(tx, tenant, space, false).await?;
+                let embedding = crate::jobs::compile::steps::embedding_profile(tx, tenant, space)
+                    .await?
+                    .map(|(p, _)| p);
+                (head.map(|h| h.publication_id), embedding)
+            }
+        };
+        Ok(publication.map(|publication_id| ReadModel {
+            tenant_id: tenant.clone(),
+            space_id: space,
+            publication_id,
+            scopes: self.valid.permission_scopes.clone(),
+            embedding,
+        }))
+    }
+
+    async fn embed_query(
+        &self,
+        profile: &embed::Profile,
+        text: &str,
+    ) -> Result<Vec<f32>, JobError> {
+        let out = self
+            .handler
+            .embedder
+            .embed(profile, &[text.to_owned()], Input::Query)
+            .await
+            .map_err(embed_error)?;
+        embed::check(profile, 1, &out).map_err(embed_error)?;
+        Ok(out.vectors.into_iter().next().unwrap_or_default())
+    }
+
+    async fn retrieve(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+        let plan = self.planned()?;
+        let read = self.read_model(tx).await?;
+        let fan = retrieve::fan_out(&self.mode, self.top_k);
+        let legs = 1 + usize::from(read.as_ref().is_some_and(|r| r.embedding.is_some()));
+        let mut found = BTreeSet::new();
+        let mut bundles = Vec::with_capacity(plan.sub_queries.len());
+        for (i, sq) in plan.sub_queries.iter().enumerate() {
+            let hits = match &read {
+                None => Vec::new(),
+                Some(r) => {
+                    let fts = retrieve::fts(tx, r, &sq.search_text(), fan.leg).await?;
+                    let dense = match &r.embedding {
+                        Some(p) => {
+                            let v = self.embed_query(p, &sq.text).await?;
+                            retrieve::dense(tx, r, p, &v, fan.leg).await?
+                        }
+                        None => Vec::new(),
+                    };
+                    found.extend(fts.iter().chain(&dense).map(|h| h.node_id));
+                    retrieve::fuse(&[("dense", &dense), ("fts", &fts)], fan.top_k)
+                }
+            };
+            bundles.push(Bundle {
+                sub_query_index: i,
+                sub_query: sq.clone(),
+                hits,
+            });
+        }
+        let results: Vec<Value> = bundles
+            .iter()
+            .map(|b| json!({ "chunkCount": b.hits.len(), "question": b.sub_query.text }))
+            .collect();
+        let retrieved = Retrieved {
+            publication_id: read.map(|r| r.publication_id),
+            legs,
+            retrieval_count: found.len(),
+            bundles,
+        };
+        let details = json!({ "results": results, "retrievalCount": retrieved.retrieval_count });
+        let value = serde_json::to_value(&retrieved).map_err(bad("the retrieval"))?;
+        self.merge(tx, json!({ "retrieval": value })).await?;
+        self.advance(tx, Stage::Retrieving, Some(details)).await
+    }
+
+    fn retrieved(&self) -> Result<Retrieved, JobError> {
+        self.meta("retrieval")?.ok_or_else(|| {
+            JobError::fatal(
+                "retrieval_missing",
+                "nothing was retrieved before this stage",
+            )
+        })
+    }
+
+    async fn analyze(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+        let r = self.retrieved()?;
+        let evidence = plan::rank(&r.bundles, self.top_k);
+        let details = json!({
+            "chunks": evidence.len().min(evidence::MAX_ITEMS),
+            "retrievalCount": r.retrieval_count,
+        });
+        let value = serde_json::to_value(&evidence).map_err(bad("the evidence"))?;
+        self.merge(tx, json!({ "evidence": value })).await?;
+        self.advance(tx, Stage::Analyzing, Some(details)).await
+    }
+
+    async fn cancel_for_budget(
+        &self,
+        tx: &mut PgConnection,
+        message: String,
+    ) -> Result<Step, JobError> {
+        progress::append_event(
+            tx,
+            &self.scope,
+            self.next_rv,
+            EventType::Canceled,
+            Stage::Canceled,
+            payload::because(Some(budget::BUDGET_EXHAUSTED)),
+        )
+        .await?;
+        Ok(Step::Cancel {
+            code: budget::BUDGET_EXHAUSTED.into(),
+            message,
+        })
+    }
+
+    async fn write_cost(&self, tx: &mut PgConnection, cost: &Cost) -> Result<(), sqlx::Error> {
+        sqlx::query(&format!(
+            "UPDATE research_task_jobs SET cost = $3, updated_at = {NOW_MS} WHERE tenant_id = $1 AND id = $2"
+        ))
+        .bind(&self.scope.tenant_id)
+        .bind(self.scope.job_id)
+        .bind(cost.to_json())
+        .execute(tx)
+        .await?;
+        Ok(())
+    }
+
+    /// The answer: no call without evidence; else the call reserved, made, and settled.
+    /// `Err(step)`: the budget canceled the task.
+    async fn answer(
+        &self,
+        tx: &mut PgConnection,
+        evidence: &[Evidence],
+        now_ms: i64,
+    ) -> Result<Result<Value, Step>, JobError> {
+        let gen = self.handler.generator.as_ref();
+        if evidence.is_empty() {
+            return Ok(Ok(result_of(&Generation {
+                answer: NO_EVIDENCE_ANSWER.into(),
+                citations: Vec::new(),
+                generator: gen.name().into(),
+                model: None,
+                usage: None,
+                cost_usd: 0.0,
+            })));
+        }
+        let mut cost = Cost::parse(&self.job.cost, self.job.budget_usd);
+        let call =
+            budget::answer_call_id(self.scope.job_id, self.ctx.execution_attempts, gen.name());
+        if let (Some(e), Some(done)) = (cost.entry(&call), self.job.metadata.get("result")) {
+            if e.usage.status != "reserved" {
+                // A replay of this attempt's answer: it was made and paid for.
+                return Ok(Ok(done.clone()));
+            }
+        }
+        let req = GenerationRequest {
+            question: &self.job.query,
+            evidence,
+        };
+        if let Err(x) = cost.reserve(
+            &call,
+            gen.estimate(&req),
+            gen.name(),
+            "query.answer",
+            now_ms,
+        ) {
+            let message = format!(
+                "the answer would cost up to ${:.6} (spent ${:.6}), over the budget of ${:.6}",
+                x.needed_usd, x.spent_usd, x.budget_usd
+            );
+            return Ok(Err(self.cancel_for_budget(tx, message).await?));
+        }
+        let g = gen.generate(&req).await?;
+        let u = g.usage.unwrap_or_default();
+        let actual = Actual {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            estimated: u.estimated,
+            usd: g.cost_usd,
+        };
+        let over = cost.settle(&call, actual, true);
+        self.write_cost(tx, &cost).await?;
+        if over {
+            let message = format!(
+                "generation cost ${:.6} ({} prompt + {} completion tokens), over the budget of ${:.6}",
+                cost.total_usd,
+                u.prompt_tokens,
+                u.completion_tokens,
+                cost.budget_usd.unwrap_or_default()
+            );
+            return Ok(Err(self.cancel_for_budget(tx, message).await?));
+        }
+        Ok(Ok(result_of(&g)))
+    }
+
+    async fn generate(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+        let evidence: Vec<Evidence> = self.meta("evidence")?.ok_or_else(|| {
+            JobError::fatal(
+                "evidence_missing",
+                "no evidence was stored before generating",
+            )
+        })?;
+        let legs = self.retrieved().map_or(1, |r| r.legs);
+        let now_ms: i64 = sqlx::query_scalar(&format!("SELECT {NOW_MS}"))
+            .fetch_one(&mut *tx)
+            .await?;
+        let result = match self.answer(tx, &evidence, now_ms).await? {
+            Ok(result) => result,
+            Err(canceled) => return Ok(canceled),
+        };
+        self.merge(tx, json!({ "result": result })).await?;
+        let bundle = evidence::assemble(
+            Uuid::new_v4(),
+            self.scope.job_id,
+            &self.job.query,
+            &iso(now_ms),
+            &evidence,
+            legs,
+        );
+        let documents: BTreeSet<Uuid> = bundle
+            .items
+            .iter()
+            .flat_map(|i| i.citations.iter().map(|c| c.document_asset_id))
+            .collect();
+        let details = json!({
+            "chunks": bundle.items.len(), "documents": documents.len(), "sources": documents.len(),
+        });
+        let value = serde_json::to_value(&bundle).map_err(bad("the evidence bundle"))?;
+        progress::append_partial(
+            tx,
+            &self.scope,
+            &progress::final_evidence_key(self.scope.job_id),
+            value,
+        )
+        .await?;
+        self.advance(tx, Stage::Generating, Some(details)).await
+    }
+}
