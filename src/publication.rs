@@ -87,6 +87,76 @@ pub async fn head(
     ))
 }
 
+/// What a bounded wait for the head lock found.
+#[derive(Debug)]
+pub enum Locked {
+    /// The head row is locked by this transaction (or the space has no head yet).
+    Held(Option<Head>),
+    /// Another transaction held the head row for longer than the wait.
+    Busy,
+}
+
+/// Reads and locks the head of a space like `head(.., true)`, but waits at most `wait` for a
+/// publisher that holds it. Publishes of one space are serialized on this lock; a caller that
+/// also holds its job row must not queue behind them for longer than its heartbeat can wait,
+/// so after `wait` it gets `Busy` (the transaction is still usable: the wait ran under a
+/// savepoint, rolled back on timeout) and can end its slice with a cooperative wait.
+pub async fn lock_head_within(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    wait: std::time::Duration,
+) -> Result<Locked, sqlx::Error> {
+    let before: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
+        .fetch_one(&mut *conn)
+        .await?;
+    sqlx::query("SAVEPOINT kfs_head_lock")
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+        .bind(format!("{}ms", wait.as_millis().max(1)))
+        .execute(&mut *conn)
+        .await?;
+    let locked = sqlx::query_scalar::<_, i32>(
+        "SELECT head_revision FROM projection_set_publication_heads \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
+    )
+    .bind(tenant)
+    .bind(space)
+    .fetch_optional(&mut *conn)
+    .await;
+    match locked {
+        Ok(None) => {
+            sqlx::query("RELEASE SAVEPOINT kfs_head_lock")
+                .execute(&mut *conn)
+                .await?;
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&before)
+                .execute(&mut *conn)
+                .await?;
+            Ok(Locked::Held(None))
+        }
+        Ok(Some(_)) => {
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&before)
+                .execute(&mut *conn)
+                .await?;
+            sqlx::query("RELEASE SAVEPOINT kfs_head_lock")
+                .execute(&mut *conn)
+                .await?;
+            Ok(Locked::Held(head(conn, tenant, space, false).await?))
+        }
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
+            // Rolling back to the savepoint also undoes the set_config.
+            sqlx::query("ROLLBACK TO SAVEPOINT kfs_head_lock")
+                .execute(&mut *conn)
+                .await?;
+            Ok(Locked::Busy)
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// The members of a publication, in the platform's order (component type, then key).
 pub async fn members(
     conn: &mut PgConnection,

@@ -43,13 +43,13 @@ impl Fx {
         Fx(SpaceFx::new(TENANT, "compile", "Compile tests").await)
     }
 
-    /// Nodes of `doc` reachable from the head's publication through its projection members.
+    /// Nodes of `doc` reachable from the head's publication through its projection members of `doc`.
     async fn served_nodes(&self, doc: Uuid) -> i64 {
         sqlx::query_scalar(
             "SELECT count(DISTINCT n.id) FROM projection_set_publication_heads h \
              JOIN projection_set_publication_members m ON m.tenant_id = h.tenant_id \
                AND m.knowledge_space_id = h.knowledge_space_id AND m.publication_id = h.publication_id \
-               AND m.component_type = 'index-projection' \
+               AND m.component_type = 'index-projection' AND m.document_asset_id = $3 \
              JOIN index_projections p ON p.id = m.component_key AND p.publication_generation_id = m.generation_id \
              JOIN knowledge_nodes n ON n.id = p.node_id AND n.publication_generation_id = p.publication_generation_id \
              WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND n.document_asset_id = $3",
@@ -844,6 +844,76 @@ async fn a_publish_over_a_document_being_deleted_waits_for_the_deletion_and_then
         "{served:?}"
     );
     assert_eq!(fx.head().await.unwrap().revision, 3);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publish_behind_a_long_held_head_lock_waits_without_holding_its_job_row() {
+    let fx = Fx::new().await;
+    let first = fx
+        .add("first.md", "text/markdown", b"# First\n\nPuffins burrow.")
+        .await;
+    fx.compile(first).await;
+    let second = fx
+        .add(
+            "second.md",
+            "text/markdown",
+            b"# Second\n\nShags dry their wings.",
+        )
+        .await;
+    let one_step = fx.engine("w-head", 1);
+    let attempt = fx.request(second, false).await.unwrap();
+    fx.drive_to(&one_step, attempt, "smoke_eval_passed").await;
+    // Another publisher holds the head far longer than a publish may queue for it.
+    let mut holder = fx.pool().begin().await.unwrap();
+    sqlx::query(
+        "SELECT 1 FROM projection_set_publication_heads WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .execute(&mut *holder)
+    .await
+    .unwrap();
+    let before = fx.status(attempt).await;
+    // The slice ends with a cooperative wait while the head is still held: its transaction
+    // (and so the job row the heartbeat needs) is released, no attempt is used.
+    let handled = tokio::time::timeout(Duration::from_secs(30), fx.slice(&one_step, attempt))
+        .await
+        .expect("the publish slice ended while another transaction held the head");
+    assert_eq!(
+        handled,
+        Handled::Ack {
+            claim: "claimed",
+            end: Some("wait")
+        }
+    );
+    let waited = fx.status(attempt).await;
+    assert_eq!(waited.run_state, "retry_wait", "{waited:?}");
+    assert_eq!(
+        waited.execution_attempts, before.execution_attempts,
+        "no attempt used"
+    );
+    let free: Uuid = sqlx::query_scalar(
+        "SELECT id FROM document_compilation_attempts WHERE id = $1 FOR UPDATE NOWAIT",
+    )
+    .bind(attempt)
+    .fetch_one(fx.pool())
+    .await
+    .expect("the job row is free while the head is held");
+    assert_eq!(free, attempt);
+    holder.rollback().await.unwrap();
+    sqlx::query("UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1")
+        .bind(attempt)
+        .execute(fx.pool())
+        .await
+        .unwrap();
+    let done = fx.drive(&one_step, attempt).await;
+    assert_succeeded(&done);
+    let served = fx.served().await;
+    assert!(
+        served.contains_key(&first) && served.contains_key(&second),
+        "{served:?}"
+    );
     fx.cleanup().await;
 }
 

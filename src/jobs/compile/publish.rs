@@ -20,6 +20,15 @@ use crate::canonical::child_id;
 use crate::jobs::{JobError, Step};
 use crate::publication::{self, Head};
 
+/// How long a publish queues for the space's head lock. The step's transaction holds the job
+/// row meanwhile, which the heartbeat also needs, so the wait stays far below the heartbeat
+/// interval; a publish that does not get the lock in time ends its slice with a cooperative
+/// wait (no attempt used) and queues again when its message comes back.
+const HEAD_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3);
+
+/// When a publish that found the head busy tries again.
+const HEAD_BUSY_RETRY: std::time::Duration = std::time::Duration::from_millis(200);
+
 /// How long a publish waits for a deletion of a document its candidate serves.
 const DELETION_FENCE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
@@ -266,7 +275,16 @@ pub(crate) async fn publish_step(
             }
         }
     }
-    let head = publication::head(conn, &a.tenant, a.space, true).await?;
+    let head = match publication::lock_head_within(conn, &a.tenant, a.space, HEAD_LOCK_WAIT).await?
+    {
+        publication::Locked::Held(head) => head,
+        publication::Locked::Busy => {
+            return Ok(Step::Wait {
+                delay: HEAD_BUSY_RETRY,
+                reason: "other publishes of the space hold its publication head".into(),
+            })
+        }
+    };
     let newest = steps::newest_other_active(conn, a).await?;
     let served_now = served(conn, a, head.as_ref()).await?;
     if let Some(stopped) = steps::stop(walk::gate(&steps::facts(a, d, newest, served_now))) {
@@ -363,12 +381,15 @@ pub(crate) async fn publish_step(
     }
 }
 
-/// The candidate's projections and page index become `ready`.
+/// The candidate's own projections and page index become `ready` (what it inherited from the
+/// head is `ready` already; restricting to the attempt's generation keeps this off the head's
+/// other members, which grow with the space).
 async fn promote(conn: &mut PgConnection, a: &Attempt, candidate: Uuid) -> Result<(), sqlx::Error> {
     sqlx::query(
         "UPDATE index_projections ip SET status = 'ready', updated_at = now() \
          FROM projection_set_publication_members pm \
          WHERE pm.tenant_id = $1 AND pm.knowledge_space_id = $2 AND pm.publication_id = $3 \
+           AND pm.generation_id = $4 \
            AND pm.component_type = 'index-projection' AND ip.id = pm.component_key \
            AND ip.knowledge_space_id = pm.knowledge_space_id AND ip.publication_generation_id = pm.generation_id \
            AND ip.status = 'building'",
@@ -376,6 +397,7 @@ async fn promote(conn: &mut PgConnection, a: &Attempt, candidate: Uuid) -> Resul
     .bind(&a.tenant)
     .bind(a.space)
     .bind(candidate)
+    .bind(a.generation)
     .execute(&mut *conn)
     .await?;
     sqlx::query(
@@ -384,6 +406,7 @@ async fn promote(conn: &mut PgConnection, a: &Attempt, candidate: Uuid) -> Resul
          JOIN document_outlines o ON o.id = pm.component_key AND o.knowledge_space_id = pm.knowledge_space_id \
            AND o.publication_generation_id = pm.generation_id \
          WHERE pm.tenant_id = $1 AND pm.knowledge_space_id = $2 AND pm.publication_id = $3 \
+           AND pm.generation_id = $4 \
            AND pm.component_type = 'document-outline' AND pim.knowledge_space_id = pm.knowledge_space_id \
            AND pim.document_outline_id = pm.component_key AND pim.publication_generation_id = pm.generation_id \
            AND pim.document_asset_id = pm.document_asset_id AND pim.document_version = o.version \
@@ -392,6 +415,7 @@ async fn promote(conn: &mut PgConnection, a: &Attempt, candidate: Uuid) -> Resul
     .bind(&a.tenant)
     .bind(a.space)
     .bind(candidate)
+    .bind(a.generation)
     .execute(conn)
     .await?;
     Ok(())
