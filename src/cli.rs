@@ -89,6 +89,9 @@ pub enum Command {
     Delete(crate::jobs::deletion::cli::DeleteArgs),
     /// Request, control (pause, resume, cancel) and follow research tasks
     Research(crate::jobs::research::cli::ResearchArgs),
+    /// Queue, retry and inspect the page-index upgrade backfill of a space's published head
+    #[command(name = "pageindex")]
+    PageIndex(crate::jobs::pageindex::cli::PageIndexArgs),
     /// Measure throughput and latency next to the bare publish-consume-commit loop (see BENCHMARKS.md)
     Bench(crate::bench::BenchArgs),
     /// List the dead-letter queue, or requeue one of its messages
@@ -394,6 +397,7 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Compile(args) => crate::jobs::compile::cli::run(&cli.conn, &args).await,
         Command::Delete(args) => crate::jobs::deletion::cli::run(&cli.conn, &args).await,
         Command::Research(args) => crate::jobs::research::cli::run(&cli.conn, &args).await,
+        Command::PageIndex(args) => crate::jobs::pageindex::cli::run(&cli.conn, &args).await,
         Command::Bench(args) => crate::bench::run(&cli.conn, &args).await,
         Command::Dlq(args) => dlq(&cli.conn, &args).await,
     };

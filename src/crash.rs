@@ -13,12 +13,13 @@ pub const POINTS: [&str; 5] = [
     "after-mark-before-confirm-wait",
 ];
 
-/// The points the leased jobs (bootstraps, profile backfills) pass through.
-pub const LEASED_POINTS: [&str; 4] = [
+/// The points the leased jobs (bootstraps, profile and page-index backfills) pass through.
+pub const LEASED_POINTS: [&str; 5] = [
     "leased-after-claim-commit",
     "leased-after-step-commit",
     "leased-before-end-commit",
     "backfill-before-commit",
+    "pageindex-before-commit",
 ];
 
 #[cfg(feature = "crash-points")]

@@ -33,7 +33,7 @@ pub struct Status {
     pub leased: Vec<LeasedStatus>,
 }
 
-/// One leased kind's numbers (bootstraps, profile backfills).
+/// One leased kind's numbers (bootstraps, profile and page-index backfills).
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct LeasedStatus {
     pub kind: String,
@@ -46,10 +46,8 @@ pub struct LeasedStatus {
 /// Reads the leased kinds' numbers.
 async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx::Error> {
     let mut out = Vec::new();
-    for (kind, table, checkpoint) in [
-        ("bootstrap", crate::jobs::bootstrap::TABLE, true),
-        ("backfill", crate::jobs::backfill::TABLE, false),
-    ] {
+    for kind in crate::jobs::leased::kinds() {
+        let (table, checkpoint) = (kind.table(), kind.has_checkpoint());
         let jobs: Vec<(String, i64)> = sqlx::query_as(&format!(
             "SELECT run_state::text, count(*) FROM {table} GROUP BY 1"
         ))
@@ -65,7 +63,7 @@ async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx:
             Vec::new()
         };
         out.push(LeasedStatus {
-            kind: kind.to_owned(),
+            kind: kind.name().to_owned(),
             jobs: jobs.into_iter().collect(),
             checkpoints: checkpoints.into_iter().collect(),
         });

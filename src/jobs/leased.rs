@@ -1,11 +1,12 @@
 //! Jobs leased straight from Postgres, with no outbox and no queue: legacy space publication
-//! bootstraps and profile backfills. Invariant: the same discipline as the outbox kinds — a
-//! claim takes a fresh lease token under `FOR UPDATE SKIP LOCKED`, every step is one transaction
-//! fenced by lease token, row version and an unexpired lease (wall clock), the heartbeat extends
-//! only a live lease, and zero rows changed means the lease is lost and nothing more is written.
-//! How a slice goes on or ends is decided by the engine's own [`after_step`], retries follow the
-//! kind's [`RetryPolicy`](crate::jobs::RetryPolicy), and a running job whose worker lost its
-//! liveness lock ([`crate::liveness`]) is claimable at once.
+//! bootstraps, profile backfills and page-index upgrade backfills. Invariant: the same
+//! discipline as the outbox kinds — a claim takes a fresh lease token under `FOR UPDATE SKIP
+//! LOCKED`, every step is one transaction fenced by lease token, row version and an unexpired
+//! lease (wall clock), the heartbeat extends only a live lease, and zero rows changed means the
+//! lease is lost and nothing more is written. How a slice goes on or ends is decided by the
+//! engine's own [`after_step`], retries follow the kind's
+//! [`RetryPolicy`](crate::jobs::RetryPolicy), and a running job whose worker lost its liveness
+//! lock ([`crate::liveness`]) is claimable at once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -44,6 +45,11 @@ pub trait LeasedKind: Send + Sync + 'static {
     /// The job table; it has `id`, `run_state`, `row_version`, `updated_at` and the four
     /// lease columns.
     fn table(&self) -> &'static str;
+    /// The table has a `checkpoint` column that [`advance`] moves; without one a step that goes
+    /// on only re-checks the lease.
+    fn has_checkpoint(&self) -> bool {
+        true
+    }
     fn policy(&self) -> &Policy;
     /// Claims the most overdue claimable job, in one committed transaction.
     async fn claim(
@@ -97,19 +103,23 @@ pub async fn fence(
 /// the lease has not run out meanwhile. `false`: it has; roll back.
 pub async fn advance(
     tx: &mut PgConnection,
-    table: &str,
+    kind: &dyn LeasedKind,
     job: &Lease,
     checkpoint: &str,
 ) -> Result<bool, sqlx::Error> {
-    let done = sqlx::query(&format!(
-        "UPDATE {table} SET checkpoint = $4 WHERE {FENCE} AND checkpoint IS NOT NULL"
-    ))
-    .bind(job.job_id)
-    .bind(job.lease_token)
-    .bind(job.row_version)
-    .bind(checkpoint)
-    .execute(tx)
-    .await?;
+    let table = kind.table();
+    let sql = if kind.has_checkpoint() {
+        format!("UPDATE {table} SET checkpoint = $4 WHERE {FENCE} AND checkpoint IS NOT NULL")
+    } else {
+        format!("UPDATE {table} SET updated_at = updated_at WHERE {FENCE} AND $4::text IS NOT NULL")
+    };
+    let done = sqlx::query(&sql)
+        .bind(job.job_id)
+        .bind(job.lease_token)
+        .bind(job.row_version)
+        .bind(checkpoint)
+        .execute(tx)
+        .await?;
     Ok(done.rows_affected() == 1)
 }
 
@@ -284,7 +294,7 @@ async fn steps(
         );
         match next {
             Next::Step(cp) => {
-                match advance(&mut tx, table, &inside, &cp).await {
+                match advance(&mut tx, kind, &inside, &cp).await {
                     Ok(true) => {}
                     Ok(false) => return Outcome::LeaseLost,
                     Err(e) => return Outcome::Interrupted(e.to_string()),
@@ -300,7 +310,7 @@ async fn steps(
             }
             Next::End { checkpoint, end } => {
                 if let Some(cp) = &checkpoint {
-                    match advance(&mut tx, table, &inside, cp).await {
+                    match advance(&mut tx, kind, &inside, cp).await {
                         Ok(true) => {}
                         Ok(false) => return Outcome::LeaseLost,
                         Err(e) => return Outcome::Interrupted(e.to_string()),
@@ -423,5 +433,6 @@ pub fn kinds() -> Vec<Arc<dyn LeasedKind>> {
     vec![
         Arc::new(crate::jobs::bootstrap::BootstrapKind::default()),
         Arc::new(crate::jobs::backfill::BackfillKind::default()),
+        Arc::new(crate::jobs::pageindex::PageIndexKind::default()),
     ]
 }

@@ -8,6 +8,7 @@ pub mod bootstrap;
 pub mod compile;
 pub mod deletion;
 pub mod leased;
+pub mod pageindex;
 pub mod probe;
 pub mod research;
 pub mod retry;

@@ -337,6 +337,10 @@ impl LeasedKind for BackfillKind {
         TABLE
     }
 
+    fn has_checkpoint(&self) -> bool {
+        false
+    }
+
     fn policy(&self) -> &Policy {
         &self.policy
     }

@@ -29,6 +29,7 @@ pub mod ports;
 mod primary;
 mod purge;
 mod quiesce;
+pub use quiesce::{FENCE_CODE, FENCE_MESSAGE};
 pub mod request;
 mod residue;
 mod retry;

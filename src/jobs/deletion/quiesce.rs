@@ -23,8 +23,9 @@ const STAGED_TERMINAL: &str = "('published', 'failed-terminal', 'canceled', 'gc-
 /// Epoch milliseconds now, for the research tables.
 const NOW_MS: &str = "(extract(epoch from now()) * 1000)::bigint";
 
-const FENCE_CODE: &str = "DURABLE_DELETION_FENCE";
-const FENCE_MESSAGE: &str = "Canceled by durable deletion";
+/// What quiescing writes on the jobs it ends.
+pub const FENCE_CODE: &str = "DURABLE_DELETION_FENCE";
+pub const FENCE_MESSAGE: &str = "Canceled by durable deletion";
 
 pub(super) async fn step(
     tx: &mut PgConnection,
