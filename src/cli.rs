@@ -146,10 +146,11 @@ pub struct RunArgs {
     /// Run maintenance: early takeover of dead workers' jobs and outbox retention
     #[arg(long)]
     pub maintenance: bool,
-    /// Run the jobs leased straight from Postgres: legacy space bootstraps and profile backfills
+    /// Run the jobs leased straight from Postgres: legacy space bootstraps, profile backfills and
+    /// page-index upgrade backfills
     #[arg(long)]
     pub leased: bool,
-    /// How often the leased runner looks for claimable bootstraps and backfills
+    /// How often the leased runner looks for claimable leased jobs
     #[arg(long, env = "KFS_LEASED_POLL", default_value = "1s")]
     pub leased_poll: String,
     /// Job kinds to relay and consume: compile, deletion, research (and probe, the engine's test kind)
