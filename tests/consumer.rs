@@ -896,7 +896,9 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
     .unwrap();
     let before = probe_snapshot(&env.pool).await;
     assert_eq!(
-        lease::fence(&mut conn, &st, &ctx).await.unwrap(),
+        lease::fence(&mut conn, &st, &ctx, Duration::from_secs(30))
+            .await
+            .unwrap(),
         None,
         "fence"
     );
@@ -926,7 +928,9 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
         .unwrap();
     let before = probe_snapshot(&env.pool).await;
     assert_eq!(
-        lease::fence(&mut conn, &st, &ctx).await.unwrap(),
+        lease::fence(&mut conn, &st, &ctx, Duration::from_secs(30))
+            .await
+            .unwrap(),
         None,
         "fence with a stale row_version"
     );
@@ -948,7 +952,12 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
         row_version: ctx.row_version + 1,
         ..ctx.clone()
     };
-    assert_eq!(lease::fence(&mut conn, &st, &impostor).await.unwrap(), None);
+    assert_eq!(
+        lease::fence(&mut conn, &st, &impostor, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        None
+    );
     assert!(
         !lease::heartbeat(&mut conn, &st, &impostor, Duration::from_secs(30))
             .await
@@ -962,7 +971,9 @@ async fn an_expired_lease_or_a_stale_row_version_refuses_every_write() {
         ..ctx.clone()
     };
     assert_eq!(
-        lease::fence(&mut conn, &st, &current).await.unwrap(),
+        lease::fence(&mut conn, &st, &current, Duration::from_secs(30))
+            .await
+            .unwrap(),
         Some(ctx.row_version + 1)
     );
     env.cleanup().await;
@@ -1018,7 +1029,9 @@ async fn a_heartbeat_extends_the_lease_and_the_outbox_visibility_without_bumping
             .unwrap()
     );
     assert_eq!(
-        lease::fence(&mut conn, &st, &ctx).await.unwrap(),
+        lease::fence(&mut conn, &st, &ctx, Duration::from_secs(30))
+            .await
+            .unwrap(),
         Some(ctx.row_version),
         "the fence passes and leaves the row version to the step's own write"
     );
@@ -1044,7 +1057,9 @@ async fn the_step_fence_locks_the_job_row_until_the_step_commits_and_the_step_bu
 
     let mut tx = env.pool.begin().await.unwrap();
     assert_eq!(
-        lease::fence(&mut tx, &st, &ctx).await.unwrap(),
+        lease::fence(&mut tx, &st, &ctx, Duration::from_secs(30))
+            .await
+            .unwrap(),
         Some(ctx.row_version),
         "the fence passes"
     );
@@ -1090,7 +1105,12 @@ async fn the_step_fence_locks_the_job_row_until_the_step_commits_and_the_step_bu
     );
 
     // The old row version is now stale: a fence with it is refused.
-    assert_eq!(lease::fence(&mut conn, &st, &ctx).await.unwrap(), None);
+    assert_eq!(
+        lease::fence(&mut conn, &st, &ctx, Duration::from_secs(30))
+            .await
+            .unwrap(),
+        None
+    );
     env.cleanup().await;
 }
 
@@ -1351,6 +1371,123 @@ async fn a_step_whose_checkpoint_write_breaks_a_constraint_fails_the_job_instead
     assert_eq!(handled, ack("claimed", Some("failed")));
     assert_eq!(probe_job(&env.pool, job).await.run_state, "failed");
     assert_eq!(probe_outbox(&env.pool, outbox).await.status, "dead");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_statement_cancelled_mid_flight_is_retried_and_the_job_succeeds_once() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    // Hold the table the step writes, so that its statement is certainly in flight.
+    let mut holder = env.pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE kfs_probe_effects IN EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let engine = Arc::new(probe_engine(&env, "worker-cancelled", slow_retries()));
+    let run = tokio::spawn({
+        let engine = engine.clone();
+        let d = d.clone();
+        async move { engine.process_ref(&d, &CancellationToken::new()).await }
+    });
+    let mut cancelled = false;
+    for _ in 0..200 {
+        cancelled = sqlx::query_scalar(
+            "SELECT coalesce(bool_or(pg_cancel_backend(pid)), false) FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+               AND wait_event_type = 'Lock' AND query LIKE '%INSERT INTO kfs_probe_effects%'",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        if cancelled {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(cancelled, "the step's statement never waited on the lock");
+    holder.rollback().await.unwrap();
+    let handled = tokio::time::timeout(HANG, run)
+        .await
+        .expect("slice hung")
+        .unwrap();
+    let after = probe_job(&env.pool, job).await;
+    assert_eq!(
+        (
+            handled,
+            after.run_state.as_str(),
+            after.last_error_code.as_deref()
+        ),
+        (
+            ack("claimed", Some("wait")),
+            "retry_wait",
+            Some("db_unavailable")
+        ),
+        "a cancelled statement (57014) is retried, not a refusal of the step: {after:?}"
+    );
+    make_retry_due(&env.pool, job, outbox).await;
+    let again = dispatch(&env.pool, Kind::Probe, outbox).await;
+    assert_eq!(
+        process(&engine, &again).await,
+        ack("claimed", Some("succeeded"))
+    );
+    assert_eq!(probe_job(&env.pool, job).await.run_state, "succeeded");
+    assert_eq!(
+        effects(&env.pool, job).await.len(),
+        1,
+        "the step's effect, once"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_may_stay_outside_the_database_for_its_kinds_lease_not_the_sessions_default() {
+    let env = TestEnv::new().await;
+    // Sessions end a transaction idle for 1 s (as a worker's would under a 1 s shortest lease);
+    // this kind's lease is 10 s and its step sleeps 2.5 s with its transaction open.
+    let url = kfs_worker::config::database_url(Some(&env.url)).unwrap();
+    let pool = kfs_worker::db::connect_with(
+        &url,
+        "kfs-worker idle test",
+        4,
+        Duration::from_secs(10),
+        Some(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let (job, outbox) = enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            step_sleep: Duration::from_millis(2500),
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let mut cfg = ConsumerConfig::default();
+    cfg.policies.insert(
+        Kind::Probe,
+        Policy {
+            lease: Duration::from_secs(10),
+            ..Kind::Probe.spec().policy
+        },
+    );
+    let engine = Engine::new(
+        pool.clone(),
+        "worker-idle",
+        vec![Arc::new(ProbeHandler)],
+        cfg,
+    );
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let handled = process(&engine, &d).await;
+    let after = probe_job(&env.pool, job).await;
+    assert_eq!(
+        (handled, after.run_state.as_str()),
+        (ack("claimed", Some("succeeded")), "succeeded"),
+        "the session's idle-in-transaction timeout ended the step: {after:?}"
+    );
+    assert_eq!(effects(&env.pool, job).await.len(), 1);
+    pool.close().await;
     env.cleanup().await;
 }
 

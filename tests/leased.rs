@@ -1305,7 +1305,9 @@ async fn stale_lease_tokens_and_row_versions_cannot_write() {
         for stale in [&stale_version, &stale_token] {
             let mut tx = conn.begin().await.unwrap();
             assert_eq!(
-                leased::fence(&mut tx, table, stale).await.unwrap(),
+                leased::fence(&mut tx, table, stale, std::time::Duration::from_secs(30))
+                    .await
+                    .unwrap(),
                 None,
                 "{table}"
             );
@@ -1347,7 +1349,12 @@ async fn stale_lease_tokens_and_row_versions_cannot_write() {
         .await
         .unwrap();
         let mut tx = conn.begin().await.unwrap();
-        assert_eq!(leased::fence(&mut tx, table, &job).await.unwrap(), None);
+        assert_eq!(
+            leased::fence(&mut tx, table, &job, std::time::Duration::from_secs(30))
+                .await
+                .unwrap(),
+            None
+        );
         tx.rollback().await.unwrap();
         assert!(
             !leased::heartbeat(&mut conn, table, &job, Duration::from_secs(30))
@@ -1366,10 +1373,12 @@ async fn stale_lease_tokens_and_row_versions_cannot_write() {
             "{table}: the old lease wrote"
         );
         let mut tx = conn.begin().await.unwrap();
-        assert!(leased::fence(&mut tx, table, &taken)
-            .await
-            .unwrap()
-            .is_some());
+        assert!(
+            leased::fence(&mut tx, table, &taken, std::time::Duration::from_secs(30))
+                .await
+                .unwrap()
+                .is_some()
+        );
         tx.rollback().await.unwrap();
         assert!(kind.end(&mut conn, &taken, &End::Continue).await.unwrap());
     }

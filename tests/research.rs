@@ -427,7 +427,10 @@ async fn step_by_hand(
 ) -> Result<Option<Step>, JobError> {
     let st = Statements::new(&RESEARCH);
     let mut tx = pool.begin().await.unwrap();
-    let Some(rv) = lease::fence(&mut tx, &st, ctx).await.unwrap() else {
+    let Some(rv) = lease::fence(&mut tx, &st, ctx, std::time::Duration::from_secs(30))
+        .await
+        .unwrap()
+    else {
         return Ok(None);
     };
     ctx.row_version = rv;
@@ -834,7 +837,7 @@ async fn a_replayed_step_adds_no_event_and_no_partial() {
     loop {
         // First run: effects commit, but (as if the process died) the stage does not move.
         let mut tx = pool.begin().await.unwrap();
-        ctx.row_version = lease::fence(&mut tx, &st, &ctx)
+        ctx.row_version = lease::fence(&mut tx, &st, &ctx, std::time::Duration::from_secs(30))
             .await
             .unwrap()
             .expect("ours");

@@ -157,7 +157,8 @@ impl Statements {
             // commits or rolls back, and the step's one write (the checkpoint or the end) bumps
             // `row_version`. A step thus writes one job row version instead of two.
             fence: spec.sql(&format!(
-                "SELECT row_version FROM {{job}} WHERE {fence} FOR NO KEY UPDATE"
+                "SELECT row_version, set_config('idle_in_transaction_session_timeout', $4, true) \
+                 FROM {{job}} WHERE {fence} FOR NO KEY UPDATE"
             )),
             advance: spec.sql(
                 "UPDATE {job} SET {cp} = $2, row_version = row_version + 1, updated_at = {now} \
@@ -398,17 +399,29 @@ async fn diagnose(
 
 /// Locks the job row for one step and checks that the lease is still ours. Returns the row
 /// version (unchanged: the step's own write bumps it), or `None` when the lease is lost.
+///
+/// The same statement sets the transaction's `idle_in_transaction_session_timeout` to the
+/// kind's `lease`: a step may spend up to its lease outside the database with its transaction
+/// open (a model call), and a worker frozen mid-step releases its locks once that has passed.
 pub async fn fence(
     tx: &mut PgConnection,
     st: &Statements,
     job: &JobCtx,
+    lease: Duration,
 ) -> Result<Option<i32>, sqlx::Error> {
-    sqlx::query_scalar(&st.fence)
+    let row: Option<(i32, String)> = sqlx::query_as(&st.fence)
         .bind(job.job_id)
         .bind(job.lease_token)
         .bind(job.row_version)
+        .bind(idle_timeout(lease))
         .fetch_optional(tx)
-        .await
+        .await?;
+    Ok(row.map(|(rv, _)| rv))
+}
+
+/// The `idle_in_transaction_session_timeout` value of a step transaction under `lease`.
+pub fn idle_timeout(lease: Duration) -> String {
+    format!("{}ms", lease.as_millis().max(1000))
 }
 
 /// Moves the checkpoint, after [`fence`] in the same transaction, checking once more that the

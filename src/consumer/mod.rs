@@ -309,7 +309,7 @@ impl Engine {
                 }
             };
             let rv_before = job.row_version;
-            let fenced = match lease::fence(&mut tx, st, &job).await {
+            let fenced = match lease::fence(&mut tx, st, &job, policy.lease).await {
                 Ok(Some(rv)) => rv,
                 Ok(None) => return Some(self.lease_lost(&job)),
                 Err(e) => {

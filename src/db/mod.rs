@@ -253,17 +253,30 @@ pub fn is_retryable(e: &sqlx::Error) -> bool {
         sqlx::Error::Database(db) => matches!(
             db.code().as_deref(),
             Some(
+                // serialization failure, deadlock
                 "40001"
                     | "40P01"
+                    // statement cancelled or timed out, lock not available, idle in
+                    // transaction too long: the session or statement was stopped, not refused
+                    | "57014"
+                    | "55P03"
+                    | "25P03"
+                    // admin shutdown, crash shutdown, cannot connect now
                     | "57P01"
                     | "57P02"
                     | "57P03"
+                    // out of disk, out of memory, too many connections
+                    | "53100"
+                    | "53200"
                     | "53300"
+                    // connection exceptions, protocol violation
                     | "08000"
-                    | "08003"
-                    | "08006"
                     | "08001"
+                    | "08003"
                     | "08004"
+                    | "08006"
+                    | "08007"
+                    | "08P01"
             )
         ),
         _ => false,

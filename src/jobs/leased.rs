@@ -83,20 +83,26 @@ const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_s
 
 /// Locks the job row for one step and checks that the lease is still ours. Returns the new row
 /// version, or `None` when the lease is lost.
+///
+/// Like the consumer's fence, it sets the transaction's `idle_in_transaction_session_timeout`
+/// to the kind's `lease`.
 pub async fn fence(
     tx: &mut PgConnection,
     table: &str,
     job: &Lease,
+    lease: std::time::Duration,
 ) -> Result<Option<i32>, sqlx::Error> {
-    sqlx::query_scalar(&format!(
+    let row: Option<(i32, String)> = sqlx::query_as(&format!(
         "UPDATE {table} SET row_version = row_version + 1, updated_at = now() WHERE {FENCE} \
-         RETURNING row_version"
+         RETURNING row_version, set_config('idle_in_transaction_session_timeout', $4, true)"
     ))
     .bind(job.job_id)
     .bind(job.lease_token)
     .bind(job.row_version)
+    .bind(crate::consumer::lease::idle_timeout(lease))
     .fetch_optional(tx)
-    .await
+    .await?;
+    Ok(row.map(|(rv, _)| rv))
 }
 
 /// Moves the checkpoint right after [`fence`] in the same transaction, checking once more that
@@ -271,7 +277,7 @@ async fn steps(
             Ok(t) => t,
             Err(e) => return Outcome::Interrupted(e.to_string()),
         };
-        let fenced = match fence(&mut tx, table, &job).await {
+        let fenced = match fence(&mut tx, table, &job, kind.policy().lease).await {
             Ok(Some(v)) => v,
             Ok(None) => return Outcome::LeaseLost,
             Err(e) => return Outcome::Interrupted(e.to_string()),
