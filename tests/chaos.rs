@@ -1033,6 +1033,8 @@ struct Ack {
     delivery_id: String,
     claim: String,
     end: String,
+    /// When the ack left the worker, in microseconds since the epoch.
+    sent_at: i64,
 }
 
 fn read_logs(cluster: &Cluster) -> (Vec<Ack>, BTreeMap<String, u64>) {
@@ -1050,6 +1052,10 @@ fn read_logs(cluster: &Cluster) -> (Vec<Ack>, BTreeMap<String, u64>) {
                     delivery_id: field("delivery_id"),
                     claim: field("claim"),
                     end: field("end"),
+                    sent_at: v
+                        .get("sent_at")
+                        .and_then(serde_json::Value::as_i64)
+                        .unwrap_or(0),
                 });
             } else if matches!(field("level").as_str(), "WARN" | "ERROR") {
                 *warnings.entry(field("message")).or_default() += 1;
@@ -1173,26 +1179,39 @@ async fn check_invariants(
         })
         .collect();
     let ids: Vec<String> = decided.iter().map(|a| a.delivery_id.clone()).collect();
+    let sent: Vec<i64> = decided.iter().map(|a| a.sent_at).collect();
     // The decision carries the delivery's id, unless the outbox row was published again under
     // a newer id while the slice ran (its worker looked dead after its liveness session was
-    // cut, say); then the decision must be a later transition of the same job.
-    let missing: Vec<String> = sqlx::query_scalar(
-        "SELECT d FROM unnest($1::text[]) AS d WHERE NOT EXISTS (SELECT 1 FROM chaos_outbox o \
-         WHERE o.queue_job_id = d AND o.status IN ('completed', 'pending', 'dead', 'canceled')) \
-         AND NOT EXISTS (SELECT 1 FROM chaos_outbox a JOIN chaos_outbox o ON o.job_id = a.job_id AND o.id > a.id \
-           AND o.queue_job_id IS DISTINCT FROM d AND o.status IN ('completed', 'pending', 'dead', 'canceled') \
-           WHERE a.queue_job_id = d) LIMIT 10",
+    // cut, say); then the decision is the next settling transition of the same job. Its commit
+    // time (track_commit_timestamp is on in this cluster; each observer row commits with the
+    // transition) must come before the ack left the worker, for every ack that decided a slice.
+    let missing: Vec<(String, i64, Option<i64>)> = sqlx::query_as(
+        "WITH a AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS a(d, sent)), \
+         m AS (SELECT a.d, a.sent, \
+           (SELECT min(pg_xact_commit_timestamp(o.xmin)) FROM chaos_outbox o \
+             WHERE o.queue_job_id = a.d AND o.status IN ('completed', 'pending', 'dead', 'canceled')) AS direct, \
+           (SELECT min(pg_xact_commit_timestamp(o.xmin)) FROM chaos_outbox x JOIN chaos_outbox o \
+              ON o.job_id = x.job_id AND o.id > x.id AND o.queue_job_id IS DISTINCT FROM a.d \
+             AND o.status IN ('completed', 'pending', 'dead', 'canceled') \
+             WHERE x.queue_job_id = a.d) AS later FROM a) \
+         SELECT d, sent, (extract(epoch FROM coalesce(direct, later)) * 1000000)::bigint FROM m \
+         WHERE coalesce(direct, later) IS NULL \
+            OR (extract(epoch FROM coalesce(direct, later)) * 1000000)::bigint > sent LIMIT 10",
     )
     .bind(&ids)
+    .bind(&sent)
     .fetch_all(pool)
     .await
     .unwrap();
+    let untimed = decided.iter().filter(|a| a.sent_at == 0).count();
     let blank = acks.iter().filter(|a| a.delivery_id.is_empty()).count();
     out.push(check(
         "no message acked before its commit",
-        missing.is_empty() && blank == 0 && !decided.is_empty(),
+        missing.is_empty() && blank == 0 && untimed == 0 && !decided.is_empty(),
         format!(
-            "{} acks logged, {} decided a slice; acked without a committed decision: {missing:?}; acks without a delivery id: {blank}",
+            "{} acks logged, {} decided a slice, each sent after its decision committed; \
+             acked before or without a committed decision (delivery, sent, committed µs): {missing:?}; \
+             acks without a delivery id: {blank}; without a send time: {untimed}",
             acks.len(),
             decided.len()
         ),

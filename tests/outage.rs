@@ -163,7 +163,9 @@ async fn survive(name: &str, outage: impl FnOnce()) {
 async fn a_rabbitmq_restart_mid_run_loses_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     if !can_restart_rabbitmq() {
-        eprintln!("SKIPPED: rabbitmqctl cannot control the local broker here, so the broker cannot be restarted");
+        common::skip_or_fail(
+            "rabbitmqctl cannot control the local broker here, so the broker cannot be restarted",
+        );
         return;
     }
     survive("mq-outage", || {
@@ -181,8 +183,8 @@ async fn a_rabbitmq_restart_mid_run_loses_nothing() {
 async fn a_postgres_restart_mid_run_loses_nothing() {
     let _one = ONE_AT_A_TIME.lock().await;
     let Some(cluster) = postgres_cluster().filter(|_| can_restart_postgres()) else {
-        eprintln!(
-            "SKIPPED: no pg_ctlcluster-managed Postgres here, so Postgres cannot be restarted"
+        common::skip_or_fail(
+            "no pg_ctlcluster-managed Postgres here, so Postgres cannot be restarted",
         );
         return;
     };

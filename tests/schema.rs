@@ -16,6 +16,8 @@
 //! Every test works in its own scratch database, dropped afterwards even when the test fails.
 //! Under `CI=true` a missing `../shared` fails the test instead of skipping it.
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -207,15 +209,10 @@ fn shared_or_skip(what: &str) -> Option<PathBuf> {
     if dir.join("reference-schema").is_dir() && dir.join("tools").is_dir() {
         return Some(dir);
     }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{} is missing: {what} needs it (CI runs with ../shared beside the checkout)",
+    common::skip_or_fail(&format!(
+        "{} is missing, so {what} cannot run (CI runs with ../shared beside the checkout)",
         dir.display()
-    );
-    eprintln!(
-        "SKIPPED: {} is missing, so {what} cannot run",
-        dir.display()
-    );
+    ));
     None
 }
 

@@ -701,11 +701,16 @@ pub async fn consume(
                     let handled = engine.process(kind, &delivery.properties, &delivery.data, &shutdown).await;
                     let sent = match &handled {
                         Handled::Ack { claim, end } => {
+                            // When the ack left, in microseconds since the epoch: the ack log
+                            // lets each ack be compared with the commit that decided it.
+                            let sent_at = std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0, |d| d.as_micros());
                             let sent = delivery.ack(BasicAckOptions::default()).await;
                             if sent.is_ok() {
                                 // The ack log: every line follows the commit that decided the
                                 // delivery, so each can be checked against the database.
-                                tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id = delivery.properties.message_id().as_ref().map_or("", |s| s.as_str()), claim, end = end.unwrap_or("none"), "acked");
+                                tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id = delivery.properties.message_id().as_ref().map_or("", |s| s.as_str()), claim, end = end.unwrap_or("none"), sent_at = sent_at as u64, "acked");
                             }
                             sent
                         }

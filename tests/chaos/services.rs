@@ -109,7 +109,7 @@ impl PrivatePostgres {
     /// Starts the server and waits until it accepts connections.
     pub fn up(&self) {
         let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c fsync=off",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c fsync=off -c track_commit_timestamp=on",
             self.port,
             self.dir.display()
         );
