@@ -460,6 +460,15 @@ async fn relay_loop(
             let mut setup = Some(Box::pin(listen(relay_pool(&relay), Duration::ZERO)));
             health.set_relay(true);
             let mut rounds = Rounds::new(&relay, &ch, &kinds);
+            // The polling fallback: a fixed interval that wakes every kind whatever else
+            // happens. Rows that come due with time (retries, re-arms, visibility republishes,
+            // future `available_at`) never notify; a timer restarted by each notification or
+            // settled round would let one busy kind starve the others' polls.
+            let mut poll = tokio::time::interval_at(
+                tokio::time::Instant::now() + relay.config().poll,
+                relay.config().poll,
+            );
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 if !shutdown.is_cancelled() {
                     rounds.start();
@@ -503,8 +512,22 @@ async fn relay_loop(
                             }
                         }
                     }
-                    woken = wait_for_notification(&mut listener, relay.config().poll), if !rounds.has_failed() => {
-                        rounds.wake(woken.unwrap_or_else(|| kinds.clone()));
+                    _ = poll.tick(), if !rounds.has_failed() => {
+                        rounds.wake(kinds.clone());
+                    }
+                    woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
+                        match woken {
+                            Ok(notified) => rounds.wake(notified),
+                            Err(e) => {
+                                // Listen again after a pause; polling publishes meanwhile, and
+                                // what was notified while no one listened is looked for.
+                                listener = None;
+                                let delay = listen_backoff.next().unwrap_or(Duration::from_secs(10));
+                                tracing::warn!(error = %e, retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "relay lost its outbox notifications; polling until it listens again");
+                                setup = Some(Box::pin(listen(relay_pool(&relay), delay)));
+                                rounds.wake(kinds.clone());
+                            }
+                        }
                     }
                 }
             }
@@ -543,26 +566,21 @@ async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error
     Ok(listener)
 }
 
-/// Returns the kinds notified, or `None` (every kind) when `poll` passed without a notification.
+/// Returns the kinds notified; never returns while there is no listener (the poll interval
+/// covers that time).
 async fn wait_for_notification(
     listener: &mut Option<PgListener>,
-    poll: Duration,
-) -> Option<Vec<Kind>> {
-    match listener {
-        Some(l) => {
-            let first = tokio::time::timeout(poll, l.recv()).await.ok()?.ok()?;
-            // Drain what else is buffered so that a burst costs one round.
-            let mut kinds: Vec<Kind> = Kind::from_event_type(first.payload()).into_iter().collect();
-            while let Some(n) = l.next_buffered() {
-                kinds.extend(Kind::from_event_type(n.payload()));
-            }
-            Some(kinds)
-        }
-        None => {
-            tokio::time::sleep(poll).await;
-            None
-        }
+) -> Result<Vec<Kind>, sqlx::Error> {
+    let Some(l) = listener else {
+        return std::future::pending().await;
+    };
+    let first = l.recv().await?;
+    // Drain what else is buffered so that a burst costs one round.
+    let mut kinds: Vec<Kind> = Kind::from_event_type(first.payload()).into_iter().collect();
+    while let Some(n) = l.next_buffered() {
+        kinds.extend(Kind::from_event_type(n.payload()));
     }
+    Ok(kinds)
 }
 
 /// Waits for SIGTERM or SIGINT, then cancels `shutdown`.

@@ -1472,3 +1472,74 @@ async fn dispatch_exhaustion_fails_each_platform_job_by_its_tables_rules() {
     delete_exchange(&env, &topology).await;
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_coming_due_is_polled_while_another_kind_has_steady_traffic() {
+    let env = TestEnv::new().await;
+    let (attempt, deletion, research) = platform_jobs(&env.pool).await;
+    // Only the research row matters: it comes due 2 s from now, and nothing notifies then.
+    for (table, fk, id) in [
+        ("document_compilation_outbox", "attempt_id", attempt),
+        ("deletion_outbox", "deletion_job_id", deletion),
+    ] {
+        sqlx::query(&format!("DELETE FROM {table} WHERE {fk} = $1"))
+            .bind(id)
+            .execute(&env.pool)
+            .await
+            .unwrap();
+    }
+    let due_ms: i64 = sqlx::query_scalar(
+        "UPDATE research_task_outbox SET available_at = (extract(epoch FROM now()) * 1000)::bigint + 2000 \
+         WHERE research_task_job_id = $1 RETURNING available_at",
+    )
+    .bind(research)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let poll_ms = 1000_i64;
+    let mut relay = env.spawn_worker(
+        "relay-poll",
+        &["run", "--relay"],
+        &[("KFS_KINDS", "probe,research"), ("KFS_RELAY_POLL", "1s")],
+    );
+    // Probe rows arrive every 300 ms, each notifying, until 5 poll periods after the due time.
+    let mut dispatched: Option<i64> = None;
+    loop {
+        enqueue_one(&env.pool, &ProbeSpec::default()).await;
+        let (status, at, now): (String, i64, i64) = sqlx::query_as(
+            "SELECT status::text, updated_at, (extract(epoch FROM now()) * 1000)::bigint \
+             FROM research_task_outbox WHERE research_task_job_id = $1",
+        )
+        .bind(research)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        if status == "dispatched" {
+            dispatched = Some(at);
+            break;
+        }
+        if now > due_ms + 5 * poll_ms {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let published = env
+        .queue_depth(env.topology.queue(Kind::Probe).as_str())
+        .await;
+    relay.kill();
+    let Some(at) = dispatched else {
+        panic!(
+            "the research row due at {due_ms} was not published within 5 poll periods while probe \
+             traffic went on ({published} probe messages published meanwhile)\n{}",
+            relay.tail(30)
+        );
+    };
+    println!("[relay poll] published {} ms after coming due", at - due_ms);
+    assert!(published > 0, "the probe traffic was relayed");
+    assert!(
+        at - due_ms <= 3 * poll_ms,
+        "published {} ms after coming due: the poll is a fixed {poll_ms} ms interval",
+        at - due_ms
+    );
+    env.cleanup().await;
+}
