@@ -1,8 +1,9 @@
 //! Kill and stall points for crash tests. Invariant: without the `crash-points` feature this
 //! compiles to nothing; with it, `KFS_CRASH_AT=<point>[:<n>]` aborts the process at the n-th
 //! (default first) pass through that point, the way SIGKILL would: no destructor, no flush, no
-//! ack; and `KFS_STALL_AT=<point>` makes every pass through a stall point wait forever, the way
-//! a connect to a host that never answers does.
+//! ack; `KFS_STALL_AT=<point>` makes every pass through a stall point wait forever, the way
+//! a connect to a host that never answers does; and `KFS_DELAY_AT=<point>@<worker>=<ms>` makes
+//! that worker's passes through a delay point wait that long, the way a slow start does.
 
 /// The points the engine passes through.
 pub const POINTS: [&str; 5] = [
@@ -49,6 +50,30 @@ pub fn point(_name: &'static str) {}
 
 /// The points that may stall.
 pub const STALL_POINTS: [&str; 1] = ["relay-listen"];
+
+/// The points that may be delayed for one worker.
+pub const DELAY_POINTS: [&str; 1] = ["consumer-start"];
+
+#[cfg(feature = "crash-points")]
+pub async fn delay(name: &'static str, worker: &str) {
+    let Ok(raw) = std::env::var("KFS_DELAY_AT") else {
+        return;
+    };
+    let parsed = raw.split_once('@').and_then(|(p, rest)| {
+        let (w, ms) = rest.split_once('=')?;
+        Some((p, w, ms.parse::<u64>().ok()?))
+    });
+    if let Some((p, w, ms)) = parsed {
+        if p == name && w == worker {
+            eprintln!("kfs-worker: delay point {name} reached, waiting {ms} ms");
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub async fn delay(_name: &'static str, _worker: &str) {}
 
 #[cfg(feature = "crash-points")]
 pub async fn stall(name: &'static str) {

@@ -219,6 +219,13 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         &args.log_dir,
     )?;
 
+    // Both workers consume before any work exists: RabbitMQ then hands the compile messages
+    // out round-robin, so demo-a holds some of them when it is killed. (Requested earlier, the
+    // first worker to connect could take every message and the kill would find nothing.)
+    both_consuming(&services, Duration::from_secs(60))
+        .await
+        .map_err(fail("workers"))?;
+
     p.say("requesting the compilation of every document");
     let mut attempts = Vec::new();
     for (name, doc) in &seed.documents {
@@ -483,6 +490,48 @@ async fn reset(pool: &PgPool, store: &Store) -> Result<(), String> {
             .map_err(|e| e.to_string())?;
     }
     tx.commit().await.map_err(|e| e.to_string())
+}
+
+/// Waits until two consumers (demo-a's and demo-b's) are on the compile queue.
+async fn both_consuming(services: &Services, timeout: Duration) -> Result<(), String> {
+    let conn = crate::broker::connect(
+        &services.amqp_url,
+        "kfs-worker demo",
+        services.connect_timeout,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    let queue = crate::broker::Topology::new(&services.queue_prefix).queue(Kind::Compile);
+    let deadline = Instant::now() + timeout;
+    let mut consumers = 0;
+    while Instant::now() < deadline {
+        // A passive declare fails while the queue does not exist yet, and closes its channel.
+        let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+        let declared = ch
+            .queue_declare(
+                queue.as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await;
+        if let Ok(q) = declared {
+            consumers = q.consumer_count();
+            let _ = ch.close(200, "checked".into()).await;
+            if consumers >= 2 {
+                let _ = conn.close(200, "bye".into()).await;
+                return Ok(());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = conn.close(200, "bye".into()).await;
+    Err(format!(
+        "the two workers did not both consume {queue} within {}s ({consumers} consumer(s)); see their logs",
+        timeout.as_secs()
+    ))
 }
 
 struct Kill {

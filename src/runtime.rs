@@ -383,6 +383,7 @@ async fn consumers(
             ch.close(200, "declared".into())
                 .await
                 .map_err(|e| e.to_string())?;
+            crate::crash::delay("consumer-start", engine.worker_id()).await;
             let mut running = JoinSet::new();
             for &kind in &kinds {
                 let ch = conn.create_channel().await.map_err(|e| e.to_string())?;

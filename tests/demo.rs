@@ -18,6 +18,9 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             .env("AMQP_URL", common::amqp_url())
             .env("KFS_QUEUE_PREFIX", &env.prefix)
             .env("KFS_OBJECT_STORE", format!("file://{}", store.display()))
+            // demo-a starts consuming 3 s after demo-b, as a slow first start on a fresh
+            // machine did: the kill must still find demo-a holding jobs.
+            .env("KFS_DELAY_AT", "consumer-start@demo-a=3000")
             .output()
             .expect("run the demo");
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -37,6 +40,7 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "deletion of source \"notes\" (succeeded):",
             "documents left in the space: 3 of 5",
             "takeover: demo-a was killed holding",
+            "; demo-b took over in ",
             "stopped demo-b (exit 0)",
             "dashboard: http://127.0.0.1:",
             "metrics:   http://127.0.0.1:",
@@ -46,6 +50,10 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
                 "run {run}: missing {needle:?} in\n{stdout}"
             );
         }
+        assert!(
+            !stdout.contains("holding 0 job(s)"),
+            "run {run}: the kill found demo-a holding nothing\n{stdout}"
+        );
         // Both answers cite the documents they came from.
         let cites: Vec<&str> = stdout
             .lines()
