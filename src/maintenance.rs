@@ -32,7 +32,8 @@ impl Default for MaintenanceConfig {
     }
 }
 
-/// Jobs leased by workers that are no longer alive, whose outbox rows wait for a later time.
+/// Jobs leased by workers that are no longer alive, whose `leased` outbox rows wait for a later
+/// time.
 /// Every worker sweeps every kind each second, and almost always every holder is alive, so
 /// the sweep first asks each distinct holder's liveness once (each question reads
 /// `pg_locks`) and looks at outbox rows only when some holder is dead. Joining the outbox
@@ -46,7 +47,7 @@ pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, s
          SELECT j.id FROM dead JOIN {{job}} j ON j.worker_id = dead.worker_id \
          JOIN {{outbox}} o ON o.{{fk}} = j.id \
          WHERE EXISTS (SELECT 1 FROM dead) AND {running} \
-           AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
+           AND o.status = 'leased' AND o.available_at > {{now}}",
         dead_holders(running)
     ));
     let mut conn = crate::db::acquire(pool).await?;
@@ -55,6 +56,10 @@ pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, s
 
 /// Makes the outbox rows of `jobs` due now, if they are still leased by a dead worker, so the
 /// relay publishes them again and a live worker takes over long before the lease would expire.
+/// Only a `leased` row is re-armed: once published again it is `dispatched`, a message for it is
+/// on its way, and its visibility window covers a lost one. Re-arming that row at every sweep
+/// until a consumer reached the message (behind a backlog) published a stale copy per sweep,
+/// each using a dispatch attempt, until the job failed for dispatch exhaustion.
 /// Liveness is asked once per distinct holder, as in [`dead_leases`], not once per job.
 pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64, sqlx::Error> {
     let spec = kind.spec();
@@ -62,7 +67,7 @@ pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64
     let sql = spec.sql(&format!(
         "WITH {} \
          UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
-         WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') \
+         WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status = 'leased' \
            AND o.available_at > {{now}} AND {running} \
            AND j.worker_id IN (SELECT worker_id FROM dead)",
         dead_holders(&format!("j.id = ANY($1) AND {running}"))

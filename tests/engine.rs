@@ -218,6 +218,60 @@ async fn the_sweep_makes_a_dead_workers_jobs_due_and_leaves_a_live_workers_alone
     env.cleanup().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_rearms_a_dead_workers_job_once_not_every_sweep_until_it_is_claimed() {
+    let env = TestEnv::new().await;
+    probe::enqueue_many(&env.pool, 1, &ProbeSpec::default())
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE kfs_probe_jobs SET run_state = 'running', worker_id = 'gone', lease_token = gen_random_uuid(), \
+           lease_expires_at = now() + interval '10 minutes', heartbeat_at = now()",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET status = 'leased', queue_job_id = 'd-' || id, \
+           available_at = now() + interval '10 minutes'",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let sweep = || kfs_worker::maintenance::sweep_once(&env.pool, Kind::Probe);
+    assert_eq!(
+        sweep().await.unwrap(),
+        1,
+        "the dead worker's row is made due"
+    );
+    // The relay publishes it again: `dispatched` under a new delivery id, visible again later.
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
+           dispatch_attempts = dispatch_attempts + 1, available_at = now() + interval '20 seconds'",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    // Until a consumer reaches that message (behind a backlog, say), later sweeps must not
+    // publish it again and again: each copy would be stale when consumed, and each would use a
+    // dispatch attempt until the job failed for dispatch exhaustion.
+    for _ in 0..3 {
+        assert_eq!(
+            sweep().await.unwrap(),
+            0,
+            "a republished row is left to its message"
+        );
+    }
+    let (status, attempts, later): (String, i32, bool) = sqlx::query_as(
+        "SELECT status::text, dispatch_attempts, available_at > now() FROM kfs_probe_outbox",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!((status.as_str(), attempts, later), ("dispatched", 1, true));
+    env.cleanup().await;
+}
+
 /// Worker pools grow on demand, so workers that together may open more connections than
 /// Postgres accepts would show it only under load, as steps waiting for a connection. A worker
 /// whose live peers and itself, each opening as many as it may, would pass the limit says so
