@@ -3,7 +3,8 @@
 //! (default first) pass through that point, the way SIGKILL would: no destructor, no flush, no
 //! ack; `KFS_STALL_AT=<point>` makes every pass through a stall point wait forever, the way
 //! a connect to a host that never answers does; and `KFS_DELAY_AT=<point>@<worker>=<ms>` makes
-//! that worker's passes through a delay point wait that long, the way a slow start does.
+//! that worker's passes through a delay point wait that long, the way a slow start does;
+//! `KFS_LOSE_REPLY_AT=<statement>` makes the first reply of that statement look lost.
 
 /// The points the engine passes through.
 pub const POINTS: [&str; 5] = [
@@ -50,6 +51,30 @@ pub fn point(_name: &'static str) {}
 
 /// The points that may stall.
 pub const STALL_POINTS: [&str; 1] = ["relay-listen"];
+
+/// The statements whose reply can be lost once after their commit.
+pub const LOST_REPLY_POINTS: [&str; 1] = ["claim"];
+
+/// `KFS_LOSE_REPLY_AT=<statement>`: `true` at the first pass only, when the caller must act
+/// as if that statement committed and its reply never came.
+#[cfg(feature = "crash-points")]
+pub fn lose_reply(name: &'static str) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static DONE: AtomicBool = AtomicBool::new(false);
+    if std::env::var("KFS_LOSE_REPLY_AT").is_ok_and(|p| p == name)
+        && !DONE.swap(true, Ordering::SeqCst)
+    {
+        eprintln!("kfs-worker: reply of {name} lost after its commit");
+        return true;
+    }
+    false
+}
+
+#[cfg(not(feature = "crash-points"))]
+#[inline(always)]
+pub fn lose_reply(_name: &'static str) -> bool {
+    false
+}
 
 /// The points that may be delayed for one worker.
 pub const DELAY_POINTS: [&str; 1] = ["consumer-start"];

@@ -16,6 +16,7 @@ pub struct Statements {
     claim: String,
     diagnose: String,
     fence: String,
+    ours: String,
     advance: String,
     heartbeat: String,
     end_succeed: String,
@@ -156,6 +157,14 @@ impl Statements {
             // A row lock, not a write: the lock keeps every other writer out until the step
             // commits or rolls back, and the step's one write (the checkpoint or the end) bumps
             // `row_version`. A step thus writes one job row version instead of two.
+            // The job leased under this token by this worker, for this delivery: a claim of
+            // ours that committed although its reply was lost.
+            ours: spec.sql(&format!(
+                "SELECT j.{{cp}}::text, j.row_version, j.execution_attempts, j.max_execution_attempts \
+                 FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
+                 WHERE j.id = $1 AND j.lease_token = $2 AND j.worker_id = $3 AND j.lease_expires_at > {{now}} \
+                   AND {live} AND o.id = $4 AND o.queue_job_id = $5 AND o.status = 'leased'"
+            )),
             fence: spec.sql(&format!(
                 "SELECT row_version, set_config('idle_in_transaction_session_timeout', $4, true) \
                  FROM {{job}} WHERE {fence} FOR NO KEY UPDATE"
@@ -267,7 +276,21 @@ pub async fn claim(
     worker_id: &str,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    let token = Uuid::new_v4();
+    claim_as(conn, st, d, worker_id, lease, Uuid::new_v4()).await
+}
+
+/// [`claim`] under a lease token the caller chose. A caller that retries a claim whose outcome
+/// it does not know (the commit happened, the reply was lost) retries with the same token, and
+/// a job already leased under that token by this worker is its own claim, not a duplicate:
+/// minting a new token each time orphaned the first claim's lease until it ran out.
+pub async fn claim_as(
+    conn: &mut PgConnection,
+    st: &Statements,
+    d: &DeliveryRef,
+    worker_id: &str,
+    lease: Duration,
+    token: Uuid,
+) -> Result<Claim, sqlx::Error> {
     type Row = (String, i32, i32, i32, bool, Option<f64>);
     let row: Option<Row> = sqlx::query_as(&st.claim)
         .bind(d.job_id)
@@ -286,6 +309,28 @@ pub async fn claim(
                 silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
             );
         }
+        return Ok(Claim::Claimed(JobCtx {
+            kind: d.kind,
+            job_id: d.job_id,
+            outbox_id: d.outbox_id,
+            delivery_id: d.delivery_id.clone(),
+            lease_token: token,
+            row_version,
+            checkpoint,
+            execution_attempts: attempts,
+            max_execution_attempts: max_attempts,
+            worker_id: worker_id.to_owned(),
+        }));
+    }
+    let ours: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.ours)
+        .bind(d.job_id)
+        .bind(token)
+        .bind(worker_id)
+        .bind(d.outbox_id)
+        .bind(&d.delivery_id)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if let Some((checkpoint, row_version, attempts, max_attempts)) = ours {
         return Ok(Claim::Claimed(JobCtx {
             kind: d.kind,
             job_id: d.job_id,

@@ -191,10 +191,19 @@ impl Engine {
         let policy = self.policy(d.kind);
         // One connection serves the claim and the whole slice; a failed statement drops it.
         let mut conn: Slot = None;
+        // One token for every try of this claim: a retry after a claim that committed but whose
+        // reply was lost then recognises the lease as its own.
+        let token = uuid::Uuid::new_v4();
         let claim = loop {
             let attempt = async {
                 let c = self.connection(&mut conn).await?;
-                lease::claim(c, st, d, &self.worker_id, policy.lease).await
+                let claimed =
+                    lease::claim_as(c, st, d, &self.worker_id, policy.lease, token).await?;
+                if matches!(claimed, Claim::Claimed(_)) && crash::lose_reply("claim") {
+                    // Fault injection (crash-points builds): the claim committed, its reply is lost.
+                    return Err(sqlx::Error::Protocol("the claim's reply was lost".into()));
+                }
+                Ok(claimed)
             };
             match attempt
                 .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id))
