@@ -1342,6 +1342,92 @@ impl Handler for OverlongCheckpoint {
     }
 }
 
+/// A step the database refuses, whose failure record fails `failures_left` times first.
+struct RefusedThenFailureFails {
+    failures_left: std::sync::atomic::AtomicI32,
+}
+
+#[async_trait::async_trait]
+impl Handler for RefusedThenFailureFails {
+    fn kind(&self) -> Kind {
+        Kind::Probe
+    }
+
+    async fn step(&self, _tx: &mut PgConnection, _job: &JobCtx) -> Result<Step, JobError> {
+        Ok(Step::Advance("x".repeat(40)))
+    }
+
+    async fn on_fail(
+        &self,
+        _tx: &mut PgConnection,
+        _job: &JobCtx,
+        _code: &str,
+    ) -> Result<(), sqlx::Error> {
+        if self.failures_left.fetch_sub(1, Ordering::SeqCst) > 0 {
+            return Err(sqlx::Error::Protocol(
+                "the failure record was not written".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_that_cannot_be_written_at_once_is_retried_and_only_then_acked() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let engine = Engine::new(
+        env.pool.clone(),
+        "worker-failure-once",
+        vec![Arc::new(RefusedThenFailureFails {
+            failures_left: 1.into(),
+        })],
+        ConsumerConfig::default(),
+    );
+    let handled = process(&engine, &d).await;
+    let after = probe_job(&env.pool, job).await;
+    // The ack (the handled value) comes only with the failure committed.
+    assert_eq!(
+        (handled, after.run_state.as_str()),
+        (ack("claimed", Some("failed")), "failed"),
+        "{after:?}"
+    );
+    assert_eq!(probe_outbox(&env.pool, outbox).await.status, "dead");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_that_cannot_be_written_is_never_acked() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let engine = Engine::new(
+        env.pool.clone(),
+        "worker-failure-never",
+        vec![Arc::new(RefusedThenFailureFails {
+            failures_left: i32::MAX.into(),
+        })],
+        ConsumerConfig::default(),
+    );
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { engine.process_ref(&d, &shutdown).await }
+    });
+    // While the failure cannot be written, the delivery is not settled.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(!run.is_finished(), "settled without the failure's commit");
+    shutdown.cancel();
+    let handled = tokio::time::timeout(HANG, run)
+        .await
+        .expect("hung")
+        .unwrap();
+    assert_eq!(handled, Handled::Abandon, "left unacked for redelivery");
+    assert_eq!(probe_job(&env.pool, job).await.run_state, "running");
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_step_whose_checkpoint_write_breaks_a_constraint_fails_the_job_instead_of_looping() {
     let env = TestEnv::new().await;

@@ -37,7 +37,13 @@ pub enum Handled {
     Reject(String),
     /// Shutting down before the decision committed: leave it unacked for redelivery.
     Abandon,
+    /// No decision could be reached for too long (Postgres away): hand the delivery back to the
+    /// broker (requeued), so it does not hold a prefetch slot until the broker's timeout.
+    GiveBack,
 }
+
+/// How long a claim keeps retrying before it gives its delivery back.
+const CLAIM_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Counters of what the consumers did, for tests, status and metrics.
 #[derive(Debug, Default)]
@@ -194,6 +200,8 @@ impl Engine {
         // One token for every try of this claim: a retry after a claim that committed but whose
         // reply was lost then recognises the lease as its own.
         let token = uuid::Uuid::new_v4();
+        let claiming = Instant::now();
+        let mut tries = 0u32;
         let claim = loop {
             let attempt = async {
                 let c = self.connection(&mut conn).await?;
@@ -212,8 +220,15 @@ impl Engine {
                 Ok(c) => break c,
                 Err(e) => {
                     conn = None;
-                    tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, "claim failed; not acking, will retry");
-                    if !self.pause(shutdown).await {
+                    tries += 1;
+                    if claiming.elapsed() >= CLAIM_PATIENCE {
+                        // Hand the delivery back to the broker instead of holding a prefetch
+                        // slot: another worker, or this one later, may reach Postgres.
+                        tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, tries, "claim failed for too long; giving the delivery back");
+                        return Handled::GiveBack;
+                    }
+                    tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, tries, "claim failed; not acking, will retry");
+                    if !self.pause_for(retry_pause(tries), shutdown).await {
                         return Handled::Abandon;
                     }
                 }
@@ -267,11 +282,11 @@ impl Engine {
         sqlx::Connection::begin(c).await
     }
 
-    /// Waits before retrying a database call. `false`: shutting down instead.
-    async fn pause(&self, shutdown: &CancellationToken) -> bool {
+    /// Waits `delay`. `false`: shutting down instead.
+    async fn pause_for(&self, delay: Duration, shutdown: &CancellationToken) -> bool {
         tokio::select! {
             () = shutdown.cancelled() => false,
-            () = tokio::time::sleep(Duration::from_millis(500)) => true,
+            () = tokio::time::sleep(delay) => true,
         }
     }
 
@@ -299,6 +314,8 @@ impl Engine {
         let mut steps_done = 0u32;
         // Set when the connection failed: a fresh one is taken at the next step.
         let mut broken = false;
+        // Database calls retried in a row, for the backoff; reset by each committed step.
+        let mut tries = 0u32;
         loop {
             if lost.is_cancelled() {
                 return Some(self.lease_lost(&job));
@@ -310,8 +327,9 @@ impl Engine {
                 Ok(tx) => tx,
                 Err(e) => {
                     broken = true;
-                    tracing::warn!(error = %e, "cannot begin a step; retrying");
-                    if !self.pause(shutdown).await {
+                    tries += 1;
+                    tracing::warn!(error = %e, tries, "cannot begin a step; retrying");
+                    if !self.pause_for(retry_pause(tries), shutdown).await {
                         return None;
                     }
                     continue;
@@ -324,8 +342,9 @@ impl Engine {
                 Err(e) => {
                     drop(tx);
                     conn = None;
-                    tracing::warn!(error = %e, "fence failed; retrying");
-                    if !self.pause(shutdown).await {
+                    tries += 1;
+                    tracing::warn!(error = %e, tries, "fence failed; retrying");
+                    if !self.pause_for(retry_pause(tries), shutdown).await {
                         return None;
                     }
                     continue;
@@ -433,6 +452,7 @@ impl Engine {
             match committed {
                 Ok(None) => {
                     crash::point("after-step-commit");
+                    tries = 0;
                     if let Next::Step(cp) = next {
                         job.checkpoint = cp;
                         job.row_version = advanced;
@@ -462,19 +482,26 @@ impl Engine {
                         code,
                         message: e.to_string(),
                     };
-                    return match self.write_end(&mut conn, &handler, &job, &end).await {
-                        Ok(Some("lease_lost")) => Some(self.lease_lost(&job)),
-                        Ok(Some(name)) => {
-                            crate::metrics::slice(job.kind.name(), name, started.elapsed());
-                            Some(name)
-                        }
-                        Ok(None) => None,
-                        Err(e) => {
-                            // Not even the failure can be written. Stop here and let the lease
-                            // run out: each redelivery uses an attempt, so the claim fails the
-                            // job once they are used up.
-                            tracing::error!(kind = %job.kind, job_id = %job.job_id, error = %e, "cannot record the failure; leaving the job to its lease");
-                            Some("stuck")
+                    // The failure is written, or the lease is proven lost, before the delivery
+                    // is settled: never an ack without its deciding commit. While the failure
+                    // cannot be written (Postgres away, say) the delivery stays unacked.
+                    let mut tries = 0u32;
+                    return loop {
+                        match self.write_end(&mut conn, &handler, &job, &end).await {
+                            Ok(Some("lease_lost")) => break Some(self.lease_lost(&job)),
+                            Ok(Some(name)) => {
+                                crate::metrics::slice(job.kind.name(), name, started.elapsed());
+                                break Some(name);
+                            }
+                            Ok(None) => break None,
+                            Err(e) => {
+                                tries += 1;
+                                conn = None;
+                                tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, tries, "cannot record the failure yet; retrying");
+                                if !self.pause_for(retry_pause(tries), shutdown).await {
+                                    break None;
+                                }
+                            }
                         }
                     };
                 }
@@ -483,8 +510,9 @@ impl Engine {
                     // the row itself: while our lease token is on a live row, only we can have
                     // written it.
                     conn = None;
-                    tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, "step not confirmed; resynchronising");
-                    if !self.pause(shutdown).await {
+                    tries += 1;
+                    tracing::warn!(kind = %job.kind, job_id = %job.job_id, error = %e, tries, "step not confirmed; resynchronising");
+                    if !self.pause_for(retry_pause(tries), shutdown).await {
                         return None;
                     }
                     match self.resync(&job, shutdown).await {
@@ -566,6 +594,7 @@ impl Engine {
                (lease_token IS NULL AND {terminal}) AS ended \
              FROM {{job}} WHERE id = $1"
         ));
+        let mut tries = 0u32;
         loop {
             type Row = (i32, String, Option<bool>, Option<bool>);
             let row: Result<Option<Row>, _> = async {
@@ -586,8 +615,9 @@ impl Engine {
                 }
                 Ok(_) => return Resync::Lost,
                 Err(e) => {
-                    tracing::warn!(error = %e, "database unreachable; waiting");
-                    if !self.pause(shutdown).await {
+                    tries += 1;
+                    tracing::warn!(error = %e, tries, "database unreachable; waiting");
+                    if !self.pause_for(retry_pause(tries), shutdown).await {
                         return Resync::Shutdown;
                     }
                 }
@@ -724,6 +754,7 @@ pub async fn consume(
                             sent
                         }
                         Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
+                        Handled::GiveBack => delivery.reject(BasicRejectOptions { requeue: true }).await,
                         Handled::Abandon => Ok(true),
                     };
                     if let Err(e) = sent {
@@ -761,4 +792,47 @@ pub async fn consume(
     )
     .await;
     result
+}
+
+/// The pause before the `tries`-th retry of a database call: 100 ms doubling to 5 s, with
+/// jitter (half to all of it), so that workers that lost Postgres together do not return in
+/// step.
+fn retry_pause(tries: u32) -> Duration {
+    let base = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(5))
+        .with_factor(2.0)
+        .without_max_times();
+    let ceiling = backon::BackoffBuilder::build(base)
+        .nth(usize::try_from(tries.saturating_sub(1)).unwrap_or(usize::MAX))
+        .unwrap_or(Duration::from_secs(5));
+    ceiling.mul_f64(0.5 + rand::random::<f64>() * 0.5)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::retry_pause;
+    use std::time::Duration;
+
+    #[test]
+    fn retry_pauses_grow_to_a_ceiling_with_jitter() {
+        // (try, lowest, highest): half to all of 100 ms × 2^(try-1), at most 5 s.
+        let table = [
+            (1, 50, 100),
+            (2, 100, 200),
+            (3, 200, 400),
+            (6, 1600, 3200),
+            (7, 2500, 5000),
+            (50, 2500, 5000),
+        ];
+        for (tries, lo, hi) in table {
+            for _ in 0..50 {
+                let p = retry_pause(tries);
+                assert!(
+                    p >= Duration::from_millis(lo) && p <= Duration::from_millis(hi),
+                    "try {tries}: {p:?} outside {lo}..={hi} ms"
+                );
+            }
+        }
+    }
 }
