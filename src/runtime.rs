@@ -65,6 +65,10 @@ async fn nap(d: Duration, shutdown: &CancellationToken) -> bool {
 /// flight (`prefetch` per kind), plus some for the relay's rounds and listener, heartbeats and
 /// maintenance. A relay-only process needs one per round in flight (`depth` per kind) and a
 /// few besides, and should not hold a consumer's share of Postgres' connection limit.
+/// Connections of the heartbeat pool. A heartbeat is one short statement every lease/3, so
+/// two serve every lease a worker holds.
+const HEARTBEAT_CONNECTIONS: u32 = 2;
+
 fn pool_size(consumer: bool, prefetch: u16, kinds: usize, depth: usize) -> u32 {
     let kinds = u32::try_from(kinds).unwrap_or(u32::MAX);
     if consumer {
@@ -99,6 +103,8 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         idle,
     )?;
     let pool = db::lazy_pool(options.clone(), pool_size, s.connect_timeout);
+    // Heartbeats have connections of their own: the slices hold theirs for a whole slice.
+    let heartbeat_pool = db::lazy_pool(options.clone(), HEARTBEAT_CONNECTIONS, s.connect_timeout);
     let topology = Topology::new(&s.queue_prefix);
     let mut tasks = JoinSet::new();
     let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
@@ -147,8 +153,15 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     }
     // Every worker's pool grows on demand, so too many of them for Postgres' connection limit
     // show up only under load, as steps waiting for connections. Say so at start.
-    // The pool (the relay's listener keeps one of its connections) and the liveness lock.
-    let per_worker = pool_size + u32::from(lock.is_some());
+    // The pool (the relay's listener keeps one of its connections), the liveness lock and the
+    // heartbeat connections.
+    let per_worker = pool_size
+        + u32::from(lock.is_some())
+        + if opts.consumer {
+            HEARTBEAT_CONNECTIONS
+        } else {
+            0
+        };
     match db::capacity(&pool, lock.is_some()).await {
         Ok(cap) => {
             if let Some(warning) = db::over_capacity(per_worker, cap) {
@@ -189,12 +202,15 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             .filter(|h| opts.kinds.contains(&h.kind()))
             .collect();
         let with = opts.kinds.clone();
-        let engine = Arc::new(Engine::new(
-            pool.clone(),
-            opts.worker_id.clone(),
-            handlers,
-            opts.consumer_cfg.clone(),
-        ));
+        let engine = Arc::new(
+            Engine::new(
+                pool.clone(),
+                opts.worker_id.clone(),
+                handlers,
+                opts.consumer_cfg.clone(),
+            )
+            .with_heartbeat_pool(heartbeat_pool.clone()),
+        );
         tasks.spawn(consumers(
             engine,
             health.clone(),

@@ -1342,6 +1342,53 @@ impl Handler for OverlongCheckpoint {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_a_long_slice_alive_when_the_slices_hold_every_pool_connection() {
+    let env = TestEnv::new().await;
+    // Twelve steps of 300 ms under a 2 s lease: the slice outlives its first lease, and its one
+    // pool connection is the pool's only one.
+    let (job, outbox) = enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            steps: 12,
+            step_sleep: Duration::from_millis(300),
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let url = kfs_worker::config::database_url(Some(&env.url)).unwrap();
+    let options = kfs_worker::db::session_options(&url, "kfs-worker heartbeat test", None).unwrap();
+    let slices = kfs_worker::db::lazy_pool(options.clone(), 1, Duration::from_secs(10));
+    let heartbeats = kfs_worker::db::lazy_pool(options, 2, Duration::from_secs(10));
+    let mut cfg = ConsumerConfig::default();
+    cfg.policies.insert(
+        Kind::Probe,
+        Policy {
+            lease: Duration::from_secs(2),
+            ..Kind::Probe.spec().policy
+        },
+    );
+    let engine = Engine::new(
+        slices.clone(),
+        "worker-hb",
+        vec![Arc::new(ProbeHandler)],
+        cfg,
+    )
+    .with_heartbeat_pool(heartbeats.clone());
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let handled = process(&engine, &d).await;
+    let after = probe_job(&env.pool, job).await;
+    assert_eq!(
+        (handled, after.run_state.as_str()),
+        (ack("claimed", Some("succeeded")), "succeeded"),
+        "the lease ran out while its heartbeats waited for a connection: {after:?}"
+    );
+    assert_eq!(effects(&env.pool, job).await.len(), 12);
+    slices.close().await;
+    heartbeats.close().await;
+    env.cleanup().await;
+}
+
 /// A step the database refuses, whose failure record fails `failures_left` times first.
 struct RefusedThenFailureFails {
     failures_left: std::sync::atomic::AtomicI32,

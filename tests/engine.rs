@@ -287,9 +287,9 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     .fetch_one(&env.pool)
     .await
     .unwrap();
-    // At prefetch 60 the pool is capped at 64; with the liveness lock a worker may open 65
-    // connections. Enough workers that together they would pass the limit.
-    let per_worker = 65;
+    // At prefetch 60 the pool is capped at 64; with the liveness lock and the two heartbeat
+    // connections a worker may open 67. Enough workers that together they would pass the limit.
+    let per_worker = 67;
     let needed = usable / per_worker + 1;
     let mut workers = Vec::new();
     let held = || async { kfs_worker::liveness::count_live(&env.pool).await.unwrap() };

@@ -175,8 +175,8 @@ impl Statements {
             ),
             heartbeat: spec.sql(&format!(
                 "WITH j AS ( \
-                   UPDATE {{job}} SET lease_expires_at = {{now+$3}}, heartbeat_at = {{now}} \
-                   WHERE id = $1 AND lease_token = $2 AND lease_expires_at > {{now}} AND {live} \
+                   UPDATE {{job}} SET lease_expires_at = {{clock+$3}}, heartbeat_at = {{clock}} \
+                   WHERE id = $1 AND lease_token = $2 AND lease_expires_at > {{clock}} AND {live} \
                    RETURNING lease_expires_at \
                  ), o AS ( \
                    UPDATE {{outbox}} SET available_at = j.lease_expires_at FROM j \

@@ -98,6 +98,10 @@ impl Default for ConsumerConfig {
 /// Runs jobs for deliveries. Shared by all consumers of one process.
 pub struct Engine {
     pool: PgPool,
+    /// Heartbeats take their connections here, never from `pool`, whose connections the
+    /// slices hold for their whole length: a heartbeat queued behind them let leases expire
+    /// under load.
+    heartbeat_pool: PgPool,
     worker_id: String,
     handlers: HashMap<Kind, Arc<dyn Handler>>,
     statements: HashMap<Kind, Arc<Statements>>,
@@ -119,6 +123,7 @@ impl Engine {
             .map(|&k| (k, Arc::new(Statements::new(k.spec()))))
             .collect();
         Self {
+            heartbeat_pool: pool.clone(),
             pool,
             worker_id: worker_id.into(),
             handlers,
@@ -126,6 +131,13 @@ impl Engine {
             cfg,
             counters: Counters::default(),
         }
+    }
+
+    /// Heartbeats use `pool` (a pool of their own) instead of the slices' pool.
+    #[must_use]
+    pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
+        self.heartbeat_pool = pool;
+        self
     }
 
     pub fn kinds(&self) -> Vec<Kind> {
@@ -304,7 +316,7 @@ impl Engine {
         let handler = self.handlers[&job.kind].clone();
         let lost = CancellationToken::new();
         let _heartbeat = HeartbeatGuard::start(
-            self.pool.clone(),
+            self.heartbeat_pool.clone(),
             job.clone(),
             policy,
             lost.clone(),

@@ -240,8 +240,9 @@ pub static PROBE: KindSpec = KindSpec {
 impl KindSpec {
     /// Renders a statement template for this kind's tables:
     /// `{job}`, `{outbox}`, `{fk}`, `{cp}` (checkpoint column), `{now}` (transaction time),
-    /// `{clock}` (the wall clock at the statement, for lease checks), and `{now+X}` for
-    /// "now plus X milliseconds" (X a parameter or column) in the table's own time type. Time always comes from the
+    /// `{clock}` (the wall clock at the statement, for lease checks), and `{now+X}` and
+    /// `{clock+X}` for "now plus X milliseconds" (X a parameter or column) in the table's own
+    /// time type. Time always comes from the
     /// database clock, so workers never compare their own clocks.
     pub fn sql(&self, template: &str) -> String {
         let now = match self.clock {
@@ -268,6 +269,17 @@ impl KindSpec {
             Clock::Timestamptz => "clock_timestamp()",
             Clock::EpochMillis => "(extract(epoch from clock_timestamp()) * 1000)::bigint",
         };
+        while let Some(start) = out.find("{clock+") {
+            let end = start + out[start..].find('}').expect("unterminated {clock+...}");
+            let param = &out[start + 7..end];
+            let expr = match self.clock {
+                Clock::Timestamptz => {
+                    format!("(clock_timestamp() + {param}::bigint * interval '1 millisecond')")
+                }
+                Clock::EpochMillis => format!("({clock} + {param}::bigint)"),
+            };
+            out.replace_range(start..=end, &expr);
+        }
         out.replace("{now}", now).replace("{clock}", clock)
     }
 
