@@ -50,28 +50,42 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
     .await
 }
 
-/// Holds the lock until shutdown; re-takes it after the session is lost.
+/// Holds the lock until shutdown; re-takes it at once after the session is lost.
+///
+/// The session always has a statement running (`pg_sleep`, a few seconds at a time), so a
+/// session ended from outside (`pg_terminate_backend`, a pooler or server restart) fails that
+/// statement the moment it happens and the lock is taken again within milliseconds, not at the
+/// next ping. While it is gone, `kfs_worker_alive` is false and another worker may take this
+/// one's jobs over; the shorter that window, the fewer healthy slices it costs. A statement
+/// that hangs (a half-open connection) is given up after its timeout, as a lost session.
 pub async fn hold(
     url: SecretUrl,
     worker_id: String,
     mut conn: PgConnection,
     shutdown: CancellationToken,
 ) {
+    const NAP: &str = "SELECT pg_sleep(2)";
     loop {
-        tokio::select! {
+        let alive = tokio::select! {
             () = shutdown.cancelled() => {
-                let _ = conn.close().await;
+                let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
                 return;
             }
-            () = tokio::time::sleep(Duration::from_secs(2)) => {}
-        }
-        if conn.ping().await.is_ok() {
+            r = tokio::time::timeout(Duration::from_secs(6), sqlx::query(NAP).execute(&mut conn)) => match r {
+                Ok(Ok(_)) => true,
+                // A cancelled statement (pg_cancel_backend) leaves the session and its lock.
+                Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("57014") => true,
+                _ => false,
+            },
+        };
+        if alive {
             continue;
         }
         tracing::warn!(
             worker_id,
-            "liveness session lost; jobs held by this worker may be taken over"
+            "liveness session lost; taking the liveness lock again"
         );
+        let mut retry = Duration::from_millis(50);
         loop {
             if shutdown.is_cancelled() {
                 return;
@@ -84,7 +98,11 @@ pub async fn hold(
                 }
                 Err(e) => {
                     tracing::warn!(worker_id, error = %e, "cannot take the liveness lock yet");
-                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        () = tokio::time::sleep(retry) => {}
+                    }
+                    retry = (retry * 2).min(Duration::from_secs(2));
                 }
             }
         }

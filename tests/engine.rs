@@ -591,3 +591,94 @@ async fn acquiring_past_the_patience_under_contention_leaks_no_connection() {
     );
     env.cleanup().await;
 }
+
+/// A healthy worker never loses a job, or its last attempt, to a blip of its own liveness
+/// session: the job's message published again while that session is gone finds the job its
+/// holder's, and the holder finishes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = common::enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            steps: 3,
+            step_sleep: Duration::from_millis(1500),
+            // One attempt left after the first claim: a takeover could still use it, and the
+            // exhaustion check must not fail the job while its holder runs it.
+            max_attempts: 2,
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let mut w = env.spawn_worker(
+        "blip",
+        &["run", "--kinds", "probe", "--worker-id", "blip"],
+        &[("KFS_RELAY_POLL", "100ms")],
+    );
+    let running = env
+        .wait_until(Duration::from_secs(20), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT run_state = 'running' AND worker_id = 'blip' FROM kfs_probe_jobs WHERE id = $1",
+            )
+            .bind(job)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    assert!(running, "{}", w.tail(20));
+    // The liveness session only, then at once the job's message again.
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND application_name = 'kfs-worker liveness blip'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(ended, 1, "the liveness session was found");
+    sqlx::query("UPDATE kfs_probe_outbox SET available_at = now() WHERE id = $1")
+        .bind(outbox)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let done = env
+        .wait_until(Duration::from_secs(30), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT run_state IN ('succeeded', 'failed') FROM kfs_probe_jobs WHERE id = $1",
+            )
+            .bind(job)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    let log = w.log_text();
+    w.kill();
+    assert!(done, "{log}");
+    let (state, attempts, code): (String, i32, Option<String>) = sqlx::query_as(
+        "SELECT run_state::text, execution_attempts, last_error_code FROM kfs_probe_jobs WHERE id = $1",
+    )
+    .bind(job)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), attempts, code.as_deref()),
+        ("succeeded", 1, None),
+        "{log}"
+    );
+    let effects: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT worker_id, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY 1",
+    )
+    .bind(job)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        effects,
+        vec![("blip".to_owned(), 3)],
+        "each step once, by its holder"
+    );
+    assert!(!log.contains("lease lost"), "the holder kept its lease\n{log}");
+    env.cleanup().await;
+}

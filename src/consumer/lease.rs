@@ -149,8 +149,10 @@ impl Statements {
                 "SELECT o.status::text, o.queue_job_id, o.{{fk}} = $1 AS same_job, \
                    j.row_version, ({terminal}) AS terminal, \
                    (j.{{cp}} = 'paused') AS paused, \
-                   (j.lease_token IS NOT NULL AND j.lease_expires_at > {{now}} AND kfs_worker_alive(j.worker_id)) AS lease_live, \
-                   (j.execution_attempts >= j.max_execution_attempts) AS exhausted, \
+                   (j.lease_token IS NOT NULL AND j.lease_expires_at > {{now}} \
+                     AND (kfs_worker_alive(j.worker_id) OR j.execution_attempts >= j.max_execution_attempts)) AS lease_live, \
+                   (j.execution_attempts >= j.max_execution_attempts \
+                     AND (j.lease_token IS NULL OR j.lease_expires_at <= {{now}})) AS exhausted, \
                    (j.retry_at IS NOT NULL AND j.retry_at > {{now}}) AS retry_later \
                  FROM {{outbox}} o LEFT JOIN {{job}} j ON j.id = o.{{fk}} WHERE o.id = $2"
             )),
@@ -404,7 +406,9 @@ async fn diagnose(
         return Ok(Claim::Stale("job is paused"));
     }
     if lease_live == Some(true) {
-        // Another live worker runs it. Keep the outbox row due when that lease would run out,
+        // Another live worker runs it (or its holder only looks gone, a blip of its liveness
+        // session, and no attempt is left to take it over with: only the lease's end decides
+        // that the job used its last attempt). Keep the outbox row due when that lease would run out,
         // so the job is published again if that worker stops heartbeating, whatever the
         // visibility window of this delivery was.
         sqlx::query(&st.rearm_at_lease)
