@@ -2218,15 +2218,24 @@ async fn a_failed_research_task_ends_failed_with_a_millisecond_completion_time()
     assert_eq!((r.lease_token, r.lease_expires_at), (None, None));
     assert!(r.error.unwrap_or_default().starts_with("research_broken: "));
     assert_eq!(research_outbox(&env.pool, outbox).await.0, "dead");
-    // The stages it went through before failing are recorded.
-    let last: String = sqlx::query_scalar(
-        "SELECT stage FROM research_task_progress_events WHERE research_task_job_id = $1 ORDER BY sequence DESC LIMIT 1",
+    // The stages it went through before failing are recorded, then the failure itself.
+    let last: Vec<(String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT event_type, stage, payload FROM research_task_progress_events WHERE research_task_job_id = $1 \
+         ORDER BY sequence DESC LIMIT 2",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_all(&env.pool)
     .await
     .unwrap();
-    assert_eq!(last, "analyzing");
+    assert_eq!(last[1].1, "analyzing", "{last:?}");
+    assert_eq!(
+        last[0],
+        (
+            "research_task.failed".to_owned(),
+            "failed".to_owned(),
+            serde_json::json!({"error": "research_broken"})
+        )
+    );
     env.cleanup().await;
 }
 

@@ -1469,6 +1469,24 @@ async fn dispatch_exhaustion_fails_each_platform_job_by_its_tables_rules() {
         "completed_at {completed_at} is epoch ms near {now_ms}"
     );
     assert!(error.unwrap_or_default().starts_with("dispatch_exhausted"));
+    // As every failure, the relay's records the kind's failure: research's failed event.
+    let events: Vec<(String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT event_type, stage, payload FROM research_task_progress_events \
+         WHERE research_task_job_id = $1 ORDER BY sequence",
+    )
+    .bind(research)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        vec![(
+            "research_task.failed".to_owned(),
+            "failed".to_owned(),
+            serde_json::json!({"error": "dispatch_exhausted"})
+        )],
+        "the failed event, and no claim event: nothing claimed the task"
+    );
     delete_exchange(&env, &topology).await;
     env.cleanup().await;
 }

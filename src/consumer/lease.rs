@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::jobs::{Clock, JobCtx, Kind, KindSpec, States};
+use crate::jobs::{Clock, Handler, JobCtx, Kind, KindSpec, States};
 
 /// The prepared statement texts of one kind, rendered once.
 #[derive(Debug)]
@@ -198,11 +198,13 @@ impl Statements {
             fail_exhausted: spec.sql(&format!(
                 "WITH j AS ( \
                    UPDATE {{job}} SET {exhausted_set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = {{now}} \
-                   WHERE id = $1 AND row_version = $2 RETURNING id \
+                   WHERE id = $1 AND row_version = $2 \
+                   RETURNING id, {{cp}}::text AS cp, row_version, execution_attempts, max_execution_attempts \
                  ) \
                  UPDATE {{outbox}} AS o SET status = 'dead', last_error = 'attempts_exhausted', lock_token = NULL, \
                    locked_by = NULL, locked_until = NULL, updated_at = {{now}} \
-                 FROM j WHERE o.id = $4 RETURNING o.id"
+                 FROM j WHERE o.id = $4 \
+                 RETURNING j.cp, j.row_version, j.execution_attempts, j.max_execution_attempts"
             )),
             rearm_at_lease: spec.sql(
                 "UPDATE {outbox} AS o SET status = 'leased', available_at = j.lease_expires_at, \
@@ -258,13 +260,26 @@ pub struct DeliveryRef {
 }
 
 /// Claims the job a delivery points at. The claim is one statement committed on its own; only
-/// a delivery it does not claim is diagnosed, in a second transaction.
+/// a delivery it does not claim is diagnosed, in a second transaction. A failure the diagnosis
+/// writes is recorded with the kind's own hook (see [`claim_with`]).
 pub async fn claim(
     conn: &mut PgConnection,
     st: &Statements,
     d: &DeliveryRef,
     worker_id: &str,
     lease: Duration,
+) -> Result<Claim, sqlx::Error> {
+    claim_with(conn, st, d, worker_id, lease, None).await
+}
+
+/// [`claim`], recording a failure the diagnosis writes with `hook` (the consumer's handler).
+pub async fn claim_with(
+    conn: &mut PgConnection,
+    st: &Statements,
+    d: &DeliveryRef,
+    worker_id: &str,
+    lease: Duration,
+    hook: Option<&dyn Handler>,
 ) -> Result<Claim, sqlx::Error> {
     let token = Uuid::new_v4();
     type Row = (String, i32, i32, i32, bool, Option<f64>);
@@ -299,7 +314,7 @@ pub async fn claim(
         }));
     }
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let verdict = diagnose(&mut tx, st, d).await?;
+    let verdict = diagnose(&mut tx, st, d, hook).await?;
     tx.commit().await?;
     Ok(verdict)
 }
@@ -308,6 +323,7 @@ async fn diagnose(
     tx: &mut Transaction<'_, Postgres>,
     st: &Statements,
     d: &DeliveryRef,
+    hook: Option<&dyn Handler>,
 ) -> Result<Claim, sqlx::Error> {
     type Row = (
         String,
@@ -370,18 +386,28 @@ async fn diagnose(
         return Ok(Claim::Duplicate);
     }
     if exhausted == Some(true) {
-        let done = sqlx::query(&st.fail_exhausted)
+        let done: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.fail_exhausted)
             .bind(d.job_id)
             .bind(row_version)
             .bind("the job used up its execution attempts")
             .bind(d.outbox_id)
-            .execute(&mut **tx)
+            .fetch_optional(&mut **tx)
             .await?;
-        return Ok(if done.rows_affected() == 1 {
-            Claim::Exhausted
-        } else {
-            Claim::Duplicate
-        });
+        let Some((checkpoint, row_version, attempts, max_attempts)) = done else {
+            return Ok(Claim::Duplicate);
+        };
+        // The kind's record of the failure commits with it, as for every failure.
+        let job = JobCtx::unleased(
+            d.kind,
+            d.job_id,
+            d.outbox_id,
+            row_version,
+            checkpoint,
+            attempts,
+            max_attempts,
+        );
+        crate::jobs::failed(tx, hook, &job, "attempts_exhausted").await?;
+        return Ok(Claim::Exhausted);
     }
     if retry_later == Some(true) {
         // Delivered before its retry time: put the outbox row back so the relay sends it then.

@@ -188,13 +188,14 @@ impl Engine {
     /// Handles one decoded delivery: claim, then run a slice if the job is ours.
     pub async fn process_ref(&self, d: &DeliveryRef, shutdown: &CancellationToken) -> Handled {
         let st = &self.statements[&d.kind];
+        let hook = self.handlers[&d.kind].as_ref();
         let policy = self.policy(d.kind);
         // One connection serves the claim and the whole slice; a failed statement drops it.
         let mut conn: Slot = None;
         let claim = loop {
             let attempt = async {
                 let c = self.connection(&mut conn).await?;
-                lease::claim(c, st, d, &self.worker_id, policy.lease).await
+                lease::claim_with(c, st, d, &self.worker_id, policy.lease, Some(hook)).await
             };
             match attempt
                 .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id))
@@ -513,8 +514,7 @@ impl Engine {
         }
         if let End::Fail { code, .. } = end {
             // The kind's own record of the failure commits with the failure.
-            handler
-                .on_fail(&mut tx, job, code)
+            crate::jobs::failed(&mut tx, Some(handler.as_ref()), job, code)
                 .await
                 .map_err(StepError::Certain)?;
         }
