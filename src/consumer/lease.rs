@@ -27,6 +27,7 @@ pub struct Statements {
     fail_exhausted: String,
     rearm_at_retry: String,
     rearm_at_lease: String,
+    settle: super::settle::Statements,
 }
 
 const LEASE_CLEAR: &str =
@@ -219,6 +220,7 @@ impl Statements {
                  FROM {job} j WHERE o.id = $2 AND j.id = $1 AND o.{fk} = j.id AND o.queue_job_id = $3 \
                    AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.retry_at IS NOT NULL",
             ),
+            settle: super::settle::Statements::new(spec),
         }
     }
 }
@@ -319,6 +321,21 @@ pub async fn claim_with(
     Ok(verdict)
 }
 
+/// Settles the outbox row an unusable message names (see [`super::settle`]), in a transaction
+/// of its own on `conn`.
+pub async fn settle_named(
+    conn: &mut PgConnection,
+    st: &Statements,
+    hook: Option<&dyn Handler>,
+    outbox_id: Uuid,
+    delivery_id: &str,
+) -> Result<super::settle::Settled, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let settled = super::settle::settle(&mut tx, &st.settle, hook, outbox_id, delivery_id).await?;
+    tx.commit().await?;
+    Ok(settled)
+}
+
 async fn diagnose(
     tx: &mut Transaction<'_, Postgres>,
     st: &Statements,
@@ -356,6 +373,11 @@ async fn diagnose(
         return Ok(Claim::Stale("no such outbox row"));
     };
     if !same_job {
+        // The message names another job than its row's. When it is the row's current delivery
+        // the row's own payload says so, and no delivery of it can ever be used.
+        let settled =
+            super::settle::settle(tx, &st.settle, hook, d.outbox_id, &d.delivery_id).await?;
+        log_settled(d, &settled);
         return Ok(Claim::Stale("outbox row belongs to another job"));
     }
     if queue_job_id.as_deref() != Some(d.delivery_id.as_str()) {
@@ -368,6 +390,11 @@ async fn diagnose(
         return Ok(Claim::Stale("no such job"));
     };
     if terminal == Some(true) {
+        // The job ended while its row was still out for delivery: settle the row to match, so
+        // the relay stops publishing it.
+        let settled =
+            super::settle::settle(tx, &st.settle, hook, d.outbox_id, &d.delivery_id).await?;
+        log_settled(d, &settled);
         return Ok(Claim::Terminal);
     }
     if paused == Some(true) {
@@ -420,6 +447,20 @@ async fn diagnose(
         return Ok(Claim::Stale("delivered before the job's retry time"));
     }
     Ok(Claim::Stale("job is not claimable"))
+}
+
+pub(crate) fn log_settled(d: &DeliveryRef, settled: &super::settle::Settled) {
+    match settled {
+        super::settle::Settled::Left(why) => {
+            tracing::debug!(kind = %d.kind, outbox_id = %d.outbox_id, delivery_id = %d.delivery_id, why, "outbox row left as it is");
+        }
+        super::settle::Settled::Dead { reason, job_failed } => {
+            tracing::warn!(kind = %d.kind, outbox_id = %d.outbox_id, reason = %reason, job_failed, "no delivery can use this outbox row: dead");
+        }
+        super::settle::Settled::Matched(status) => {
+            tracing::info!(kind = %d.kind, outbox_id = %d.outbox_id, status, "outbox row settled to match its terminal job");
+        }
+    }
 }
 
 /// Locks the job row for one step and checks that the lease is still ours. Returns the row

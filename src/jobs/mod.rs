@@ -471,7 +471,7 @@ pub trait Handler: Send + Sync + 'static {
 
 /// Records a job's failure beyond its job and outbox rows: the one function every way a job
 /// fails goes through (a slice that ends failed, attempts used up, an outbox row the relay gave
-/// up on). Runs in the transaction that wrote the failure, after
+/// up on or that no delivery can use). Runs in the transaction that wrote the failure, after
 /// it, so all of it commits together: the kind's own record ([`kind_failed`]) always, then the
 /// handler's [`Handler::on_fail`] when there is one. Writers that run no step (the relay) have
 /// no handler; the kind's record does not need one.
