@@ -515,11 +515,15 @@ async fn an_expired_lease_is_taken_over_even_while_its_worker_lives() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivery_for_a_terminal_job_is_acked_as_terminal_and_changes_nothing() {
+async fn a_delivery_for_a_terminal_job_is_acked_as_terminal_and_settles_its_row_to_match() {
     let env = TestEnv::new().await;
     let engine = probe_engine(&env, "worker-term", ConsumerConfig::default());
-    for state in ["succeeded", "failed", "canceled"] {
-        let (_, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    for (state, settled) in [
+        ("succeeded", "completed"),
+        ("failed", "dead"),
+        ("canceled", "canceled"),
+    ] {
+        let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
         let d = dispatch(&env.pool, Kind::Probe, outbox).await;
         sqlx::query(
             "UPDATE kfs_probe_jobs SET run_state = $2, active_slot = NULL, completed_at = now(), row_version = row_version + 1 \
@@ -530,12 +534,32 @@ async fn a_delivery_for_a_terminal_job_is_acked_as_terminal_and_changes_nothing(
         .execute(&env.pool)
         .await
         .unwrap();
-        let before = probe_snapshot(&env.pool).await;
+        let job_before = job_text(&env.pool, job).await;
         assert_eq!(process(&engine, &d).await, ack("terminal", None), "{state}");
+        assert_eq!(
+            job_text(&env.pool, job).await,
+            job_before,
+            "{state}: the job is left as it is"
+        );
+        // The row is settled once, so the relay does not publish it again every window.
+        let o = probe_outbox(&env.pool, outbox).await;
+        assert_eq!(o.status, settled, "{state}");
+        assert!(o.lock_cleared, "{state}");
+        assert_eq!(
+            o.last_error.is_some(),
+            settled != "completed",
+            "{state}: {o:?}"
+        );
+        let before = probe_snapshot(&env.pool).await;
+        assert_eq!(
+            process(&engine, &d).await,
+            ack("stale", None),
+            "{state}: again"
+        );
         assert_eq!(
             probe_snapshot(&env.pool).await,
             before,
-            "{state}: nothing changed"
+            "{state}: settled once"
         );
     }
     assert_eq!(engine.counters.terminal.load(Ordering::Relaxed), 3);
@@ -1302,6 +1326,9 @@ async fn undecodable_deliveries_are_rejected_counted_and_change_nothing() {
         assert!(matches!(handled, Handled::Reject(_)), "{why}: {handled:?}");
     }
     assert_eq!(engine.counters.poison.load(Ordering::Relaxed), n);
+    // The row itself is usable (its own message decodes): garbled messages that name it settle
+    // nothing, and its next delivery is claimed. Rows whose own message is unusable are settled
+    // (`rows_no_delivery_can_use_are_settled_once_and_dead_lettered_at_most_once`).
     assert_eq!(
         probe_snapshot(&env.pool).await,
         before,
@@ -2488,15 +2515,24 @@ async fn a_failed_research_task_ends_failed_with_a_millisecond_completion_time()
     assert_eq!((r.lease_token, r.lease_expires_at), (None, None));
     assert!(r.error.unwrap_or_default().starts_with("research_broken: "));
     assert_eq!(research_outbox(&env.pool, outbox).await.0, "dead");
-    // The stages it went through before failing are recorded.
-    let last: String = sqlx::query_scalar(
-        "SELECT stage FROM research_task_progress_events WHERE research_task_job_id = $1 ORDER BY sequence DESC LIMIT 1",
+    // The stages it went through before failing are recorded, then the failure itself.
+    let last: Vec<(String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT event_type, stage, payload FROM research_task_progress_events WHERE research_task_job_id = $1 \
+         ORDER BY sequence DESC LIMIT 2",
     )
     .bind(job)
-    .fetch_one(&env.pool)
+    .fetch_all(&env.pool)
     .await
     .unwrap();
-    assert_eq!(last, "analyzing");
+    assert_eq!(last[1].1, "analyzing", "{last:?}");
+    assert_eq!(
+        last[0],
+        (
+            "research_task.failed".to_owned(),
+            "failed".to_owned(),
+            serde_json::json!({"error": "research_broken"})
+        )
+    );
     env.cleanup().await;
 }
 
@@ -2542,12 +2578,299 @@ async fn a_paused_research_task_is_not_run_and_a_terminal_one_is_acked_as_termin
     .execute(&env.pool)
     .await
     .unwrap();
-    let before = snapshot(env.pool.clone()).await;
     assert_eq!(
         process(&engine, &d).await,
         ack("terminal", None),
         "canceled"
     );
+    // Its row, still out for delivery, is settled to match, and nothing else changes.
+    assert_eq!(research_outbox(&env.pool, done_outbox).await.0, "canceled");
+    let before = snapshot(env.pool.clone()).await;
+    assert_eq!(process(&engine, &d).await, ack("stale", None), "again");
     assert_eq!(snapshot(env.pool.clone()).await, before);
+    env.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rows no delivery can use
+// ---------------------------------------------------------------------------------------------
+
+/// Every message on the dead-letter queue, taken off it: the outbox id each names.
+async fn dead_lettered(env: &TestEnv) -> Vec<Option<Uuid>> {
+    let ch = env.channel().await;
+    let mut out = Vec::new();
+    while let Some(m) = ch
+        .basic_get(
+            env.topology.dead_letter_queue().as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+    {
+        let outbox = m
+            .delivery
+            .properties
+            .headers()
+            .as_ref()
+            .and_then(|h| kfs_worker::consumer::decode::str_header(h, "x-kfs-outbox-id"))
+            .and_then(|s| Uuid::parse_str(s).ok());
+        out.push(outbox);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_no_delivery_can_use_are_settled_once_and_dead_lettered_at_most_once() {
+    let env = TestEnv::new().await;
+    let url = env.services().database_url;
+    let terminal = |state: &'static str| {
+        format!(
+            "UPDATE kfs_probe_jobs SET run_state = '{state}', active_slot = NULL, completed_at = now(), \
+               row_version = row_version + 1 WHERE id = $1"
+        )
+    };
+    let (succeeded_job, _) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    // (what, the row's change, the job's change, outbox status, job state, most copies in the DLQ)
+    type Case = (
+        &'static str,
+        String,
+        Option<String>,
+        &'static str,
+        &'static str,
+        usize,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "a payload that is no JSON object",
+            "UPDATE kfs_probe_outbox SET payload = '[1, 2, 3]' WHERE id = $1".into(),
+            None,
+            "dead",
+            "failed",
+            1,
+        ),
+        (
+            "a schema version no consumer reads",
+            "UPDATE kfs_probe_outbox SET schema_version = 2 WHERE id = $1".into(),
+            None,
+            "dead",
+            "failed",
+            1,
+        ),
+        (
+            "an id of another kind's job",
+            "UPDATE kfs_probe_outbox SET payload = jsonb_build_object('attemptId', probe_job_id::text) WHERE id = $1"
+                .into(),
+            None,
+            "dead",
+            "failed",
+            1,
+        ),
+        (
+            "a job id that names no job",
+            "UPDATE kfs_probe_outbox SET payload = jsonb_build_object('probeJobId', gen_random_uuid()::text) WHERE id = $1"
+                .into(),
+            None,
+            "dead",
+            "failed",
+            0,
+        ),
+        (
+            "another job's id",
+            format!(
+                "UPDATE kfs_probe_outbox SET payload = jsonb_build_object('probeJobId', '{succeeded_job}') WHERE id = $1"
+            ),
+            None,
+            "dead",
+            "failed",
+            0,
+        ),
+        (
+            "a job that succeeded",
+            "SELECT $1::uuid".into(),
+            Some(terminal("succeeded")),
+            "completed",
+            "succeeded",
+            0,
+        ),
+        (
+            "a job that failed",
+            "SELECT $1::uuid".into(),
+            Some(terminal("failed")),
+            "dead",
+            "failed",
+            0,
+        ),
+        (
+            "a job that was canceled",
+            "SELECT $1::uuid".into(),
+            Some(terminal("canceled")),
+            "canceled",
+            "canceled",
+            0,
+        ),
+        (
+            "a healthy row (control)",
+            "SELECT $1::uuid".into(),
+            None,
+            "completed",
+            "succeeded",
+            0,
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (what, row_sql, job_sql, ..) in &cases {
+        let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+        sqlx::query(row_sql)
+            .bind(outbox)
+            .execute(&env.pool)
+            .await
+            .unwrap();
+        if let Some(sql) = job_sql {
+            sqlx::query(sql).bind(job).execute(&env.pool).await.unwrap();
+        }
+        rows.push((*what, job, outbox));
+    }
+    // The row of `succeeded_job` itself is put out of the way: only the job is needed.
+    sqlx::query("DELETE FROM kfs_probe_outbox WHERE probe_job_id = $1")
+        .bind(succeeded_job)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    sqlx::query(&terminal("succeeded"))
+        .bind(succeeded_job)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+
+    // A live worker leases a healthy job for long: its duplicates are legitimate.
+    let (live_job, live_outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let live = dispatch(&env.pool, Kind::Probe, live_outbox).await;
+    let liveness = kfs_worker::liveness::acquire(&url, "live-worker")
+        .await
+        .expect("liveness lock");
+    let (_, conn, _) =
+        claim_by_hand(&env.pool, &live, "live-worker", Duration::from_secs(600)).await;
+    drop(conn);
+    let live_before = (
+        job_text(&env.pool, live_job).await,
+        common::outbox_text(&env.pool, live_outbox).await,
+    );
+
+    // A relay with a short visibility window and a consumer, for many windows. The window is
+    // far longer than a delivery takes to be decided, even on a loaded machine: a row settled
+    // by its first delivery is never due again.
+    let window = Duration::from_millis(1500);
+    let relay = Relay::new(
+        env.pool.clone(),
+        env.topology.clone(),
+        "relay-settle",
+        RelayConfig {
+            visibility: window,
+            ..RelayConfig::default()
+        },
+        &[Kind::Probe],
+    );
+    let engine = Arc::new(probe_engine(
+        &env,
+        "worker-settle",
+        ConsumerConfig::default(),
+    ));
+    let shutdown = CancellationToken::new();
+    let consumer = tokio::spawn(kfs_worker::consumer::consume(
+        engine.clone(),
+        env.channel().await,
+        env.topology.queue(Kind::Probe),
+        Kind::Probe,
+        8,
+        shutdown.clone(),
+    ));
+    let ch = env.confirm_channel().await;
+    let started = std::time::Instant::now();
+    while started.elapsed() < window * 6 {
+        relay
+            .relay_once(&ch, Kind::Probe)
+            .await
+            .expect("relay round");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Every delivery in flight is decided, then the consumer stops.
+    tokio::time::sleep(window * 2).await;
+    shutdown.cancel();
+    tokio::time::timeout(HANG, consumer)
+        .await
+        .expect("consumer stopped")
+        .unwrap()
+        .unwrap();
+    let copies = dead_lettered(&env).await;
+
+    // (case, outbox status, job state, whether the dead-lettered copies are within the bound)
+    let mut got = Vec::new();
+    let mut want = Vec::new();
+    let mut counted = Vec::new();
+    for ((what, job, outbox), (_, _, job_sql, status, state, most)) in rows.iter().zip(&cases) {
+        let o = probe_outbox(&env.pool, *outbox).await;
+        let j = probe_job(&env.pool, *job).await;
+        let n = copies.iter().filter(|c| **c == Some(*outbox)).count();
+        counted.push((*what, n, o.dispatch_attempts));
+        got.push((*what, o.status.clone(), j.run_state.clone(), n <= *most));
+        want.push((*what, (*status).to_owned(), (*state).to_owned(), true));
+        if o.status == "dead" {
+            assert!(
+                o.last_error.as_deref().is_some_and(|e| !e.is_empty()),
+                "{what}: the reason is kept: {:?}",
+                o.last_error
+            );
+        }
+        if *status == "dead" && job_sql.is_none() && j.run_state == "failed" {
+            // The job of a row no delivery can use fails with a recorded error code.
+            assert_eq!(
+                j.last_error_code.as_deref(),
+                Some("undeliverable"),
+                "{what}"
+            );
+            assert!(j.completed, "{what}");
+            assert_eq!(j.active_slot, None, "{what}");
+        }
+        assert!(o.lock_cleared, "{what}");
+    }
+    assert_eq!(
+        got, want,
+        "(case, outbox, job, dead-lettered at most as allowed); (case, copies, dispatches): {counted:?}"
+    );
+    assert_eq!(
+        copies.iter().filter(|c| c.is_none()).count(),
+        0,
+        "every dead-lettered copy names its row"
+    );
+
+    // The live worker's job: not published again, and neither a stale duplicate of it nor a
+    // garbled message naming it settles anything.
+    assert_eq!(process(&engine, &live).await, ack("duplicate", None));
+    let garbled = tokio::time::timeout(
+        HANG,
+        engine.process(
+            Kind::Probe,
+            &props(
+                Some(live.delivery_id.as_str()),
+                Some("probe.job"),
+                Some(1),
+                Some(&live_outbox.to_string()),
+            ),
+            b"not json",
+            &CancellationToken::new(),
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(garbled, Handled::Reject(_)), "{garbled:?}");
+    assert_eq!(
+        (
+            job_text(&env.pool, live_job).await,
+            common::outbox_text(&env.pool, live_outbox).await,
+        ),
+        live_before,
+        "a live worker's job and row are left as they are"
+    );
+    liveness.close().await.unwrap();
     env.cleanup().await;
 }

@@ -679,6 +679,9 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
         vec![("blip".to_owned(), 3)],
         "each step once, by its holder"
     );
-    assert!(!log.contains("lease lost"), "the holder kept its lease\n{log}");
+    assert!(
+        !log.contains("lease lost"),
+        "the holder kept its lease\n{log}"
+    );
     env.cleanup().await;
 }

@@ -1075,13 +1075,65 @@ async fn odd_or_locked_rows_do_not_block_the_others() {
             dead: 0
         }
     );
+    let later = drain(&env).await;
     assert_eq!(
-        drain(&env)
-            .await
-            .iter()
-            .map(outbox_header)
-            .collect::<Vec<_>>(),
+        later.iter().map(outbox_header).collect::<Vec<_>>(),
         vec![locked_outbox]
+    );
+
+    // A consumer settles every row: those no delivery can use at once (the array payload dead,
+    // the failed job's row dead to match it), instead of leaving them to be published again
+    // every visibility window; the others by running their jobs.
+    let engine = Engine::new(
+        env.pool.clone(),
+        "worker-odd",
+        vec![Arc::new(ProbeHandler)],
+        ConsumerConfig::default(),
+    );
+    for m in msgs.iter().chain(&later) {
+        tokio::time::timeout(
+            HANG,
+            engine.process(
+                Kind::Probe,
+                &m.properties,
+                &m.data,
+                &CancellationToken::new(),
+            ),
+        )
+        .await
+        .expect("process hung");
+    }
+    let mut settled = Vec::new();
+    for outbox in [
+        huge,
+        array,
+        failed,
+        odd_trace,
+        locked_job_outbox,
+        locked_outbox,
+    ] {
+        settled.push(outbox_state(&env.pool, outbox).await.status);
+    }
+    assert_eq!(
+        settled,
+        [
+            "dead",
+            "dead",
+            "dead",
+            "completed",
+            "completed",
+            "completed"
+        ],
+        "huge, array, failed, odd_trace, locked_job_outbox, locked_outbox"
+    );
+    for (job, outbox) in &healthy {
+        assert_eq!(outbox_state(&env.pool, *outbox).await.status, "completed");
+        assert_eq!(job_state(&env.pool, *job).await.0, "succeeded");
+    }
+    assert_eq!(
+        job_text(&env.pool, failed_job).await,
+        failed_job_before,
+        "settling its row leaves a failed job as it is"
     );
     env.cleanup().await;
 }
@@ -1469,6 +1521,24 @@ async fn dispatch_exhaustion_fails_each_platform_job_by_its_tables_rules() {
         "completed_at {completed_at} is epoch ms near {now_ms}"
     );
     assert!(error.unwrap_or_default().starts_with("dispatch_exhausted"));
+    // As every failure, the relay's records the kind's failure: research's failed event.
+    let events: Vec<(String, String, serde_json::Value)> = sqlx::query_as(
+        "SELECT event_type, stage, payload FROM research_task_progress_events \
+         WHERE research_task_job_id = $1 ORDER BY sequence",
+    )
+    .bind(research)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        events,
+        vec![(
+            "research_task.failed".to_owned(),
+            "failed".to_owned(),
+            serde_json::json!({"error": "dispatch_exhausted"})
+        )],
+        "the failed event, and no claim event: nothing claimed the task"
+    );
     delete_exchange(&env, &topology).await;
     env.cleanup().await;
 }

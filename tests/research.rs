@@ -1469,6 +1469,74 @@ async fn a_snapshot_revoked_expired_or_outdated_mid_run_fails_the_task_closed() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_task_whose_attempts_are_used_up_ends_failed_with_its_failed_event() {
+    let s = seed("exhausted").await;
+    let pool = s.pool().clone();
+    let id = request(&pool, &req(&s, QUESTION)).await;
+    // A worker claims the last allowed attempt, takes one step, and dies holding the lease.
+    let handler = extractive();
+    let mut ctx = claim_by_hand(&pool, id, "w-gone").await;
+    step_by_hand(&pool, handler.as_ref(), &mut ctx)
+        .await
+        .unwrap()
+        .unwrap();
+    sqlx::query(
+        "UPDATE research_task_jobs SET max_execution_attempts = execution_attempts WHERE id = $1",
+    )
+    .bind(id)
+    .execute(&pool)
+    .await
+    .unwrap();
+    expire(&pool, id).await;
+
+    // The next delivery finds the attempts used up: the task fails, as every failure does, with
+    // its `research_task.failed` event in the same transaction.
+    let e = engine(&pool, "w-after", extractive());
+    let j = run_until_settled(&s, &e, id).await;
+    assert_eq!(j.stage, "failed", "{j:?}");
+    assert!(
+        j.error
+            .as_deref()
+            .unwrap_or_default()
+            .starts_with("attempts_exhausted"),
+        "{j:?}"
+    );
+    assert_eq!(
+        e.counters
+            .exhausted
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+    let evs = events(&pool, id).await;
+    assert_contiguous(id, &evs);
+    let sh = shape(&evs);
+    assert_eq!(
+        sh.last(),
+        Some(&(
+            "failed".into(),
+            "failed".into(),
+            json!({"error": "attempts_exhausted"})
+        )),
+        "{sh:#?}"
+    );
+    // Keyed by the row version the failure wrote.
+    assert_eq!(
+        evs.last().unwrap().3,
+        format!(
+            "research-task-progress:{id}:{}:research_task.failed",
+            j.row_version
+        )
+    );
+    assert_eq!(
+        types(&evs).iter().filter(|t| *t == "failed").count(),
+        1,
+        "{sh:#?}"
+    );
+    assert_eq!(outbox_states(&pool, id).await, vec!["dead"]);
+    s.fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_document_deleted_or_a_space_being_deleted_mid_task_is_never_read() {
     let s = seed("deleted").await;
     let pool = s.pool().clone();

@@ -1,6 +1,7 @@
 //! Decoding a delivery into the outbox row it points at. Invariant: decoding is pure and total:
 //! any bytes and properties give either a [`DeliveryRef`] or a [`DecodeError`] naming why, never
-//! a panic, and nothing is looked up in the database until decoding succeeded.
+//! a panic, and nothing here looks anything up in the database. The same rules judge an outbox
+//! row by the message the relay sends for it ([`unusable_row`]).
 
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -106,6 +107,47 @@ pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError
         outbox_id,
         delivery_id: delivery_id.to_owned(),
     })
+}
+
+/// Why no consumer can use the message the relay publishes for an outbox row, if none can: the
+/// row's own message (its delivery id, schema version, id and payload, as the relay sends them)
+/// does not decode, or names a job other than the row's. `None`: the row is usable, so a bad
+/// message that pointed at it was not the row's fault, and the row's next publish is good.
+pub fn unusable_row(
+    kind: Kind,
+    outbox_id: Uuid,
+    row_job_id: Uuid,
+    delivery_id: &str,
+    schema_version: i32,
+    payload: &serde_json::Value,
+) -> Option<String> {
+    let body = serde_json::to_vec(payload).unwrap_or_default();
+    let outbox = outbox_id.to_string();
+    let env = Envelope {
+        message_id: Some(delivery_id),
+        event_type: Some(kind.event_type()),
+        schema_version: Some(i64::from(schema_version)),
+        outbox_id: Some(&outbox),
+        body: &body,
+    };
+    match decode(kind, &env) {
+        Err(e) => Some(e.to_string()),
+        Ok(d) if d.job_id != row_job_id => Some(format!(
+            "its payload names job {}, not the row's job {row_job_id}",
+            d.job_id
+        )),
+        Ok(_) => None,
+    }
+}
+
+/// The outbox row and delivery a message names in its properties, readable even when its body
+/// is not: the relay sets both on every message.
+pub fn named_row(env: &Envelope<'_>) -> Option<(Uuid, String)> {
+    let outbox = env.outbox_id.and_then(|s| Uuid::parse_str(s).ok())?;
+    let delivery = env
+        .message_id
+        .filter(|m| !m.is_empty() && m.len() <= 255 && !m.chars().any(char::is_control))?;
+    Some((outbox, delivery.to_owned()))
 }
 
 /// Reads the envelope out of AMQP properties.
@@ -233,6 +275,41 @@ mod tests {
         for (env, want) in cases {
             assert_eq!(decode(Kind::Compile, &env).unwrap_err(), want);
         }
+    }
+
+    #[test]
+    fn judges_a_row_by_the_message_the_relay_would_send_for_it() {
+        let outbox = Uuid::parse_str(OUTBOX).unwrap();
+        let job = Uuid::parse_str(JOB).unwrap();
+        let good = serde_json::json!({ "attemptId": JOB });
+        assert_eq!(
+            unusable_row(Kind::Compile, outbox, job, "d-1", 1, &good),
+            None
+        );
+        let bad = [
+            (1, serde_json::json!([1, 2])),
+            (1, serde_json::json!({ "deletionJobId": JOB })),
+            (1, serde_json::json!({ "attemptId": OUTBOX })),
+            (2, good.clone()),
+        ];
+        for (version, payload) in bad {
+            assert!(
+                unusable_row(Kind::Compile, outbox, job, "d-1", version, &payload).is_some(),
+                "{version} {payload}"
+            );
+        }
+        let named = Envelope {
+            message_id: Some("d-1"),
+            outbox_id: Some(OUTBOX),
+            body: b"not json",
+            ..Envelope::default()
+        };
+        assert_eq!(named_row(&named), Some((outbox, "d-1".to_owned())));
+        let unnamed = Envelope {
+            message_id: None,
+            ..named.clone()
+        };
+        assert_eq!(named_row(&unnamed), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::jobs::{Clock, JobCtx, Kind, KindSpec, States};
+use crate::jobs::{Clock, Handler, JobCtx, Kind, KindSpec, States};
 
 /// The prepared statement texts of one kind, rendered once.
 #[derive(Debug)]
@@ -28,6 +28,7 @@ pub struct Statements {
     fail_exhausted: String,
     rearm_at_retry: String,
     rearm_at_lease: String,
+    settle: super::settle::Statements,
 }
 
 const LEASE_CLEAR: &str =
@@ -210,11 +211,13 @@ impl Statements {
             fail_exhausted: spec.sql(&format!(
                 "WITH j AS ( \
                    UPDATE {{job}} SET {exhausted_set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = {{now}} \
-                   WHERE id = $1 AND row_version = $2 RETURNING id \
+                   WHERE id = $1 AND row_version = $2 \
+                   RETURNING id, {{cp}}::text AS cp, row_version, execution_attempts, max_execution_attempts \
                  ) \
                  UPDATE {{outbox}} AS o SET status = 'dead', last_error = 'attempts_exhausted', lock_token = NULL, \
                    locked_by = NULL, locked_until = NULL, updated_at = {{now}} \
-                 FROM j WHERE o.id = $4 RETURNING o.id"
+                 FROM j WHERE o.id = $4 \
+                 RETURNING j.cp, j.row_version, j.execution_attempts, j.max_execution_attempts"
             )),
             rearm_at_lease: spec.sql(
                 "UPDATE {outbox} AS o SET status = 'leased', available_at = j.lease_expires_at, \
@@ -229,6 +232,7 @@ impl Statements {
                  FROM {job} j WHERE o.id = $2 AND j.id = $1 AND o.{fk} = j.id AND o.queue_job_id = $3 \
                    AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.retry_at IS NOT NULL",
             ),
+            settle: super::settle::Statements::new(spec),
         }
     }
 }
@@ -270,7 +274,8 @@ pub struct DeliveryRef {
 }
 
 /// Claims the job a delivery points at. The claim is one statement committed on its own; only
-/// a delivery it does not claim is diagnosed, in a second transaction.
+/// a delivery it does not claim is diagnosed, in a second transaction. A failure the diagnosis
+/// writes is recorded with the kind's own hook (see [`claim_as`]).
 pub async fn claim(
     conn: &mut PgConnection,
     st: &Statements,
@@ -278,13 +283,14 @@ pub async fn claim(
     worker_id: &str,
     lease: Duration,
 ) -> Result<Claim, sqlx::Error> {
-    claim_as(conn, st, d, worker_id, lease, Uuid::new_v4()).await
+    claim_as(conn, st, d, worker_id, lease, Uuid::new_v4(), None).await
 }
 
-/// [`claim`] under a lease token the caller chose. A caller that retries a claim whose outcome
-/// it does not know (the commit happened, the reply was lost) retries with the same token, and
-/// a job already leased under that token by this worker is its own claim, not a duplicate:
-/// minting a new token each time orphaned the first claim's lease until it ran out.
+/// [`claim`] under a lease token the caller chose, recording a failure the diagnosis writes
+/// with `hook` (the consumer's handler). A caller that retries a claim whose outcome it does
+/// not know (the commit happened, the reply was lost) retries with the same token, and a job
+/// already leased under that token by this worker is its own claim, not a duplicate: minting a
+/// new token each time orphaned the first claim's lease until it ran out.
 pub async fn claim_as(
     conn: &mut PgConnection,
     st: &Statements,
@@ -292,6 +298,7 @@ pub async fn claim_as(
     worker_id: &str,
     lease: Duration,
     token: Uuid,
+    hook: Option<&dyn Handler>,
 ) -> Result<Claim, sqlx::Error> {
     type Row = (String, i32, i32, i32, bool, Option<f64>);
     let row: Option<Row> = sqlx::query_as(&st.claim)
@@ -347,15 +354,31 @@ pub async fn claim_as(
         }));
     }
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let verdict = diagnose(&mut tx, st, d).await?;
+    let verdict = diagnose(&mut tx, st, d, hook).await?;
     tx.commit().await?;
     Ok(verdict)
+}
+
+/// Settles the outbox row an unusable message names (see [`super::settle`]), in a transaction
+/// of its own on `conn`.
+pub async fn settle_named(
+    conn: &mut PgConnection,
+    st: &Statements,
+    hook: Option<&dyn Handler>,
+    outbox_id: Uuid,
+    delivery_id: &str,
+) -> Result<super::settle::Settled, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let settled = super::settle::settle(&mut tx, &st.settle, hook, outbox_id, delivery_id).await?;
+    tx.commit().await?;
+    Ok(settled)
 }
 
 async fn diagnose(
     tx: &mut Transaction<'_, Postgres>,
     st: &Statements,
     d: &DeliveryRef,
+    hook: Option<&dyn Handler>,
 ) -> Result<Claim, sqlx::Error> {
     type Row = (
         String,
@@ -388,6 +411,11 @@ async fn diagnose(
         return Ok(Claim::Stale("no such outbox row"));
     };
     if !same_job {
+        // The message names another job than its row's. When it is the row's current delivery
+        // the row's own payload says so, and no delivery of it can ever be used.
+        let settled =
+            super::settle::settle(tx, &st.settle, hook, d.outbox_id, &d.delivery_id).await?;
+        log_settled(d, &settled);
         return Ok(Claim::Stale("outbox row belongs to another job"));
     }
     if queue_job_id.as_deref() != Some(d.delivery_id.as_str()) {
@@ -400,6 +428,11 @@ async fn diagnose(
         return Ok(Claim::Stale("no such job"));
     };
     if terminal == Some(true) {
+        // The job ended while its row was still out for delivery: settle the row to match, so
+        // the relay stops publishing it.
+        let settled =
+            super::settle::settle(tx, &st.settle, hook, d.outbox_id, &d.delivery_id).await?;
+        log_settled(d, &settled);
         return Ok(Claim::Terminal);
     }
     if paused == Some(true) {
@@ -420,18 +453,28 @@ async fn diagnose(
         return Ok(Claim::Duplicate);
     }
     if exhausted == Some(true) {
-        let done = sqlx::query(&st.fail_exhausted)
+        let done: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.fail_exhausted)
             .bind(d.job_id)
             .bind(row_version)
             .bind("the job used up its execution attempts")
             .bind(d.outbox_id)
-            .execute(&mut **tx)
+            .fetch_optional(&mut **tx)
             .await?;
-        return Ok(if done.rows_affected() == 1 {
-            Claim::Exhausted
-        } else {
-            Claim::Duplicate
-        });
+        let Some((checkpoint, row_version, attempts, max_attempts)) = done else {
+            return Ok(Claim::Duplicate);
+        };
+        // The kind's record of the failure commits with it, as for every failure.
+        let job = JobCtx::unleased(
+            d.kind,
+            d.job_id,
+            d.outbox_id,
+            row_version,
+            checkpoint,
+            attempts,
+            max_attempts,
+        );
+        crate::jobs::failed(tx, hook, &job, "attempts_exhausted").await?;
+        return Ok(Claim::Exhausted);
     }
     if retry_later == Some(true) {
         // Delivered before its retry time: put the outbox row back so the relay sends it then.
@@ -444,6 +487,20 @@ async fn diagnose(
         return Ok(Claim::Stale("delivered before the job's retry time"));
     }
     Ok(Claim::Stale("job is not claimable"))
+}
+
+pub(crate) fn log_settled(d: &DeliveryRef, settled: &super::settle::Settled) {
+    match settled {
+        super::settle::Settled::Left(why) => {
+            tracing::debug!(kind = %d.kind, outbox_id = %d.outbox_id, delivery_id = %d.delivery_id, why, "outbox row left as it is");
+        }
+        super::settle::Settled::Dead { reason, job_failed } => {
+            tracing::warn!(kind = %d.kind, outbox_id = %d.outbox_id, reason = %reason, job_failed, "no delivery can use this outbox row: dead");
+        }
+        super::settle::Settled::Matched(status) => {
+            tracing::info!(kind = %d.kind, outbox_id = %d.outbox_id, status, "outbox row settled to match its terminal job");
+        }
+    }
 }
 
 /// Locks the job row for one step and checks that the lease is still ours. Returns the row

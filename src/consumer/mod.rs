@@ -1,10 +1,12 @@
 //! Consumers: decode → claim → steps → end of slice → ack. Invariant: a delivery is acked only
 //! after the transaction that decides it has committed (claim verdict or end of slice); an
-//! undecodable delivery is rejected to the dead-letter queue without touching Postgres; while
-//! Postgres cannot be reached nothing is acked.
+//! undecodable delivery is rejected to the dead-letter queue, after the outbox row it names (if
+//! it names one, and no delivery of that row can ever be used) is settled `dead` (see
+//! [`settle`]); while Postgres cannot be reached nothing is acked.
 
 pub mod decode;
 pub mod lease;
+pub mod settle;
 pub mod slice;
 
 use std::collections::HashMap;
@@ -198,7 +200,37 @@ impl Engine {
                 self.counters.poison.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::delivery(kind.name(), "poison");
                 tracing::warn!(kind = %kind, reason = %e, label = e.label(), "rejecting an undecodable delivery to the dead-letter queue");
+                if let Some((outbox_id, delivery_id)) = decode::named_row(&env) {
+                    self.settle_named(kind, outbox_id, &delivery_id).await;
+                }
                 Handled::Reject(e.to_string())
+            }
+        }
+    }
+
+    /// Settles the outbox row an undecodable message names, if no delivery of it can be used,
+    /// before the message is rejected. Best effort: when Postgres cannot be reached the row
+    /// stays out for delivery, and its next delivery settles it.
+    async fn settle_named(&self, kind: Kind, outbox_id: uuid::Uuid, delivery_id: &str) {
+        let Some(st) = self.statements.get(&kind) else {
+            return;
+        };
+        let hook = self.handlers.get(&kind).map(|h| h.as_ref());
+        let settled = async {
+            let mut conn = crate::db::acquire(&self.pool).await?;
+            lease::settle_named(&mut conn, st, hook, outbox_id, delivery_id).await
+        }
+        .await;
+        let d = DeliveryRef {
+            kind,
+            job_id: uuid::Uuid::nil(),
+            outbox_id,
+            delivery_id: delivery_id.to_owned(),
+        };
+        match settled {
+            Ok(s) => lease::log_settled(&d, &s),
+            Err(e) => {
+                tracing::warn!(kind = %kind, outbox_id = %outbox_id, error = %e, "cannot settle the outbox row of an undecodable delivery; its next delivery will");
             }
         }
     }
@@ -206,6 +238,7 @@ impl Engine {
     /// Handles one decoded delivery: claim, then run a slice if the job is ours.
     pub async fn process_ref(&self, d: &DeliveryRef, shutdown: &CancellationToken) -> Handled {
         let st = &self.statements[&d.kind];
+        let hook = self.handlers[&d.kind].as_ref();
         let policy = self.policy(d.kind);
         // One connection serves the claim and the whole slice; a failed statement drops it.
         let mut conn: Slot = None;
@@ -218,7 +251,8 @@ impl Engine {
             let attempt = async {
                 let c = self.connection(&mut conn).await?;
                 let claimed =
-                    lease::claim_as(c, st, d, &self.worker_id, policy.lease, token).await?;
+                    lease::claim_as(c, st, d, &self.worker_id, policy.lease, token, Some(hook))
+                        .await?;
                 if matches!(claimed, Claim::Claimed(_)) && crash::lose_reply("claim") {
                     // Fault injection (crash-points builds): the claim committed, its reply is lost.
                     return Err(sqlx::Error::Protocol("the claim's reply was lost".into()));
@@ -562,8 +596,7 @@ impl Engine {
         }
         if let End::Fail { code, .. } = end {
             // The kind's own record of the failure commits with the failure.
-            handler
-                .on_fail(&mut tx, job, code)
+            crate::jobs::failed(&mut tx, Some(handler.as_ref()), job, code)
                 .await
                 .map_err(StepError::Certain)?;
         }

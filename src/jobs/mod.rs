@@ -333,6 +333,8 @@ pub struct JobCtx {
     pub job_id: Uuid,
     pub outbox_id: Uuid,
     pub delivery_id: String,
+    /// The lease this worker holds; nil when no lease holder writes (a failure recorded by the
+    /// relay or by the diagnosis of a delivery, see [`JobCtx::unleased`]).
     pub lease_token: Uuid,
     /// The row version the worker last wrote; every fenced write compares it, and the
     /// checkpoint and end writes bump it.
@@ -341,6 +343,38 @@ pub struct JobCtx {
     pub execution_attempts: i32,
     pub max_execution_attempts: i32,
     pub worker_id: String,
+}
+
+impl JobCtx {
+    /// A job as a writer that holds no lease on it sees it: for recording a failure that the
+    /// relay or the diagnosis of a delivery wrote.
+    pub fn unleased(
+        kind: Kind,
+        job_id: Uuid,
+        outbox_id: Uuid,
+        row_version: i32,
+        checkpoint: String,
+        execution_attempts: i32,
+        max_execution_attempts: i32,
+    ) -> Self {
+        Self {
+            kind,
+            job_id,
+            outbox_id,
+            delivery_id: String::new(),
+            lease_token: Uuid::nil(),
+            row_version,
+            checkpoint,
+            execution_attempts,
+            max_execution_attempts,
+            worker_id: String::new(),
+        }
+    }
+
+    /// Whether a lease holder writes for this job.
+    pub fn leased(&self) -> bool {
+        !self.lease_token.is_nil()
+    }
 }
 
 /// What one step decided. The engine commits it together with the step's own writes.
@@ -416,7 +450,9 @@ pub trait Handler: Send + Sync + 'static {
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError>;
 
     /// Called when the job fails, in the transaction that records the failure (after the
-    /// fenced end was written), so the kind can record it on its own rows too.
+    /// failure and the kind's own record of it, [`kind_failed`], were written), for anything a
+    /// handler records besides. Never called directly: every way a job fails goes through
+    /// [`failed`]. The default does nothing.
     async fn on_fail(
         &self,
         _tx: &mut PgConnection,
@@ -443,6 +479,39 @@ pub trait Handler: Send + Sync + 'static {
     /// cancel) that was waiting on the job row gets it before the next step can. The default
     /// does nothing.
     async fn after_step_commit(&self, _job: &JobCtx) {}
+}
+
+/// Records a job's failure beyond its job and outbox rows: the one function every way a job
+/// fails goes through (a slice that ends failed, attempts used up, an outbox row the relay gave
+/// up on or that no delivery can use). Runs in the transaction that wrote the failure, after
+/// it, so all of it commits together: the kind's own record ([`kind_failed`]) always, then the
+/// handler's [`Handler::on_fail`] when there is one. Writers that run no step (the relay) have
+/// no handler; the kind's record does not need one.
+pub async fn failed(
+    tx: &mut PgConnection,
+    hook: Option<&dyn Handler>,
+    job: &JobCtx,
+    code: &str,
+) -> Result<(), sqlx::Error> {
+    kind_failed(tx, job, code).await?;
+    match hook {
+        Some(h) => h.on_fail(tx, job, code).await,
+        None => Ok(()),
+    }
+}
+
+/// The kind's own record of a failure: compile deactivates its candidate (and marks an
+/// unparseable document), research appends its `research_task.failed` event.
+pub async fn kind_failed(
+    tx: &mut PgConnection,
+    job: &JobCtx,
+    code: &str,
+) -> Result<(), sqlx::Error> {
+    match job.kind {
+        Kind::Compile => compile::record_failure(tx, job, code).await,
+        Kind::Research => research::record_failure(tx, job, code).await,
+        Kind::Deletion | Kind::Probe => Ok(()),
+    }
 }
 
 #[cfg(test)]

@@ -2,8 +2,9 @@
 //! what the broker confirmed. Invariant: the claim (with the new delivery id) commits before
 //! anything is published; only a broker ack without a return marks a row dispatched, fenced by
 //! its lock token; everything else goes back to pending with backoff, or dead after the last
-//! allowed attempt, and its job fails with `dispatch_exhausted`. Rows are claimed with
-//! `SKIP LOCKED`, so any number of relays run side by side and one row never blocks the rest.
+//! allowed attempt, and its job fails with `dispatch_exhausted`, recorded by the kind's failure
+//! hook in the same transaction. Rows are claimed with `SKIP LOCKED`, so any number of relays
+//! run side by side and one row never blocks the rest.
 
 pub mod schedule;
 
@@ -161,8 +162,11 @@ impl Statements {
                  ), f AS ( \
                    UPDATE {{job}} j SET {failed_set}, worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
                      heartbeat_at = NULL, row_version = j.row_version + 1, updated_at = {{now}} \
-                   FROM r WHERE j.id = r.job_id AND {failable} RETURNING 1 \
-                 ) SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM f)"
+                   FROM r WHERE j.id = r.job_id AND {failable} \
+                   RETURNING j.id, j.{{cp}}::text AS cp, j.row_version, j.execution_attempts, j.max_execution_attempts \
+                 ) SELECT (SELECT count(*) FROM r), f.id, f.cp, f.row_version, f.execution_attempts, \
+                   f.max_execution_attempts \
+                 FROM (SELECT 1) AS one LEFT JOIN f ON true"
             )),
         }
     }
@@ -514,12 +518,31 @@ impl Relay {
         let mut conn = crate::db::acquire(&self.pool).await?;
         let mut dead_count = 0;
         for (id, why) in &dead {
-            let (d, _f): (i64, i64) = sqlx::query_as(&st.dead)
-                .bind([*id])
-                .bind(*why)
-                .bind(token)
-                .fetch_one(&mut *conn)
-                .await?;
+            // The row goes dead, its job fails and the kind records the failure, in one
+            // transaction.
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            type Dead = (
+                i64,
+                Option<Uuid>,
+                Option<String>,
+                Option<i32>,
+                Option<i32>,
+                Option<i32>,
+            );
+            let (d, job, checkpoint, row_version, attempts, max_attempts): Dead =
+                sqlx::query_as(&st.dead)
+                    .bind([*id])
+                    .bind(*why)
+                    .bind(token)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            if let (Some(job), Some(checkpoint), Some(rv), Some(n), Some(max)) =
+                (job, checkpoint, row_version, attempts, max_attempts)
+            {
+                let ctx = crate::jobs::JobCtx::unleased(kind, job, *id, rv, checkpoint, n, max);
+                crate::jobs::failed(&mut tx, None, &ctx, "dispatch_exhausted").await?;
+            }
+            tx.commit().await?;
             dead_count += usize::try_from(d).unwrap_or(0);
             if d == 0 {
                 // Its job row was busy: try again shortly rather than wait for it.

@@ -58,6 +58,35 @@ pub use request::{
 };
 use walk::{Checkpoint, Outcome};
 
+/// A failed attempt's record on the kind's own rows (see [`crate::jobs::failed`]): its candidate
+/// publication is given up, and a document whose bytes could not be parsed says so.
+pub(crate) async fn record_failure(
+    tx: &mut PgConnection,
+    job: &JobCtx,
+    code: &str,
+) -> Result<(), sqlx::Error> {
+    publish::deactivate(tx, job.job_id).await?;
+    if !matches!(
+        code,
+        "hash_mismatch" | "unsupported_format" | "corrupt_document" | "object_missing"
+    ) {
+        return Ok(());
+    }
+    // The document's own record says its bytes could not be parsed; scoped to the
+    // attempt's tenant, space and version.
+    sqlx::query(
+        "UPDATE document_assets d SET parser_status = 'failed', updated_at = now() \
+         FROM document_compilation_attempts a JOIN knowledge_spaces s \
+           ON s.id = a.knowledge_space_id AND s.tenant_id = a.tenant_id \
+         WHERE a.id = $1 AND d.knowledge_space_id = a.knowledge_space_id \
+           AND d.id = a.document_asset_id AND d.version = a.document_version",
+    )
+    .bind(job.job_id)
+    .execute(tx)
+    .await?;
+    Ok(())
+}
+
 pub struct CompileHandler {
     deps: Deps,
 }
@@ -72,34 +101,6 @@ impl CompileHandler {
 impl Handler for CompileHandler {
     fn kind(&self) -> Kind {
         Kind::Compile
-    }
-
-    async fn on_fail(
-        &self,
-        tx: &mut PgConnection,
-        job: &JobCtx,
-        code: &str,
-    ) -> Result<(), sqlx::Error> {
-        publish::deactivate(tx, job.job_id).await?;
-        if !matches!(
-            code,
-            "hash_mismatch" | "unsupported_format" | "corrupt_document" | "object_missing"
-        ) {
-            return Ok(());
-        }
-        // The document's own record says its bytes could not be parsed; scoped to the
-        // attempt's tenant, space and version.
-        sqlx::query(
-            "UPDATE document_assets d SET parser_status = 'failed', updated_at = now() \
-             FROM document_compilation_attempts a JOIN knowledge_spaces s \
-               ON s.id = a.knowledge_space_id AND s.tenant_id = a.tenant_id \
-             WHERE a.id = $1 AND d.knowledge_space_id = a.knowledge_space_id \
-               AND d.id = a.document_asset_id AND d.version = a.document_version",
-        )
-        .bind(job.job_id)
-        .execute(tx)
-        .await?;
-        Ok(())
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {

@@ -195,8 +195,13 @@ async fn hook_scope(
     let Some(scope) = progress::scope_of(tx, ctx.job_id).await? else {
         return Ok(None);
     };
-    let claimed = Stage::parse(&ctx.checkpoint).unwrap_or(Stage::Queued);
-    progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, claimed).await?;
+    if ctx.leased() {
+        // Only an attempt this worker claimed has a claim event to write; a failure the relay
+        // or a delivery's diagnosis records claimed nothing.
+        let claimed = Stage::parse(&ctx.checkpoint).unwrap_or(Stage::Queued);
+        progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, claimed)
+            .await?;
+    }
     let (row_version, error, retry_at, stage): (i32, Option<String>, Option<i64>, String) =
         sqlx::query_as(
             "SELECT row_version, error, retry_at, stage FROM research_task_jobs WHERE id = $1 AND tenant_id = $2",
@@ -208,33 +213,32 @@ async fn hook_scope(
     Ok(Some((scope, row_version, error, retry_at, stage)))
 }
 
+/// A failed task's `research_task.failed {"error": <code>}`, in the transaction that failed it,
+/// keyed by the row version the failure wrote (see [`crate::jobs::failed`]).
+pub(crate) async fn record_failure(
+    tx: &mut PgConnection,
+    ctx: &JobCtx,
+    code: &str,
+) -> Result<(), sqlx::Error> {
+    let Some((scope, row_version, ..)) = hook_scope(tx, ctx).await? else {
+        return Ok(());
+    };
+    progress::append_event(
+        tx,
+        &scope,
+        row_version,
+        EventType::Failed,
+        Stage::Failed,
+        payload::failed(code),
+    )
+    .await?;
+    Ok(())
+}
+
 #[async_trait::async_trait]
 impl Handler for ResearchHandler {
     fn kind(&self) -> Kind {
         Kind::Research
-    }
-
-    /// A task the engine fails gets its `research_task.failed {"error": <code>}` in the same
-    /// transaction, keyed by the row version the failure wrote.
-    async fn on_fail(
-        &self,
-        tx: &mut PgConnection,
-        ctx: &JobCtx,
-        code: &str,
-    ) -> Result<(), sqlx::Error> {
-        let Some((scope, row_version, ..)) = hook_scope(tx, ctx).await? else {
-            return Ok(());
-        };
-        progress::append_event(
-            tx,
-            &scope,
-            row_version,
-            EventType::Failed,
-            Stage::Failed,
-            payload::failed(code),
-        )
-        .await?;
-        Ok(())
     }
 
     /// A scheduled retry gets its `stage_changed {"error", "retryAt", "retryScheduled": true}`
