@@ -126,17 +126,7 @@ pub async fn lock_head_within(
     .fetch_optional(&mut *conn)
     .await;
     match locked {
-        Ok(None) => {
-            sqlx::query("RELEASE SAVEPOINT kfs_head_lock")
-                .execute(&mut *conn)
-                .await?;
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-                .bind(&before)
-                .execute(&mut *conn)
-                .await?;
-            Ok(Locked::Held(None))
-        }
-        Ok(Some(_)) => {
+        Ok(found) => {
             sqlx::query("SELECT set_config('lock_timeout', $1, true)")
                 .bind(&before)
                 .execute(&mut *conn)
@@ -144,7 +134,10 @@ pub async fn lock_head_within(
             sqlx::query("RELEASE SAVEPOINT kfs_head_lock")
                 .execute(&mut *conn)
                 .await?;
-            Ok(Locked::Held(head(conn, tenant, space, false).await?))
+            Ok(Locked::Held(match found {
+                Some(_) => head(conn, tenant, space, false).await?,
+                None => None,
+            }))
         }
         Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
             // Rolling back to the savepoint also undoes the set_config.
