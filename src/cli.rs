@@ -192,6 +192,10 @@ pub struct RunArgs {
     /// How long shutdown waits for running slices
     #[arg(long, env = "KFS_SHUTDOWN_GRACE", default_value = "30s")]
     pub shutdown_grace: String,
+    /// How long a claim that cannot reach Postgres retries before it gives its delivery back
+    /// to the broker (requeued)
+    #[arg(long, env = "KFS_CLAIM_PATIENCE", default_value = "30s")]
+    pub claim_patience: String,
     /// Address of /healthz, /readyz and /metrics; "off" for none, port 0 for any free port
     #[arg(long, env = "KFS_HTTP_ADDR", default_value = "127.0.0.1:9464")]
     pub http_addr: String,
@@ -235,6 +239,7 @@ impl RunArgs {
                 max_time: config::duration("KFS_SLICE_TIME", &self.slice_time)?,
             },
             shutdown_grace: config::duration("KFS_SHUTDOWN_GRACE", &self.shutdown_grace)?,
+            claim_patience: config::duration("KFS_CLAIM_PATIENCE", &self.claim_patience)?,
             ..ConsumerConfig::default()
         };
         for part in self

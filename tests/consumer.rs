@@ -486,6 +486,97 @@ async fn a_job_leased_by_a_live_worker_is_a_duplicate_but_a_dead_workers_job_is_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_on_its_last_attempt_is_neither_taken_over_nor_failed_while_its_lease_runs() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            max_attempts: 1,
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    // The holder took its one attempt; its liveness session is down for a moment (nobody holds
+    // its lock), while its lease has ten minutes to run.
+    let (_, conn, theirs) =
+        claim_by_hand(&env.pool, &d, "blipped-worker", Duration::from_secs(600)).await;
+    drop(conn);
+    let alive: bool = sqlx::query_scalar("SELECT kfs_worker_alive('blipped-worker')")
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+    assert!(!alive, "the holder looks gone");
+
+    let engine = probe_engine(&env, "worker-other", ConsumerConfig::default());
+    let before = probe_snapshot(&env.pool).await;
+    assert_eq!(
+        process(&engine, &d).await,
+        ack("duplicate", None),
+        "a holder that only looks gone keeps its last attempt"
+    );
+    assert_eq!(
+        probe_snapshot(&env.pool).await,
+        before,
+        "neither taken over nor failed"
+    );
+    assert_eq!(
+        probe_job(&env.pool, job).await.lease_token,
+        Some(theirs.lease_token)
+    );
+
+    // Once the lease has run out, the attempt is used up for real.
+    sqlx::query(
+        "UPDATE kfs_probe_jobs SET lease_expires_at = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(job)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(process(&engine, &d).await, ack("exhausted", None));
+    let j = probe_job(&env.pool, job).await;
+    assert_eq!(
+        (j.run_state.as_str(), j.last_error_code.as_deref()),
+        ("failed", Some("attempts_exhausted"))
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_cannot_reach_postgres_gives_its_delivery_back_after_its_patience() {
+    let env = TestEnv::new().await;
+    let (_, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let before = probe_snapshot(&env.pool).await;
+    // Postgres out of reach: nothing listens on this port.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let away = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/kfs"))
+        .unwrap();
+    let engine = Engine::new(
+        away,
+        "worker-away",
+        vec![Arc::new(ProbeHandler)],
+        ConsumerConfig {
+            claim_patience: Duration::from_secs(2),
+            ..ConsumerConfig::default()
+        },
+    );
+    assert_eq!(
+        process(&engine, &d).await,
+        Handled::GiveBack,
+        "handed back to the broker instead of holding its prefetch slot"
+    );
+    assert_eq!(probe_snapshot(&env.pool).await, before, "nothing written");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_expired_lease_is_taken_over_even_while_its_worker_lives() {
     let env = TestEnv::new().await;
     let url = env.services().database_url;

@@ -598,36 +598,40 @@ async fn acquiring_past_the_patience_under_contention_leaks_no_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     let env = TestEnv::new().await;
-    let (job, outbox) = common::enqueue_one(
-        &env.pool,
-        &ProbeSpec {
-            steps: 3,
-            step_sleep: Duration::from_millis(1500),
-            // One attempt left after the first claim: a takeover could still use it, and the
-            // exhaustion check must not fail the job while its holder runs it.
-            max_attempts: 2,
-            ..ProbeSpec::default()
-        },
-    )
-    .await;
+    // One job on its only attempt, and one with an attempt left that a takeover could use.
+    let mut jobs = Vec::new();
+    for max_attempts in [1, 2] {
+        let (job, outbox) = common::enqueue_one(
+            &env.pool,
+            &ProbeSpec {
+                steps: 3,
+                step_sleep: Duration::from_millis(1500),
+                max_attempts,
+                ..ProbeSpec::default()
+            },
+        )
+        .await;
+        jobs.push((max_attempts, job, outbox));
+    }
     let mut w = env.spawn_worker(
         "blip",
         &["run", "--kinds", "probe", "--worker-id", "blip"],
         &[("KFS_RELAY_POLL", "100ms")],
     );
+    let ids: Vec<uuid::Uuid> = jobs.iter().map(|j| j.1).collect();
     let running = env
         .wait_until(Duration::from_secs(20), || async {
             sqlx::query_scalar::<_, bool>(
-                "SELECT run_state = 'running' AND worker_id = 'blip' FROM kfs_probe_jobs WHERE id = $1",
+                "SELECT bool_and(run_state = 'running' AND worker_id = 'blip') FROM kfs_probe_jobs WHERE id = ANY($1)",
             )
-            .bind(job)
+            .bind(&ids)
             .fetch_one(&env.pool)
             .await
             .unwrap()
         })
         .await;
     assert!(running, "{}", w.tail(20));
-    // The liveness session only, then at once the job's message again.
+    // The liveness session only, then at once the jobs' messages again.
     let ended: i64 = sqlx::query_scalar(
         "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
          WHERE datname = current_database() AND application_name = 'kfs-worker liveness blip'",
@@ -636,17 +640,18 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     .await
     .unwrap();
     assert_eq!(ended, 1, "the liveness session was found");
-    sqlx::query("UPDATE kfs_probe_outbox SET available_at = now() WHERE id = $1")
-        .bind(outbox)
+    let outboxes: Vec<uuid::Uuid> = jobs.iter().map(|j| j.2).collect();
+    sqlx::query("UPDATE kfs_probe_outbox SET available_at = now() WHERE id = ANY($1)")
+        .bind(&outboxes)
         .execute(&env.pool)
         .await
         .unwrap();
     let done = env
         .wait_until(Duration::from_secs(30), || async {
             sqlx::query_scalar::<_, bool>(
-                "SELECT run_state IN ('succeeded', 'failed') FROM kfs_probe_jobs WHERE id = $1",
+                "SELECT bool_and(run_state IN ('succeeded', 'failed')) FROM kfs_probe_jobs WHERE id = ANY($1)",
             )
-            .bind(job)
+            .bind(&ids)
             .fetch_one(&env.pool)
             .await
             .unwrap()
@@ -655,33 +660,35 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     let log = w.log_text();
     w.kill();
     assert!(done, "{log}");
-    let (state, attempts, code): (String, i32, Option<String>) = sqlx::query_as(
-        "SELECT run_state::text, execution_attempts, last_error_code FROM kfs_probe_jobs WHERE id = $1",
-    )
-    .bind(job)
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        (state.as_str(), attempts, code.as_deref()),
-        ("succeeded", 1, None),
-        "{log}"
-    );
-    let effects: Vec<(String, i64)> = sqlx::query_as(
-        "SELECT worker_id, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY 1",
-    )
-    .bind(job)
-    .fetch_all(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        effects,
-        vec![("blip".to_owned(), 3)],
-        "each step once, by its holder"
-    );
+    for (max_attempts, job, _) in jobs {
+        let (state, attempts, code): (String, i32, Option<String>) = sqlx::query_as(
+            "SELECT run_state::text, execution_attempts, last_error_code FROM kfs_probe_jobs WHERE id = $1",
+        )
+        .bind(job)
+        .fetch_one(&env.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (state.as_str(), attempts, code.as_deref()),
+            ("succeeded", 1, None),
+            "max_execution_attempts = {max_attempts}\n{log}"
+        );
+        let effects: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT worker_id, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY 1",
+        )
+        .bind(job)
+        .fetch_all(&env.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            effects,
+            vec![("blip".to_owned(), 3)],
+            "max_execution_attempts = {max_attempts}: each step once, by its holder"
+        );
+    }
     assert!(
         !log.contains("lease lost"),
-        "the holder kept its lease\n{log}"
+        "the holder kept its leases\n{log}"
     );
     env.cleanup().await;
 }

@@ -44,9 +44,6 @@ pub enum Handled {
     GiveBack,
 }
 
-/// How long a claim keeps retrying before it gives its delivery back.
-const CLAIM_PATIENCE: Duration = Duration::from_secs(30);
-
 /// Counters of what the consumers did, for tests, status and metrics.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -81,6 +78,10 @@ pub struct ConsumerConfig {
     pub policies: HashMap<Kind, Policy>,
     /// How long shutdown waits for running slices to end.
     pub shutdown_grace: Duration,
+    /// How long a claim that cannot reach Postgres keeps retrying before it gives its delivery
+    /// back to the broker (requeued), so it does not hold a prefetch slot until the broker's
+    /// consumer timeout.
+    pub claim_patience: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -93,6 +94,7 @@ impl Default for ConsumerConfig {
                 .map(|k| (k, k.spec().policy))
                 .collect(),
             shutdown_grace: Duration::from_secs(30),
+            claim_patience: Duration::from_secs(30),
         }
     }
 }
@@ -267,7 +269,7 @@ impl Engine {
                 Err(e) => {
                     conn = None;
                     tries += 1;
-                    if claiming.elapsed() >= CLAIM_PATIENCE {
+                    if claiming.elapsed() >= self.cfg.claim_patience {
                         // Hand the delivery back to the broker instead of holding a prefetch
                         // slot: another worker, or this one later, may reach Postgres.
                         tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, tries, "claim failed for too long; giving the delivery back");
