@@ -55,3 +55,4 @@ pub mod runtime;
 pub mod status;
 pub mod store;
 pub mod telemetry;
+pub mod wire;

@@ -2703,7 +2703,7 @@ async fn dead_lettered(env: &TestEnv) -> Vec<Option<Uuid>> {
             .properties
             .headers()
             .as_ref()
-            .and_then(|h| kfs_worker::consumer::decode::str_header(h, "x-kfs-outbox-id"))
+            .and_then(|h| kfs_worker::wire::str_header(h, "x-kfs-outbox-id"))
             .and_then(|s| Uuid::parse_str(s).ok());
         out.push(outbox);
     }

@@ -6,13 +6,13 @@ mod common;
 use std::time::Duration;
 
 use common::{free_port, http_get as get, TestEnv};
-use kfs_worker::broker::OutboundMessage;
 use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
 use kfs_worker::maintenance::MaintenanceConfig;
 use kfs_worker::relay::RelayConfig;
 use kfs_worker::runtime::{self, RunOptions};
+use kfs_worker::wire::OutboundMessage;
 use tokio_util::sync::CancellationToken;
 
 /// The value of the first sample line of `metric` whose labels contain all of `labels`.

@@ -11,9 +11,9 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use common::TestEnv;
-use kfs_worker::consumer::decode::{H_OUTBOX_ID, H_SCHEMA, MAX_BODY};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
+use kfs_worker::wire::{H_OUTBOX_ID, H_SCHEMA, MAX_BODY};
 use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
@@ -586,7 +586,7 @@ proptest! {
             1 => ".{0,40}".prop_map(EventType::Text),
         ]),
         schema in proptest::option::weighted(0.9, prop_oneof![
-            4 => Just(kfs_worker::consumer::decode::SCHEMA_VERSION),
+            4 => Just(kfs_worker::wire::SCHEMA_VERSION),
             1 => any::<i64>(),
         ]),
         outbox in proptest::option::weighted(0.9, prop_oneof![
@@ -594,7 +594,7 @@ proptest! {
             1 => ".{0,40}",
         ]),
     ) {
-        use kfs_worker::consumer::decode::{decode, Envelope, SCHEMA_VERSION};
+        use kfs_worker::wire::{decode, Envelope, SCHEMA_VERSION};
         let kind = common::ALL_KINDS[kind];
         let field = kind.spec().payload_id_field;
         let body = mutated_body(kind, job, raw, &muts);
@@ -641,7 +641,7 @@ proptest! {
         with_type in any::<bool>(),
         extra in proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..4),
     ) {
-        use kfs_worker::consumer::decode::{decode, Envelope, SCHEMA_VERSION};
+        use kfs_worker::wire::{decode, Envelope, SCHEMA_VERSION};
         let kind = common::ALL_KINDS[kind];
         let field = kind.spec().payload_id_field;
         let mut payload: serde_json::Map<String, serde_json::Value> =

@@ -17,11 +17,11 @@ use std::time::Duration;
 
 use common::{enqueue_one, job_text, outbox_text, TestEnv};
 use kfs_worker::broker::Topology;
-use kfs_worker::consumer::decode::{int_header, str_header};
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::jobs::probe::{self, ProbeHandler, ProbeSpec};
 use kfs_worker::jobs::{Kind, RetryPolicy};
 use kfs_worker::relay::{Relay, RelayConfig, Round};
+use kfs_worker::wire::{int_header, str_header};
 use lapin::message::Delivery;
 use lapin::options::{BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions};
 use lapin::types::FieldTable;

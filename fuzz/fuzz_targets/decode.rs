@@ -5,7 +5,7 @@
 //! id of 1..=255 characters without control characters, schema version 1, and an outbox id.
 #![no_main]
 
-use kfs_worker::consumer::decode::{self, H_OUTBOX_ID, H_SCHEMA, MAX_BODY, SCHEMA_VERSION};
+use kfs_worker::wire::{self as decode, H_OUTBOX_ID, H_SCHEMA, MAX_BODY, SCHEMA_VERSION};
 use kfs_worker::jobs::Kind;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::BasicProperties;

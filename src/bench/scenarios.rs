@@ -24,7 +24,6 @@ use super::env::BenchEnv;
 use super::machine::CpuMeter;
 use super::report::{Progress, Report, Run};
 use super::stats;
-use crate::broker::OutboundMessage;
 use crate::config::{self, Services};
 use crate::consumer::lease::DeliveryRef;
 use crate::consumer::{ConsumerConfig, Engine};
@@ -33,6 +32,7 @@ use crate::jobs::{compile, deletion, research, Kind};
 use crate::maintenance::MaintenanceConfig;
 use crate::relay::{Relay, RelayConfig};
 use crate::runtime::{self, RunOptions};
+use crate::wire::OutboundMessage;
 use crate::{db, platform, store::Store};
 
 /// How long a scenario waits without a single job finishing before it reports what it has.

@@ -8,7 +8,8 @@ use std::time::Duration;
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::jobs::{Clock, Handler, JobCtx, Kind, KindSpec, States};
+use crate::jobs::{Clock, Handler, JobCtx, KindSpec, States};
+pub use crate::wire::DeliveryRef;
 
 /// The prepared statement texts of one kind, rendered once.
 #[derive(Debug)]
@@ -262,15 +263,6 @@ impl Claim {
             Claim::Exhausted => "exhausted",
         }
     }
-}
-
-/// The identity of a delivery, taken from the message.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeliveryRef {
-    pub kind: Kind,
-    pub job_id: Uuid,
-    pub outbox_id: Uuid,
-    pub delivery_id: String,
 }
 
 /// Claims the job a delivery points at. The claim is one statement committed on its own; only

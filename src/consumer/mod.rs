@@ -4,7 +4,6 @@
 //! it names one, and no delivery of that row can ever be used) is settled `dead` (see
 //! [`settle`]); while Postgres cannot be reached nothing is acked.
 
-pub mod decode;
 pub mod lease;
 pub mod settle;
 pub mod slice;
@@ -24,6 +23,7 @@ use tracing::Instrument;
 
 use crate::crash;
 use crate::jobs::{Handler, JobCtx, Kind, Policy};
+use crate::wire;
 use lease::{Claim, DeliveryRef, End, Statements};
 use slice::{Budget, Next, Progress};
 
@@ -170,8 +170,8 @@ impl Engine {
         body: &[u8],
         shutdown: &CancellationToken,
     ) -> Handled {
-        let env = decode::envelope(props, body);
-        match decode::decode(kind, &env) {
+        let env = wire::envelope(props, body);
+        match wire::decode(kind, &env) {
             Ok(d) => {
                 let span = tracing::info_span!(
                     "consume",
@@ -183,12 +183,7 @@ impl Engine {
                     delivery_id = %d.delivery_id,
                     outcome = tracing::field::Empty,
                 );
-                let traceparent = props
-                    .headers()
-                    .as_ref()
-                    .and_then(|h| decode::str_header(h, decode::H_TRACEPARENT))
-                    .filter(|t| crate::relay::valid_traceparent(t));
-                crate::telemetry::set_remote_parent(&span, traceparent);
+                crate::telemetry::set_remote_parent(&span, wire::traceparent(props));
                 let handled = self
                     .process_ref(&d, shutdown)
                     .instrument(span.clone())
@@ -202,7 +197,7 @@ impl Engine {
                 self.counters.poison.fetch_add(1, Ordering::Relaxed);
                 crate::metrics::delivery(kind.name(), "poison");
                 tracing::warn!(kind = %kind, reason = %e, label = e.label(), "rejecting an undecodable delivery to the dead-letter queue");
-                if let Some((outbox_id, delivery_id)) = decode::named_row(&env) {
+                if let Some((outbox_id, delivery_id)) = wire::named_row(&env) {
                     self.settle_named(kind, outbox_id, &delivery_id).await;
                 }
                 Handled::Reject(e.to_string())

@@ -11,7 +11,6 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::decode;
 use crate::jobs::{Handler, JobCtx, Kind, KindSpec, States};
 
 /// The code a job fails with when its outbox row can never be delivered.
@@ -141,7 +140,7 @@ pub async fn settle(
     if held == Some(true) {
         return Ok(Settled::Left("a live worker holds the job"));
     }
-    let unusable = decode::unusable_row(
+    let unusable = crate::wire::unusable_row(
         st.kind,
         outbox_id,
         job_id,

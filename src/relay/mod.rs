@@ -19,9 +19,10 @@ use sqlx::PgPool;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use crate::broker::{OutboundMessage, Topology};
+use crate::broker::Topology;
 use crate::crash;
 use crate::jobs::{Kind, KindSpec, RetryPolicy, States};
+use crate::wire::{valid_traceparent, OutboundMessage};
 
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
@@ -284,14 +285,14 @@ impl Relay {
                 continue;
             }
             let mut msg = message(kind, row);
-            if msg.body.len() > crate::consumer::decode::MAX_BODY {
+            if msg.body.len() > crate::wire::MAX_BODY {
                 // No consumer would accept it: it can never be delivered.
                 failed.push(Failed::dead(
                     i,
                     format!(
                         "undeliverable: a payload of {} bytes is over the limit of {}",
                         msg.body.len(),
-                        crate::consumer::decode::MAX_BODY
+                        crate::wire::MAX_BODY
                     ),
                 ));
                 continue;
@@ -609,24 +610,6 @@ impl Failed {
     }
 }
 
-/// A W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); anything else is not forwarded.
-pub fn valid_traceparent(s: &str) -> bool {
-    let parts: Vec<&str> = s.split('-').collect();
-    let hex = |p: &str, n: usize| {
-        p.len() == n
-            && p.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    parts.len() == 4
-        && hex(parts[0], 2)
-        && parts[0] != "ff"
-        && hex(parts[1], 32)
-        && parts[1].bytes().any(|b| b != b'0')
-        && hex(parts[2], 16)
-        && parts[2].bytes().any(|b| b != b'0')
-        && hex(parts[3], 2)
-}
-
 fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
     let traceparent = row
         .payload
@@ -728,48 +711,5 @@ impl<'a> Rounds<'a> {
     /// The first round's failure, if any.
     pub fn failed(self) -> Option<RelayError> {
         self.failed
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::valid_traceparent;
-
-    #[test]
-    fn traceparent_table() {
-        for (tp, ok) in [
-            (
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-                true,
-            ),
-            (
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
-                true,
-            ),
-            (
-                "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
-                false,
-            ),
-            (
-                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
-                false,
-            ),
-            (
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
-                false,
-            ),
-            (
-                "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
-                false,
-            ),
-            (
-                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
-                false,
-            ),
-            ("", false),
-        ] {
-            assert_eq!(valid_traceparent(tp), ok, "{tp}");
-        }
-        assert!(!valid_traceparent(&"0".repeat(200_000)));
     }
 }

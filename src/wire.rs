@@ -1,13 +1,15 @@
-//! Decoding a delivery into the outbox row it points at. Invariant: decoding is pure and total:
-//! any bytes and properties give either a [`DeliveryRef`] or a [`DecodeError`] naming why, never
-//! a panic, and nothing here looks anything up in the database. The same rules judge an outbox
-//! row by the message the relay sends for it ([`unusable_row`]).
+//! The wire format, written once for the relay and the consumer: the message's properties and
+//! headers ([`OutboundMessage`]), the body limit, the `traceparent` that is forwarded, and
+//! decoding a delivery into the outbox row it points at. Invariant: everything here is pure and
+//! total: any bytes and properties give either a [`DeliveryRef`] or a [`DecodeError`] naming
+//! why, never a panic, and nothing here looks anything up in the database or talks to the
+//! broker. The same rules judge an outbox row by the message the relay sends for it
+//! ([`unusable_row`]), and what the relay publishes is exactly what decoding accepts.
 
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use uuid::Uuid;
 
-use super::lease::DeliveryRef;
 use crate::jobs::Kind;
 
 /// Bodies are a few hundred bytes; anything past this is not ours.
@@ -18,6 +20,80 @@ pub const H_OUTBOX_ID: &str = "x-kfs-outbox-id";
 pub const H_REVISION: &str = "x-kfs-delivery-revision";
 pub const H_SCHEMA: &str = "x-kfs-schema-version";
 pub const H_TRACEPARENT: &str = "traceparent";
+
+/// The identity of a delivery, taken from the message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeliveryRef {
+    pub kind: Kind,
+    pub job_id: Uuid,
+    pub outbox_id: Uuid,
+    pub delivery_id: String,
+}
+
+/// The message the relay publishes for one outbox row.
+#[derive(Clone, Debug)]
+pub struct OutboundMessage {
+    pub kind: crate::jobs::Kind,
+    pub outbox_id: uuid::Uuid,
+    pub job_id: uuid::Uuid,
+    pub delivery_id: String,
+    pub revision: i32,
+    pub schema_version: i32,
+    pub traceparent: Option<String>,
+    pub body: Vec<u8>,
+}
+
+impl OutboundMessage {
+    pub fn properties(&self) -> lapin::BasicProperties {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            H_OUTBOX_ID.into(),
+            AMQPValue::LongString(self.outbox_id.to_string().into()),
+        );
+        headers.insert(H_REVISION.into(), AMQPValue::LongInt(self.revision));
+        headers.insert(H_SCHEMA.into(), AMQPValue::LongInt(self.schema_version));
+        if let Some(tp) = &self.traceparent {
+            headers.insert(
+                H_TRACEPARENT.into(),
+                AMQPValue::LongString(tp.as_str().into()),
+            );
+        }
+        lapin::BasicProperties::default()
+            .with_message_id(self.delivery_id.as_str().into())
+            .with_correlation_id(self.job_id.to_string().into())
+            .with_type(self.kind.event_type().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2)
+            .with_headers(headers)
+    }
+}
+
+/// A W3C `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`); anything else is not forwarded.
+pub fn valid_traceparent(s: &str) -> bool {
+    let parts: Vec<&str> = s.split('-').collect();
+    let hex = |p: &str, n: usize| {
+        p.len() == n
+            && p.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    parts.len() == 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && parts[1].bytes().any(|b| b != b'0')
+        && hex(parts[2], 16)
+        && parts[2].bytes().any(|b| b != b'0')
+        && hex(parts[3], 2)
+}
+
+/// The `traceparent` a message carries, when it is a valid one.
+pub fn traceparent(props: &BasicProperties) -> Option<&str> {
+    props
+        .headers()
+        .as_ref()
+        .and_then(|h| str_header(h, H_TRACEPARENT))
+        .filter(|t| valid_traceparent(t))
+}
 
 /// The parts of a message that decoding reads, independent of the AMQP client.
 #[derive(Clone, Debug, Default)]
@@ -186,6 +262,44 @@ pub fn int_header(h: &FieldTable, key: &str) -> Option<i64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn traceparent_table() {
+        for (tp, ok) in [
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                true,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00",
+                true,
+            ),
+            (
+                "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+                false,
+            ),
+            (
+                "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+                false,
+            ),
+            (
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+                false,
+            ),
+            ("", false),
+        ] {
+            assert_eq!(valid_traceparent(tp), ok, "{tp}");
+        }
+        assert!(!valid_traceparent(&"0".repeat(200_000)));
+    }
 
     const OUTBOX: &str = "0b5c1a55-7d0e-4a39-9f0e-3c6a2d7a9d11";
     const JOB: &str = "7a1f3c2e-5b8d-4e6f-a0b1-c2d3e4f50617";
