@@ -207,7 +207,8 @@ pub struct RunArgs {
 
 impl RunArgs {
     pub fn options(&self, conn: &ConnArgs) -> Result<crate::runtime::RunOptions, ConfigError> {
-        use crate::consumer::{slice::Budget, ConsumerConfig};
+        use crate::consumer::ConsumerConfig;
+        use crate::engine::slice::Budget;
         use crate::jobs::Kind;
         use crate::relay::RelayConfig;
 
@@ -296,7 +297,7 @@ impl RunArgs {
         if leased_poll < std::time::Duration::from_millis(10) {
             return Err(ConfigError::new("KFS_LEASED_POLL", "must be at least 10ms"));
         }
-        let leased_cfg = crate::jobs::leased::LeasedConfig {
+        let leased_cfg = crate::poller::LeasedConfig {
             poll: leased_poll,
             budget: consumer_cfg.budget,
             ..Default::default()

@@ -149,7 +149,7 @@ pub async fn retention_once(
            SELECT id FROM {outbox} WHERE status IN ('completed', 'canceled') AND updated_at < {now+$1} \
            LIMIT $2 FOR UPDATE SKIP LOCKED)",
     );
-    let ms = -crate::consumer::lease::millis(older_than);
+    let ms = -crate::engine::lease::millis(older_than);
     let mut conn = crate::db::acquire(pool).await?;
     Ok(sqlx::query(&sql)
         .bind(ms)

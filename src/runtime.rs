@@ -31,7 +31,7 @@ pub struct RunOptions {
     pub consumer: bool,
     pub maintenance: bool,
     /// The jobs leased straight from Postgres (bootstraps, profile backfills); `None`: off.
-    pub leased: Option<crate::jobs::leased::LeasedConfig>,
+    pub leased: Option<crate::poller::LeasedConfig>,
     pub relay_cfg: RelayConfig,
     pub consumer_cfg: ConsumerConfig,
     pub maintenance_cfg: MaintenanceConfig,
@@ -184,9 +184,9 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         ));
     }
     if let Some(cfg) = opts.leased.clone() {
-        tasks.spawn(jobs::leased::run(
+        tasks.spawn(crate::poller::run(
             pool.clone(),
-            jobs::leased::kinds(),
+            jobs::leased_kinds(),
             opts.worker_id.clone(),
             cfg,
             shutdown.clone(),

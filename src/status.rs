@@ -46,7 +46,7 @@ pub struct LeasedStatus {
 /// Reads the leased kinds' numbers.
 async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx::Error> {
     let mut out = Vec::new();
-    for kind in crate::jobs::leased::kinds() {
+    for kind in crate::jobs::leased_kinds() {
         let (table, checkpoint) = (kind.table(), kind.has_checkpoint());
         let jobs: Vec<(String, i64)> = sqlx::query_as(&format!(
             "SELECT run_state::text, count(*) FROM {table} GROUP BY 1"

@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{enqueue_one, job_text, TestEnv};
-use kfs_worker::consumer::lease::{self, Claim, DeliveryRef, End, Statements};
-use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
+use kfs_worker::engine::lease::{self, Claim, DeliveryRef, End, Statements};
+use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::probe::{ProbeHandler, ProbeSpec};
 use kfs_worker::jobs::{Handler, JobCtx, JobError, Kind, Policy, RetryPolicy, Step};
 use kfs_worker::relay::{Relay, RelayConfig};

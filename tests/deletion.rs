@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use common::space::{SpaceFx, OWNER};
 use futures_util::StreamExt;
-use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine};
+use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::compile::{self, RequestOptions, Requester};
 use kfs_worker::jobs::deletion::{
     request_deletion, retry_deletion, CachePage, DeletionConfig, DeletionHandler, DeletionRequest,

@@ -16,14 +16,14 @@ mod common;
 use std::time::Duration;
 
 use common::space::{SpaceFx, OWNER};
-use kfs_worker::consumer::lease::End;
-use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::Engine;
+use kfs_worker::engine::lease::End;
+use kfs_worker::engine::leased::{self, Lease, LeasedKind, Outcome};
+use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::backfill::{self, profile, BackfillKind};
 use kfs_worker::jobs::bootstrap::walk::{self, Checkpoint};
 use kfs_worker::jobs::bootstrap::{self, BootstrapKind};
 use kfs_worker::jobs::compile;
-use kfs_worker::jobs::leased::{self, Lease, LeasedKind, Outcome};
 use kfs_worker::jobs::Kind;
 use kfs_worker::platform;
 use serde_json::{json, Value};

@@ -10,8 +10,8 @@ mod common;
 use std::time::Duration;
 
 use common::space::SpaceFx;
-use kfs_worker::consumer::slice::Budget;
-use kfs_worker::jobs::leased::{self, Outcome};
+use kfs_worker::engine::leased::{self, Outcome};
+use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::pageindex::{self, walk, PageIndexKind};
 use serde_json::Value;
 use sqlx::PgPool;

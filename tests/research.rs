@@ -19,8 +19,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::space::SpaceFx;
-use kfs_worker::consumer::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
+use kfs_worker::engine::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::jobs::research::generator::{
     ExtractiveGenerator, Generator, OpenAiConfig, OpenAiGenerator, NO_EVIDENCE_ANSWER,
 };

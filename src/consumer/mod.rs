@@ -2,11 +2,7 @@
 //! after the transaction that decides it has committed (claim verdict or end of slice); an
 //! undecodable delivery is rejected to the dead-letter queue, after the outbox row it names (if
 //! it names one, and no delivery of that row can ever be used) is settled `dead` (see
-//! [`settle`]); while Postgres cannot be reached nothing is acked.
-
-pub mod lease;
-pub mod settle;
-pub mod slice;
+//! [`crate::engine::settle`]); while Postgres cannot be reached nothing is acked.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,6 +18,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::crash;
+use crate::engine::{lease, slice};
 use crate::jobs::{Handler, JobCtx, Kind, Policy};
 use crate::wire;
 use lease::{Claim, DeliveryRef, End, Statements};

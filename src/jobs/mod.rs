@@ -7,7 +7,6 @@ pub mod backfill;
 pub mod bootstrap;
 pub mod compile;
 pub mod deletion;
-pub mod leased;
 pub mod pageindex;
 pub mod probe;
 pub mod research;
@@ -294,6 +293,15 @@ impl KindSpec {
     pub fn queue_name(&self, prefix: &str) -> String {
         format!("{prefix}.{}", self.event_type)
     }
+}
+
+/// The leased kinds this process runs.
+pub fn leased_kinds() -> Vec<std::sync::Arc<dyn crate::engine::leased::LeasedKind>> {
+    vec![
+        std::sync::Arc::new(crate::jobs::bootstrap::BootstrapKind::default()),
+        std::sync::Arc::new(crate::jobs::backfill::BackfillKind::default()),
+        std::sync::Arc::new(crate::jobs::pageindex::PageIndexKind::default()),
+    ]
 }
 
 /// What handlers need from the process: the object store, the embedder, and anything else

@@ -442,7 +442,7 @@ impl Relay {
         .bind(self.cfg.batch)
         .bind(token)
         .bind(&self.relay_id)
-        .bind(crate::consumer::lease::millis(self.cfg.lock_ttl))
+        .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
         .fetch_all(&mut *tx)
         .await?
         .into_iter()
@@ -481,7 +481,7 @@ impl Relay {
         let (marked, _moved): (i64, i64) = sqlx::query_as(&st.mark)
             .bind(ids)
             .bind(token)
-            .bind(crate::consumer::lease::millis(self.cfg.visibility))
+            .bind(crate::engine::lease::millis(self.cfg.visibility))
             .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -510,7 +510,7 @@ impl Relay {
             } else {
                 let attempt = u32::try_from(row.dispatch_attempts.max(1)).unwrap_or(1);
                 retry.0.push(row.id);
-                retry.1.push(crate::consumer::lease::millis(
+                retry.1.push(crate::engine::lease::millis(
                     self.cfg.release.delay_jittered(attempt),
                 ));
                 retry.2.push(i32::from(f.refund));

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kfs_worker::consumer::lease::DeliveryRef;
-use kfs_worker::consumer::slice::Budget;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
+use kfs_worker::engine::lease::DeliveryRef;
+use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::compile::{
     self, AttemptStatus, CompileError, CompileHandler, RequestOptions,
 };

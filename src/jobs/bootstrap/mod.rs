@@ -31,8 +31,8 @@ use std::time::Duration;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-use crate::consumer::lease::{millis, End};
-use crate::jobs::leased::{Lease, LeasedKind};
+use crate::engine::lease::{millis, End};
+use crate::engine::leased::{Lease, LeasedKind};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use walk::{Checkpoint, Waits};

@@ -12,8 +12,8 @@ use sqlx::PgConnection;
 
 use super::walk::{self, CaptureFacts, Items};
 use super::Row;
+use crate::engine::leased::Lease;
 use crate::jobs::compile::{self, CompileError, RequestOptions};
-use crate::jobs::leased::Lease;
 use crate::jobs::JobError;
 
 /// The platform's `lockKnowledgeSpaceForDeletionAdmission`: locks the space row; whether the

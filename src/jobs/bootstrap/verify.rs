@@ -10,8 +10,8 @@ use uuid::Uuid;
 use super::snapshot::{legacy_state, lock_space};
 use super::walk::{PublishedHead, VerifyFacts};
 use super::{Row, TABLE};
+use crate::engine::leased::Lease;
 use crate::jobs::compile::page_index::TOKENIZER_VERSION;
-use crate::jobs::leased::Lease;
 use crate::jobs::JobError;
 use crate::publication;
 

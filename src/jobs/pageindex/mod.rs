@@ -29,8 +29,8 @@ use serde_json::Value;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-use crate::consumer::lease::{millis, End};
-use crate::jobs::leased::{Lease, LeasedKind};
+use crate::engine::lease::{millis, End};
+use crate::engine::leased::{Lease, LeasedKind};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use closure::Status;

@@ -1,0 +1,11 @@
+//! The protocol, with no AMQP and no HTTP in it: the fenced transitions of a job (claim, fence,
+//! advance, heartbeat, end, release) and the pure decisions of a slice. Invariant: every write to
+//! a claimed job compares its lease token and row version against an unexpired lease by the
+//! database's wall clock, zero rows changed means the lease is lost and nothing more is written,
+//! and how a slice goes on or ends is decided by [`slice::after_step`] alone. The intakes (the
+//! broker's deliveries in [`crate::consumer`], polled leases in [`crate::poller`]) feed it.
+
+pub mod lease;
+pub mod leased;
+pub mod settle;
+pub mod slice;
