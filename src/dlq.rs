@@ -115,7 +115,7 @@ pub fn message_key(props: &BasicProperties, body: &[u8]) -> String {
 
 /// The kind whose queue is `queue` under `topology`.
 fn kind_of_queue(topology: &Topology, queue: &str) -> Option<Kind> {
-    [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe]
+    Kind::all()
         .into_iter()
         .find(|&k| topology.queue(k) == queue)
 }

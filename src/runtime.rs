@@ -331,8 +331,10 @@ async fn prepare_database(
 ) -> Result<(), Blocked> {
     let s = &opts.services;
     db::probe(&s.database_url, options, s.connect_timeout).await?;
-    if opts.kinds.contains(&Kind::Probe) {
-        jobs::probe::install(pool).await?;
+    for kind in &opts.kinds {
+        if let Some(prepare) = kind.entry().prepare {
+            prepare(pool).await?;
+        }
     }
     if opts.consumer || opts.leased.is_some() {
         if let Some(held) = lock.as_mut() {

@@ -51,9 +51,9 @@ async fn rabbitmq_definitions_match_the_topology_the_worker_declares() {
     let ch = conn.create_channel().await.unwrap();
     let topology = Topology::new(&prefix);
     // Redeclaring with different arguments would close the channel with PRECONDITION_FAILED.
-    let declared = topology.declare(&ch, &Kind::PLATFORM).await;
+    let declared = topology.declare(&ch, &Kind::platform()).await;
     let ch2 = conn.create_channel().await.unwrap();
-    let _ = topology.delete(&ch2, &Kind::PLATFORM).await;
+    let _ = topology.delete(&ch2, &Kind::platform()).await;
     let _ = Command::new("rabbitmqctl")
         .args(["-q", "clear_policy", &format!("{prefix}-job-queues")])
         .output();

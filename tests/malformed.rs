@@ -570,7 +570,7 @@ proptest! {
     /// accepts only a well-formed delivery of the queue's own kind.
     #[test]
     fn decoding_is_total_and_strict_on_mutated_envelopes(
-        kind in 0usize..4,
+        kind in 0usize..Kind::all().len(),
         job in any::<u128>(),
         raw in proptest::option::weighted(0.1, proptest::collection::vec(any::<u8>(), 0..256)),
         muts in proptest::collection::vec(mutation(), 0..4),
@@ -582,7 +582,7 @@ proptest! {
         ]),
         event_type in proptest::option::weighted(0.8, prop_oneof![
             6 => Just(EventType::Own),
-            1 => (0usize..4).prop_map(EventType::Of),
+            1 => (0usize..Kind::all().len()).prop_map(EventType::Of),
             1 => ".{0,40}".prop_map(EventType::Text),
         ]),
         schema in proptest::option::weighted(0.9, prop_oneof![
@@ -595,12 +595,12 @@ proptest! {
         ]),
     ) {
         use kfs_worker::wire::{decode, Envelope, SCHEMA_VERSION};
-        let kind = common::ALL_KINDS[kind];
+        let kind = Kind::all()[kind];
         let field = kind.spec().payload_id_field;
         let body = mutated_body(kind, job, raw, &muts);
         let event_type = event_type.map(|e| match e {
             EventType::Own => kind.event_type().to_owned(),
-            EventType::Of(i) => common::ALL_KINDS[i].event_type().to_owned(),
+            EventType::Of(i) => Kind::all()[i].event_type().to_owned(),
             EventType::Text(t) => t,
         });
         let env = Envelope {
@@ -634,7 +634,7 @@ proptest! {
     /// the ids it carries. Together with the property above, decoding is strict and complete.
     #[test]
     fn every_well_formed_envelope_decodes_to_its_own_ids(
-        kind in 0usize..4,
+        kind in 0usize..Kind::all().len(),
         job in 1u128..,
         outbox in any::<u128>(),
         delivery_id in "[^\\p{Cc}]{1,60}",
@@ -642,7 +642,7 @@ proptest! {
         extra in proptest::collection::btree_map("[a-z]{1,8}", any::<i64>(), 0..4),
     ) {
         use kfs_worker::wire::{decode, Envelope, SCHEMA_VERSION};
-        let kind = common::ALL_KINDS[kind];
+        let kind = Kind::all()[kind];
         let field = kind.spec().payload_id_field;
         let mut payload: serde_json::Map<String, serde_json::Value> =
             extra.into_iter().map(|(k, v)| (k, v.into())).collect();

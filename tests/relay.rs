@@ -1347,10 +1347,10 @@ async fn platform_rows_are_relayed_in_their_own_time_type_and_state_model() {
         env.topology.clone(),
         "relay-platform",
         cfg(),
-        &Kind::PLATFORM,
+        &Kind::platform(),
     );
     let ch = env.confirm_channel().await;
-    for kind in Kind::PLATFORM {
+    for kind in Kind::platform() {
         assert_eq!(
             round(&r, &ch, kind).await,
             Round {
@@ -1448,10 +1448,10 @@ async fn dispatch_exhaustion_fails_each_platform_job_by_its_tables_rules() {
             max_dispatch_attempts: 1,
             ..cfg()
         },
-        &Kind::PLATFORM,
+        &Kind::platform(),
     );
     let ch = env.confirm_channel().await;
-    for kind in Kind::PLATFORM {
+    for kind in Kind::platform() {
         assert_eq!(
             round(&r, &ch, kind).await,
             Round {

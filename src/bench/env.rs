@@ -12,8 +12,6 @@ use crate::config::{self, Services};
 use crate::jobs::Kind;
 use crate::{db, jobs};
 
-pub const ALL_KINDS: [Kind; 4] = [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe];
-
 pub struct BenchEnv {
     pub tag: String,
     pub db_name: String,
@@ -67,7 +65,7 @@ impl BenchEnv {
         let topology = Topology::new(services.queue_prefix.clone());
         let ch = amqp.create_channel().await.map_err(|e| e.to_string())?;
         topology
-            .declare(&ch, &ALL_KINDS)
+            .declare(&ch, &Kind::all())
             .await
             .map_err(|e| format!("declare the bench topology: {e}"))?;
         let _ = ch.close(200, "declared".into()).await;
@@ -148,7 +146,7 @@ impl BenchEnv {
     pub async fn cleanup(self) {
         self.pool.close().await;
         if let Ok(ch) = self.amqp.create_channel().await {
-            let _ = self.topology.delete(&ch, &ALL_KINDS).await;
+            let _ = self.topology.delete(&ch, &Kind::all()).await;
             let _ = ch
                 .queue_delete(
                     format!("{}.limit", self.topology.prefix).as_str().into(),

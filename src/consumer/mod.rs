@@ -86,7 +86,7 @@ impl Default for ConsumerConfig {
         Self {
             prefetch: 16,
             budget: Budget::default(),
-            policies: [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe]
+            policies: Kind::all()
                 .into_iter()
                 .map(|k| (k, k.spec().policy))
                 .collect(),
@@ -590,7 +590,7 @@ impl Engine {
         }
         if let End::Fail { code, .. } = end {
             // The kind's own record of the failure commits with the failure.
-            crate::jobs::failed(&mut tx, Some(handler.as_ref()), job, code)
+            crate::jobs::failed(&mut tx, Some(handler.as_ref()), job.kind.spec(), job, code)
                 .await
                 .map_err(StepError::Certain)?;
         }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::jobs::{Clock, Handler, JobCtx, KindSpec, States};
+use super::kind::{Clock, Handler, JobCtx, KindSpec, States};
 pub use crate::wire::DeliveryRef;
 
 /// The prepared statement texts of one kind, rendered once.
@@ -30,13 +30,14 @@ pub struct Statements {
     rearm_at_retry: String,
     rearm_at_lease: String,
     settle: super::settle::Statements,
+    spec: &'static KindSpec,
 }
 
 const LEASE_CLEAR: &str =
     "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
 
 impl Statements {
-    pub fn new(spec: &KindSpec) -> Self {
+    pub fn new(spec: &'static KindSpec) -> Self {
         let (claimable, running_set, live, terminal) = match spec.states {
             States::RunState { .. } => (
                 "(j.run_state IN ('dispatch_pending', 'queued') \
@@ -191,7 +192,7 @@ impl Statements {
             end_succeed: end(&succeed, "status = 'completed'"),
             end_fail: end(&fail, "status = 'dead', last_error = $5 || ': ' || $6"),
             end_cancel: end(&cancel, "status = 'canceled', last_error = $5 || ': ' || $6"),
-            end_supersede: if spec.kind == crate::jobs::Kind::Compile {
+            end_supersede: if spec.superseded_state {
                 end(
                     "run_state = 'superseded', active_slot = NULL, completed_at = now(), \
                      last_error_code = 'superseded', last_error_message = $5",
@@ -234,6 +235,7 @@ impl Statements {
                    AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.retry_at IS NOT NULL",
             ),
             settle: super::settle::Statements::new(spec),
+            spec,
         }
     }
 }
@@ -465,7 +467,7 @@ async fn diagnose(
             attempts,
             max_attempts,
         );
-        crate::jobs::failed(tx, hook, &job, "attempts_exhausted").await?;
+        super::kind::failed(tx, hook, st.spec, &job, "attempts_exhausted").await?;
         return Ok(Claim::Exhausted);
     }
     if retry_later == Some(true) {

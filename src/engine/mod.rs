@@ -5,7 +5,9 @@
 //! and how a slice goes on or ends is decided by [`slice::after_step`] alone. The intakes (the
 //! broker's deliveries in [`crate::consumer`], polled leases in [`crate::poller`]) feed it.
 
+pub mod kind;
 pub mod lease;
 pub mod leased;
+pub mod retry;
 pub mod settle;
 pub mod slice;

@@ -3,7 +3,7 @@
 //! delivery, and no live worker holds its job's lease (that is a legitimate duplicate); then,
 //! with the job row locked before the outbox row, a row whose own message no consumer can
 //! decode (or that names another job) goes `dead` with the reason in `last_error`, its job
-//! failed through [`crate::jobs::failed`] when the job is live and has no other live outbox row,
+//! failed through [`super::kind::failed`] when the job is live and has no other live outbox row,
 //! and a usable row of a terminal job goes `completed`, `dead` or `canceled` to match it. Only
 //! statuses the outbox's CHECKs allow are written, with the lock columns cleared. Anything else
 //! is left for the relay to publish again.
@@ -11,7 +11,7 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::jobs::{Handler, JobCtx, Kind, KindSpec, States};
+use super::kind::{Handler, JobCtx, Kind, KindSpec, States};
 
 /// The code a job fails with when its outbox row can never be delivered.
 pub const UNDELIVERABLE: &str = "undeliverable";
@@ -20,6 +20,7 @@ pub const UNDELIVERABLE: &str = "undeliverable";
 #[derive(Debug)]
 pub struct Statements {
     kind: Kind,
+    spec: &'static KindSpec,
     lock_job: String,
     lock_outbox: String,
     others_live: String,
@@ -28,7 +29,7 @@ pub struct Statements {
 }
 
 impl Statements {
-    pub fn new(spec: &KindSpec) -> Self {
+    pub fn new(spec: &'static KindSpec) -> Self {
         let (state, failable, fail_set) = match spec.states {
             States::RunState { failed_keeps_slot } => (
                 "j.run_state",
@@ -50,6 +51,7 @@ impl Statements {
         };
         Statements {
             kind: spec.kind,
+            spec,
             // The job row first, as every writer locks: the job of the row, whatever the
             // message said.
             lock_job: spec.sql(&format!(
@@ -180,7 +182,7 @@ pub async fn settle(
                     attempts,
                     max_attempts,
                 );
-                crate::jobs::failed(tx, hook, &ctx, UNDELIVERABLE).await?;
+                super::kind::failed(tx, hook, st.spec, &ctx, UNDELIVERABLE).await?;
                 job_failed = true;
             }
         }

@@ -541,7 +541,8 @@ impl Relay {
                 (job, checkpoint, row_version, attempts, max_attempts)
             {
                 let ctx = crate::jobs::JobCtx::unleased(kind, job, *id, rv, checkpoint, n, max);
-                crate::jobs::failed(&mut tx, None, &ctx, "dispatch_exhausted").await?;
+                crate::jobs::failed(&mut tx, None, ctx.kind.spec(), &ctx, "dispatch_exhausted")
+                    .await?;
             }
             tx.commit().await?;
             dead_count += usize::try_from(d).unwrap_or(0);

@@ -84,8 +84,11 @@ mod tests {
     }
 
     #[test]
+    #[allow(non_upper_case_globals)]
     fn schedule_table() {
-        use Kind::*;
+        const Compile: Kind = Kind::Compile;
+        const Probe: Kind = Kind::Probe;
+        const Research: Kind = Kind::Research;
         // (events applied in order, then the rounds `start` returns)
         // Every case starts after the first `start`, with one round of each kind in flight:
         // (events applied in order, then the rounds `start` returns).

@@ -14,8 +14,6 @@ use kfs_worker::config::{self, Services};
 use kfs_worker::jobs::Kind;
 use sqlx::{Connection, PgConnection, PgPool};
 
-pub const ALL_KINDS: [Kind; 4] = [Kind::Compile, Kind::Deletion, Kind::Research, Kind::Probe];
-
 pub fn admin_url() -> String {
     std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
@@ -73,7 +71,7 @@ impl TestEnv {
             .expect("connect to RabbitMQ");
         let ch = amqp.create_channel().await.expect("channel");
         topology
-            .declare(&ch, &ALL_KINDS)
+            .declare(&ch, &Kind::all())
             .await
             .expect("declare topology");
         TestEnv {
@@ -211,7 +209,7 @@ async fn cleanup(db_name: &str, topology: &Topology, pool: &PgPool) {
             lapin::Connection::connect(&amqp_url(), lapin::ConnectionProperties::default()).await
         {
             if let Ok(ch) = conn.create_channel().await {
-                let _ = topology.delete(&ch, &ALL_KINDS).await;
+                let _ = topology.delete(&ch, &Kind::all()).await;
                 // Closed before the connection, as the worker does (`consumer::consume`).
                 let _ = ch.close(200, "bye".into()).await;
             }

@@ -40,6 +40,7 @@ pub mod chunk;
 pub mod cli;
 pub(crate) mod compose;
 pub mod multimodal;
+pub mod operate;
 pub mod outline;
 pub mod page_index;
 pub mod parse;
@@ -49,9 +50,13 @@ pub mod request;
 pub(crate) mod steps;
 pub mod walk;
 
+use std::time::Duration;
+
 use sqlx::PgConnection;
 
-use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
+use super::{
+    Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
+};
 pub use request::{
     release, request, retry, search_published, show, wait, AttemptStatus, CompileError, Hit,
     RequestOptions, Requester,
@@ -100,7 +105,7 @@ impl CompileHandler {
 #[async_trait::async_trait]
 impl Handler for CompileHandler {
     fn kind(&self) -> Kind {
-        Kind::Compile
+        KIND
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
@@ -144,4 +149,50 @@ impl Handler for CompileHandler {
             Outcome::Succeed(last) => Step::Succeed(last.as_str().into()),
         })
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration: this kind's identity, tables, policy and handler (one line in `jobs::registry`).
+// ---------------------------------------------------------------------------------------------
+
+pub const KIND: Kind = Kind::new("compile");
+
+pub static COMPILE: KindSpec = KindSpec {
+    kind: KIND,
+    event_type: "document.compile",
+    job_table: "document_compilation_attempts",
+    outbox_table: "document_compilation_outbox",
+    outbox_fk: "attempt_id",
+    payload_id_field: "attemptId",
+    clock: Clock::Timestamptz,
+    states: States::RunState {
+        failed_keeps_slot: false,
+    },
+    superseded_state: true,
+    revisions: false,
+    policy: Policy {
+        lease: Duration::from_secs(60),
+        max_attempts: 5,
+        retry: RetryPolicy {
+            base: Duration::from_secs(5),
+            max: Duration::from_secs(5 * 60),
+        },
+    },
+    record_failure: Some(record_failure_boxed),
+};
+
+pub static ENTRY: super::Entry = super::Entry {
+    ops: &operate::OPERATIONS,
+    prepare: None,
+    spec: &COMPILE,
+    default: true,
+    handler: |deps| Ok(std::sync::Arc::new(CompileHandler::new(deps.clone())?)),
+};
+
+fn record_failure_boxed<'a>(
+    tx: &'a mut PgConnection,
+    job: &'a JobCtx,
+    code: &'a str,
+) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>> {
+    Box::pin(record_failure(tx, job, code))
 }

@@ -25,6 +25,7 @@ mod erase;
 mod fence;
 mod head;
 mod inventory;
+pub mod operate;
 pub mod ports;
 mod primary;
 mod purge;
@@ -42,7 +43,9 @@ use std::time::Duration;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
+use super::{
+    Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
+};
 pub use ports::{
     CachePage, ForgetSecrets, NoCache, ObjectEraser, PortError, Ports, RetrievalCache, SecretRef,
     SecretStore,
@@ -375,7 +378,7 @@ impl DeletionHandler {
 #[async_trait::async_trait]
 impl Handler for DeletionHandler {
     fn kind(&self) -> Kind {
-        Kind::Deletion
+        KIND
     }
 
     async fn step(&self, tx: &mut PgConnection, ctx: &JobCtx) -> Result<Step, JobError> {
@@ -452,6 +455,44 @@ pub(crate) fn clamp_wait(ms: Option<f64>, min: Duration, max: Duration) -> Durat
         .map_or(min, |m| Duration::from_millis(m.ceil() as u64));
     d.clamp(min, max.max(min))
 }
+
+// ---------------------------------------------------------------------------------------------
+// Registration: this kind's identity, tables, policy and handler (one line in `jobs::registry`).
+// ---------------------------------------------------------------------------------------------
+
+pub const KIND: Kind = Kind::new("deletion");
+
+pub static DELETION: KindSpec = KindSpec {
+    kind: KIND,
+    event_type: "deletion.job",
+    job_table: "deletion_jobs",
+    outbox_table: "deletion_outbox",
+    outbox_fk: "deletion_job_id",
+    payload_id_field: "deletionJobId",
+    clock: Clock::Timestamptz,
+    states: States::RunState {
+        failed_keeps_slot: true,
+    },
+    superseded_state: false,
+    revisions: true,
+    policy: Policy {
+        lease: Duration::from_secs(30),
+        max_attempts: 10,
+        retry: RetryPolicy {
+            base: Duration::from_secs(5),
+            max: Duration::from_secs(5 * 60),
+        },
+    },
+    record_failure: None,
+};
+
+pub static ENTRY: super::Entry = super::Entry {
+    ops: &operate::OPERATIONS,
+    prepare: None,
+    spec: &DELETION,
+    default: true,
+    handler: |deps| Ok(std::sync::Arc::new(DeletionHandler::new(deps.clone())?)),
+};
 
 #[cfg(test)]
 mod tests {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::{Handler, JobCtx, JobError, Kind, Step};
+use super::{Clock, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step};
 
 const SCHEMA: &str = include_str!("schema.sql");
 
@@ -119,7 +119,7 @@ pub struct ProbeHandler;
 #[async_trait::async_trait]
 impl Handler for ProbeHandler {
     fn kind(&self) -> Kind {
-        Kind::Probe
+        KIND
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
@@ -189,6 +189,52 @@ impl Handler for ProbeHandler {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Registration: this kind's identity, tables, policy and handler (one line in `jobs::registry`).
+// ---------------------------------------------------------------------------------------------
+
+pub const KIND: Kind = Kind::new("probe");
+
+pub static PROBE: KindSpec = KindSpec {
+    kind: KIND,
+    event_type: "probe.job",
+    job_table: "kfs_probe_jobs",
+    outbox_table: "kfs_probe_outbox",
+    outbox_fk: "probe_job_id",
+    payload_id_field: "probeJobId",
+    clock: Clock::Timestamptz,
+    states: States::RunState {
+        failed_keeps_slot: false,
+    },
+    superseded_state: false,
+    revisions: true,
+    policy: Policy {
+        lease: Duration::from_secs(30),
+        max_attempts: 5,
+        retry: RetryPolicy {
+            base: Duration::from_secs(1),
+            max: Duration::from_secs(5 * 60),
+        },
+    },
+    record_failure: None,
+};
+
+pub static OPERATIONS: super::operate::Operations = super::operate::Operations {
+    history: &[(
+        "Step effects",
+        "SELECT step, worker_id, created_at FROM kfs_probe_effects WHERE job_id = $1 ORDER BY step, id",
+    )],
+    ..super::operate::Operations::NONE
+};
+
+pub static ENTRY: super::Entry = super::Entry {
+    ops: &OPERATIONS,
+    prepare: Some(|pool| Box::pin(install(pool))),
+    spec: &PROBE,
+    default: false,
+    handler: |_deps| Ok(std::sync::Arc::new(ProbeHandler)),
+};
 
 #[cfg(test)]
 mod tests {

@@ -40,6 +40,7 @@ pub mod control;
 pub mod evidence;
 pub mod follow;
 pub mod generator;
+pub mod operate;
 pub mod plan;
 pub mod progress;
 pub mod request;
@@ -49,6 +50,8 @@ mod stages;
 pub mod walk;
 
 use std::sync::Arc;
+
+use std::time::Duration;
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -60,7 +63,9 @@ pub use progress::ProgressEvent;
 pub use request::{request, RequestError, Requested, ResearchRequest};
 pub use walk::Stage;
 
-use super::{Deps, Handler, JobCtx, JobError, Kind, Step};
+use super::{
+    Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
+};
 use crate::embed::Embedder;
 use progress::{payload, EventType, JobScope};
 use snapshot::RuntimeSnapshot;
@@ -238,7 +243,7 @@ pub(crate) async fn record_failure(
 #[async_trait::async_trait]
 impl Handler for ResearchHandler {
     fn kind(&self) -> Kind {
-        Kind::Research
+        KIND
     }
 
     /// A scheduled retry gets its `stage_changed {"error", "retryAt", "retryScheduled": true}`
@@ -327,4 +332,48 @@ impl Handler for ResearchHandler {
         };
         run.stage(tx, stage).await
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Registration: this kind's identity, tables, policy and handler (one line in `jobs::registry`).
+// ---------------------------------------------------------------------------------------------
+
+pub const KIND: Kind = Kind::new("research");
+
+pub static RESEARCH: KindSpec = KindSpec {
+    kind: KIND,
+    event_type: "research.task",
+    job_table: "research_task_jobs",
+    outbox_table: "research_task_outbox",
+    outbox_fk: "research_task_job_id",
+    payload_id_field: "researchTaskJobId",
+    clock: Clock::EpochMillis,
+    states: States::Stage,
+    superseded_state: false,
+    revisions: true,
+    policy: Policy {
+        lease: Duration::from_secs(30),
+        max_attempts: 5,
+        retry: RetryPolicy {
+            base: Duration::from_secs(5),
+            max: Duration::from_secs(5 * 60),
+        },
+    },
+    record_failure: Some(record_failure_boxed),
+};
+
+pub static ENTRY: super::Entry = super::Entry {
+    ops: &operate::OPERATIONS,
+    prepare: None,
+    spec: &RESEARCH,
+    default: true,
+    handler: |deps| Ok(std::sync::Arc::new(ResearchHandler::new(deps.clone())?)),
+};
+
+fn record_failure_boxed<'a>(
+    tx: &'a mut PgConnection,
+    job: &'a JobCtx,
+    code: &'a str,
+) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>> {
+    Box::pin(record_failure(tx, job, code))
 }

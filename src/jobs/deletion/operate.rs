@@ -1,0 +1,106 @@
+//! What operators see of deletion jobs and do to them (see [`crate::jobs::operate`]).
+//! Invariant: `retry` writes only through [`super::request::retry_deletion`], the CLI's
+//! function, as the form's subject, snapshot and channel or else the job's own.
+
+use futures_util::future::BoxFuture;
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use super::request::{retry_deletion, RequestError, RetryAuthority, RetryRequest};
+use crate::jobs::operate::{Action, ActionArgs, ActionError, Input, Operations};
+
+pub static OPERATIONS: Operations = Operations {
+    checkpoints: &[
+        "requested",
+        "quiescing",
+        "deleting_objects",
+        "deleting_derived_data",
+        "deleting_primary_data",
+        "completed",
+    ],
+    history: &[
+        (
+            "Items by status",
+            "SELECT kind, status, count(*) AS items, sum(attempts) AS attempts, \
+               max(last_error_code) AS last_error_code \
+             FROM deletion_job_items WHERE deletion_job_id = $1 GROUP BY 1, 2 ORDER BY 1, 2",
+        ),
+        (
+            "Manual retries",
+            "SELECT created_at, retry_authority, actor_subject_id, access_channel, request_idempotency_key \
+             FROM deletion_retry_audits WHERE deletion_job_id = $1 ORDER BY created_at",
+        ),
+    ],
+    actions: &[Action {
+        name: "retry",
+        applies: |state| state == "failed",
+        inputs: &[
+            Input::Text {
+                label: "as subject",
+                name: "subject",
+                size: None,
+                prefill: Some("requested_by_subject_id"),
+                placeholder: None,
+            },
+            Input::Text {
+                label: "permission snapshot",
+                name: "snapshot",
+                size: Some(38),
+                prefill: Some("permission_snapshot_id"),
+                placeholder: None,
+            },
+            Input::Checkbox {
+                label: "owner rescue",
+                name: "owner_rescue",
+            },
+        ],
+        run: retry,
+    }],
+    failure_list_action: None,
+};
+
+/// `retry`: as the form's subject, snapshot and channel, or else the job's own.
+fn retry<'a>(
+    conn: &'a mut PgConnection,
+    id: Uuid,
+    args: &'a ActionArgs,
+) -> BoxFuture<'a, Result<String, ActionError>> {
+    Box::pin(async move {
+        let job: Option<(String, Uuid, String)> = sqlx::query_as(
+            "SELECT requested_by_subject_id, permission_snapshot_id, access_channel FROM deletion_jobs WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| ActionError::Failed(e.to_string()))?;
+        let Some((subject, snapshot, channel)) = job else {
+            return Err(ActionError::NotFound(format!("no deletion job {id}")));
+        };
+        let snapshot = match args.snapshot.as_deref() {
+            None => snapshot,
+            Some(s) => Uuid::parse_str(s).map_err(|_| {
+                ActionError::BadInput(format!("permission snapshot id {s:?} is not a UUID"))
+            })?,
+        };
+        let req = RetryRequest {
+            job_id: id,
+            actor_subject_id: args.subject.clone().unwrap_or(subject),
+            permission_snapshot_id: snapshot,
+            access_channel: args.channel.clone().unwrap_or(channel),
+            authority: if args.owner_rescue {
+                RetryAuthority::InteractiveOwnerRescue
+            } else {
+                RetryAuthority::OriginalRequester
+            },
+            idempotency_key: format!("dashboard:{}", Uuid::new_v4()),
+        };
+        let r = retry_deletion(conn, &req).await.map_err(|e| match e {
+            RequestError::Db(_) => ActionError::Failed(e.to_string()),
+            other => ActionError::Refused(other.to_string()),
+        })?;
+        Ok(format!(
+            "deletion job {id} is retrying (delivery revision {})",
+            r.delivery_revision
+        ))
+    })
+}
