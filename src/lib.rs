@@ -8,12 +8,15 @@
 //! - [`access`] — the platform's revalidation of a permission snapshot.
 //! - [`config`] — settings from the environment, validated once, secrets redacted.
 //! - [`db`] — Postgres pools, migrations, error classification.
-//! - [`broker`] — RabbitMQ connections, topology and message shape.
-//! - [`platform`] — writers of the platform's own rows (spaces, sources, documents), for demo and tests.
+//! - [`wire`] — the message format shared by relay and consumer: headers, body limit,
+//!   traceparent, decoding.
+//! - [`broker`] — RabbitMQ connections and topology.
 //! - [`publication`] — which document generations a space serves; head moves by CAS.
 //! - [`relay`] — outbox rows to confirmed messages.
-//! - [`consumer`] — deliveries to fenced, checkpointed steps; ack after commit.
-//! - [`jobs`] — the job kinds, their policies and handlers.
+//! - [`engine`] — the protocol: the kind vocabulary, fenced transitions, slice decisions.
+//! - [`consumer`] — the broker intake: deliveries to fenced, checkpointed steps; ack after commit.
+//! - [`poller`] — the polled intake: leased kinds claimed straight from Postgres.
+//! - [`jobs`] — the registry of job kinds and one folder per kind.
 //! - [`embed`] — the embedding port: offline and OpenAI-compatible adapters.
 //! - [`store`] — the object store port (local directory, S3, GCS, Azure).
 //! - [`liveness`] — worker liveness for fast takeover.
@@ -23,15 +26,16 @@
 //! - [`metrics`] — metric names and the Prometheus recorder.
 //! - [`status`] — what the job tables and queues hold right now.
 //! - [`dlq`] — peek at the dead-letter queue and requeue one message.
-//! - [`demo`] — the main job end to end, for newcomers.
-//! - [`bench`] — throughput and latency next to the bare loop the machine allows.
+//! - [`tools`] — dev tools the runtime never imports: [`tools::demo`] (the main job end to end,
+//!   for newcomers), [`tools::bench`] (throughput and latency next to the bare loop the machine
+//!   allows) and [`tools::platform`] (writers of the platform's own rows — spaces, sources,
+//!   documents — for demo, bench and tests).
 //! - [`cli`] — the command line.
 //! - [`telemetry`] — logging.
 //! - [`crash`] — kill points for crash tests.
 //!
 
 pub mod access;
-pub mod bench;
 pub mod broker;
 pub mod canonical;
 pub mod cli;
@@ -39,7 +43,6 @@ pub mod config;
 pub mod consumer;
 pub mod crash;
 pub mod db;
-pub mod demo;
 pub mod dlq;
 pub mod embed;
 pub mod engine;
@@ -48,7 +51,6 @@ pub mod jobs;
 pub mod liveness;
 pub mod maintenance;
 pub mod metrics;
-pub mod platform;
 pub mod poller;
 pub mod progress;
 pub mod publication;
@@ -57,4 +59,5 @@ pub mod runtime;
 pub mod status;
 pub mod store;
 pub mod telemetry;
+pub mod tools;
 pub mod wire;

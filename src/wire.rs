@@ -10,7 +10,7 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use uuid::Uuid;
 
-use crate::jobs::Kind;
+use crate::engine::kind::{Kind, KindSpec};
 
 /// Bodies are a few hundred bytes; anything past this is not ours.
 pub const MAX_BODY: usize = 64 * 1024;
@@ -33,7 +33,9 @@ pub struct DeliveryRef {
 /// The message the relay publishes for one outbox row.
 #[derive(Clone, Debug)]
 pub struct OutboundMessage {
-    pub kind: crate::jobs::Kind,
+    pub kind: Kind,
+    /// The kind's event type (`type` property): `KindSpec::event_type`.
+    pub event_type: &'static str,
     pub outbox_id: uuid::Uuid,
     pub job_id: uuid::Uuid,
     pub delivery_id: String,
@@ -61,7 +63,7 @@ impl OutboundMessage {
         lapin::BasicProperties::default()
             .with_message_id(self.delivery_id.as_str().into())
             .with_correlation_id(self.job_id.to_string().into())
-            .with_type(self.kind.event_type().into())
+            .with_type(self.event_type.into())
             .with_content_type("application/json".into())
             .with_delivery_mode(2)
             .with_headers(headers)
@@ -142,7 +144,7 @@ impl DecodeError {
     }
 }
 
-pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError> {
+pub fn decode(spec: &KindSpec, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError> {
     if env.body.len() > MAX_BODY {
         return Err(DecodeError::Oversized(env.body.len()));
     }
@@ -154,7 +156,7 @@ pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError
         return Err(DecodeError::BadDeliveryId);
     }
     if let Some(t) = env.event_type {
-        if t != kind.event_type() {
+        if t != spec.event_type {
             return Err(DecodeError::WrongType(t.chars().take(64).collect()));
         }
     }
@@ -170,7 +172,7 @@ pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError
     let body: serde_json::Value =
         serde_json::from_slice(env.body).map_err(|_| DecodeError::NotJsonObject)?;
     let obj = body.as_object().ok_or(DecodeError::NotJsonObject)?;
-    let field = kind.spec().payload_id_field;
+    let field = spec.payload_id_field;
     let job_id = obj
         .get(field)
         .and_then(serde_json::Value::as_str)
@@ -178,7 +180,7 @@ pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError
         .filter(|u| !u.is_nil())
         .ok_or(DecodeError::BadJobId(field))?;
     Ok(DeliveryRef {
-        kind,
+        kind: spec.kind,
         job_id,
         outbox_id,
         delivery_id: delivery_id.to_owned(),
@@ -190,7 +192,7 @@ pub fn decode(kind: Kind, env: &Envelope<'_>) -> Result<DeliveryRef, DecodeError
 /// does not decode, or names a job other than the row's. `None`: the row is usable, so a bad
 /// message that pointed at it was not the row's fault, and the row's next publish is good.
 pub fn unusable_row(
-    kind: Kind,
+    spec: &KindSpec,
     outbox_id: Uuid,
     row_job_id: Uuid,
     delivery_id: &str,
@@ -201,12 +203,12 @@ pub fn unusable_row(
     let outbox = outbox_id.to_string();
     let env = Envelope {
         message_id: Some(delivery_id),
-        event_type: Some(kind.event_type()),
+        event_type: Some(spec.event_type),
         schema_version: Some(i64::from(schema_version)),
         outbox_id: Some(&outbox),
         body: &body,
     };
-    match decode(kind, &env) {
+    match decode(spec, &env) {
         Err(e) => Some(e.to_string()),
         Ok(d) if d.job_id != row_job_id => Some(format!(
             "its payload names job {}, not the row's job {row_job_id}",
@@ -317,7 +319,7 @@ mod tests {
     #[test]
     fn decodes_a_good_message() {
         let body = format!(r#"{{"attemptId":"{JOB}","traceparent":"00-x"}}"#);
-        let d = decode(Kind::Compile, &good(body.as_bytes())).unwrap();
+        let d = decode(Kind::Compile.spec(), &good(body.as_bytes())).unwrap();
         assert_eq!(d.job_id.to_string(), JOB);
         assert_eq!(d.outbox_id.to_string(), OUTBOX);
         assert_eq!(d.delivery_id, "d-1");
@@ -387,7 +389,7 @@ mod tests {
             ),
         ];
         for (env, want) in cases {
-            assert_eq!(decode(Kind::Compile, &env).unwrap_err(), want);
+            assert_eq!(decode(Kind::Compile.spec(), &env).unwrap_err(), want);
         }
     }
 
@@ -397,7 +399,7 @@ mod tests {
         let job = Uuid::parse_str(JOB).unwrap();
         let good = serde_json::json!({ "attemptId": JOB });
         assert_eq!(
-            unusable_row(Kind::Compile, outbox, job, "d-1", 1, &good),
+            unusable_row(Kind::Compile.spec(), outbox, job, "d-1", 1, &good),
             None
         );
         let bad = [
@@ -408,7 +410,7 @@ mod tests {
         ];
         for (version, payload) in bad {
             assert!(
-                unusable_row(Kind::Compile, outbox, job, "d-1", version, &payload).is_some(),
+                unusable_row(Kind::Compile.spec(), outbox, job, "d-1", version, &payload).is_some(),
                 "{version} {payload}"
             );
         }

@@ -22,7 +22,7 @@ use kfs_worker::jobs::compile::{
     self, AttemptStatus, CompileError, CompileHandler, RequestOptions, Requester,
 };
 use kfs_worker::jobs::{Deps, Kind};
-use kfs_worker::platform;
+use kfs_worker::tools::platform;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;

@@ -1751,7 +1751,7 @@ const TENANT: &str = "tenant-consumer";
 /// Writes a knowledge space (owned by `user-1`); returns its id.
 async fn space(pool: &PgPool) -> Uuid {
     let mut conn = pool.acquire().await.unwrap();
-    kfs_worker::platform::create_space(
+    kfs_worker::tools::platform::create_space(
         &mut conn,
         TENANT,
         &format!("space-{}", Uuid::new_v4()),
@@ -1855,7 +1855,7 @@ async fn insert_research(pool: &PgPool, space: Uuid) -> (Uuid, Uuid) {
     let (job, outbox) = (Uuid::new_v4(), Uuid::new_v4());
     let snapshot = {
         let mut conn = pool.acquire().await.unwrap();
-        kfs_worker::platform::create_permission_snapshot(
+        kfs_worker::tools::platform::create_permission_snapshot(
             &mut conn,
             TENANT,
             space,

@@ -170,7 +170,7 @@ impl Fx {
     /// A research task requested as the platform's API would, over this space.
     async fn research(&self, question: &str) -> Uuid {
         let mut tx = self.env.pool.begin().await.unwrap();
-        let snapshot = kfs_worker::platform::create_permission_snapshot(
+        let snapshot = kfs_worker::tools::platform::create_permission_snapshot(
             &mut tx,
             "tenant-dash",
             self.space,

@@ -30,10 +30,10 @@ use kfs_worker::jobs::deletion::{
     SecretStore, SourceMode, Target,
 };
 use kfs_worker::jobs::{Deps, Handler, JobCtx, JobError, Kind, Step};
-use kfs_worker::platform;
 use kfs_worker::publication::{self, Member};
 use kfs_worker::relay::{Relay, RelayConfig};
 use kfs_worker::store::Store;
+use kfs_worker::tools::platform;
 use lapin::options::BasicGetOptions;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;

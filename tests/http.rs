@@ -158,6 +158,7 @@ async fn health_readiness_and_metrics_follow_the_work() {
 fn probe_message(job: uuid::Uuid, outbox: uuid::Uuid, delivery: &str) -> OutboundMessage {
     OutboundMessage {
         kind: Kind::Probe,
+        event_type: Kind::Probe.event_type(),
         outbox_id: outbox,
         job_id: job,
         delivery_id: delivery.to_owned(),

@@ -3,7 +3,7 @@
 //! RabbitMQ where compiles travel the outbox).
 //!
 //! Spaces, documents and manifests are written by the platform fixtures (`SpaceFx`,
-//! `kfs_worker::platform`). Most tests drive slices in-process with `leased::run_once` and run
+//! `kfs_worker::tools::platform`). Most tests drive slices in-process with `leased::run_once` and run
 //! the compile attempts a bootstrap requests with the real compile handler (`SpaceFx::slice`),
 //! so interleavings are exact. The process tests run real `kfs-worker run` children, one of them
 //! SIGKILLed in the middle of a walk, others aborted at crash points.
@@ -25,7 +25,7 @@ use kfs_worker::jobs::bootstrap::walk::{self, Checkpoint};
 use kfs_worker::jobs::bootstrap::{self, BootstrapKind};
 use kfs_worker::jobs::compile;
 use kfs_worker::jobs::Kind;
-use kfs_worker::platform;
+use kfs_worker::tools::platform;
 use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;

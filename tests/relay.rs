@@ -1247,7 +1247,7 @@ const TENANT: &str = "tenant-relay";
 /// The FK targets every platform job needs: a space (owned by `user-1`) and one document.
 async fn platform_space(pool: &PgPool) -> (Uuid, Uuid) {
     let mut conn = pool.acquire().await.unwrap();
-    let space = kfs_worker::platform::create_space(
+    let space = kfs_worker::tools::platform::create_space(
         &mut conn,
         TENANT,
         &format!("space-{}", Uuid::new_v4()),
@@ -1277,7 +1277,7 @@ async fn platform_jobs(pool: &PgPool) -> (Uuid, Uuid, Uuid) {
     let (space, doc) = platform_space(pool).await;
     let snapshot = {
         let mut conn = pool.acquire().await.unwrap();
-        kfs_worker::platform::create_permission_snapshot(
+        kfs_worker::tools::platform::create_permission_snapshot(
             &mut conn,
             TENANT,
             space,

@@ -28,8 +28,8 @@ use kfs_worker::jobs::research::{
     self, control, walk::Refusal, ControlError, RequestError, ResearchHandler, ResearchRequest,
 };
 use kfs_worker::jobs::{Handler, JobCtx, JobError, Kind, Policy, RetryPolicy, Step, RESEARCH};
-use kfs_worker::platform::{self, Upload};
 use kfs_worker::relay::{Relay, RelayConfig};
+use kfs_worker::tools::platform::{self, Upload};
 use lapin::options::BasicGetOptions;
 use serde_json::{json, Value};
 use sqlx::{PgConnection, PgPool};

@@ -363,14 +363,20 @@ async fn fill_platform(pool: &PgPool) -> Result<()> {
         &kfs_worker::config::object_store("memory://").map_err(|e| anyhow::anyhow!("{e}"))?,
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let space =
-        kfs_worker::platform::create_space(&mut conn, "tenant-a", "space-a", "Space A", "owner-a")
-            .await?;
-    let reference = kfs_worker::platform::new_credential_ref();
-    let source =
-        kfs_worker::platform::create_source(&mut conn, space, "web", "web", Some(&reference))
-            .await?;
-    let doc = kfs_worker::platform::add_document(
+    let space = kfs_worker::tools::platform::create_space(
+        &mut conn, "tenant-a", "space-a", "Space A", "owner-a",
+    )
+    .await?;
+    let reference = kfs_worker::tools::platform::new_credential_ref();
+    let source = kfs_worker::tools::platform::create_source(
+        &mut conn,
+        space,
+        "web",
+        "web",
+        Some(&reference),
+    )
+    .await?;
+    let doc = kfs_worker::tools::platform::add_document(
         &mut conn,
         &store,
         space,
@@ -381,7 +387,7 @@ async fn fill_platform(pool: &PgPool) -> Result<()> {
     )
     .await
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let snapshot = kfs_worker::platform::create_permission_snapshot(
+    let snapshot = kfs_worker::tools::platform::create_permission_snapshot(
         &mut conn,
         "tenant-a",
         space,

@@ -94,10 +94,10 @@ fn run(data: &[u8]) -> Result<()> {
     };
 
     let env = decode::envelope(&props, &body);
-    let first = decode::decode(kind, &env);
+    let first = decode::decode(kind.spec(), &env);
     assert_eq!(
         first,
-        decode::decode(kind, &env),
+        decode::decode(kind.spec(), &env),
         "decoding is deterministic"
     );
     if let Ok(d) = first {

@@ -14,9 +14,9 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use super::kind::{JobError, Policy, Step};
 use super::lease::{millis, End};
 use super::slice::{after_step, Budget, Next, Progress};
-use crate::jobs::{JobError, Policy, Step};
 
 /// A job claimed from a leased table.
 #[derive(Clone, Debug, PartialEq, Eq)]

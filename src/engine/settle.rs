@@ -143,7 +143,7 @@ pub async fn settle(
         return Ok(Settled::Left("a live worker holds the job"));
     }
     let unusable = crate::wire::unusable_row(
-        st.kind,
+        st.spec,
         outbox_id,
         job_id,
         delivery_id,

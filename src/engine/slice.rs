@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use super::kind::{JobError, RetryPolicy, Step};
 use super::lease::End;
-use crate::jobs::{JobError, RetryPolicy, Step};
 
 /// How much one delivery may do before it is acked and the job goes back to the relay. Keeps
 /// unacked time far below RabbitMQ's `consumer_timeout`.

@@ -20,7 +20,7 @@ pub mod probe;
 pub mod research;
 
 use std::cmp::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
 pub use crate::engine::kind::{
     failed, Clock, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RecordFailure, States, Step,
@@ -50,24 +50,70 @@ pub struct Entry {
 pub type Prepare =
     for<'a> fn(&'a sqlx::PgPool) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>>;
 
-/// Every kind, in display order: one line per kind.
-static REGISTRY: [&Entry; 4] = [
+/// The kinds built into this crate, in display order: one line per kind.
+static BUILT_IN: [&Entry; 4] = [
     &compile::ENTRY,
     &deletion::ENTRY,
     &research::ENTRY,
     &probe::ENTRY,
 ];
 
-/// Every registered kind.
-pub fn registry() -> &'static [&'static Entry] {
-    &REGISTRY
+/// Kinds registered at run time by code outside this crate (an embedding binary, a test),
+/// after the built-in ones.
+static REGISTERED: RwLock<Vec<&'static Entry>> = RwLock::new(Vec::new());
+
+fn registered() -> std::sync::RwLockReadGuard<'static, Vec<&'static Entry>> {
+    REGISTERED
+        .read()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Every kind: the built-in ones, then the registered ones.
+pub fn registry() -> Vec<&'static Entry> {
+    BUILT_IN
+        .iter()
+        .copied()
+        .chain(registered().iter().copied())
+        .collect()
+}
+
+/// Registers a kind defined outside this crate, the same way a built-in kind is listed in
+/// [`registry`]: from then on every part of the process (intakes, relay, status, the
+/// dead-letter tools, the dashboard, `--kinds`) serves it. Refuses a kind whose name, event
+/// type or tables are already taken; registering the same entry again does nothing.
+pub fn register(entry: &'static Entry) -> Result<(), String> {
+    let mut all = REGISTERED
+        .write()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if all.iter().any(|e| std::ptr::eq(*e, entry)) {
+        return Ok(());
+    }
+    let s = entry.spec;
+    for e in BUILT_IN.iter().chain(all.iter()) {
+        let t = e.spec;
+        if t.kind == s.kind
+            || t.event_type == s.event_type
+            || t.job_table == s.job_table
+            || t.outbox_table == s.outbox_table
+        {
+            return Err(format!(
+                "job kind {} ({}, tables {} and {}) clashes with the registered kind {}",
+                s.kind, s.event_type, s.job_table, s.outbox_table, t.kind
+            ));
+        }
+    }
+    all.push(entry);
+    Ok(())
 }
 
 fn position(kind: Kind) -> usize {
-    REGISTRY
+    if let Some(i) = BUILT_IN.iter().position(|e| e.spec.kind == kind) {
+        return i;
+    }
+    registered()
         .iter()
         .position(|e| e.spec.kind == kind)
-        .unwrap_or(usize::MAX)
+        .map_or(usize::MAX, |i| BUILT_IN.len() + i)
 }
 
 /// Names for the kinds the engine's own code and tests use often.
@@ -81,12 +127,12 @@ impl Kind {
 
     /// Every registered kind, in registry order.
     pub fn all() -> Vec<Kind> {
-        REGISTRY.iter().map(|e| e.spec.kind).collect()
+        registry().iter().map(|e| e.spec.kind).collect()
     }
 
     /// The platform's job kinds, relayed and consumed by default.
     pub fn platform() -> Vec<Kind> {
-        REGISTRY
+        registry()
             .iter()
             .filter(|e| e.default)
             .map(|e| e.spec.kind)
@@ -95,9 +141,13 @@ impl Kind {
 
     /// The kind's registration. Every `Kind` value comes from a registered kind's folder.
     pub fn entry(self) -> &'static Entry {
-        REGISTRY
+        if let Some(e) = BUILT_IN.iter().find(|e| e.spec.kind == self) {
+            return e;
+        }
+        registered()
             .iter()
             .find(|e| e.spec.kind == self)
+            .copied()
             .unwrap_or_else(|| panic!("job kind {self} is not in jobs::registry()"))
     }
 
@@ -110,7 +160,7 @@ impl Kind {
     }
 
     pub fn from_event_type(s: &str) -> Option<Kind> {
-        REGISTRY
+        registry()
             .iter()
             .find(|e| e.spec.event_type == s)
             .map(|e| e.spec.kind)
@@ -120,12 +170,13 @@ impl Kind {
     pub fn parse_list(raw: &str) -> Result<Vec<Kind>, String> {
         let mut kinds = Vec::new();
         for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let Some(kind) = REGISTRY
+            let all = registry();
+            let Some(kind) = all
                 .iter()
                 .find(|e| e.spec.kind.name() == part || e.spec.event_type == part)
                 .map(|e| e.spec.kind)
             else {
-                let names: Vec<&str> = REGISTRY.iter().map(|e| e.spec.kind.name()).collect();
+                let names: Vec<&str> = all.iter().map(|e| e.spec.kind.name()).collect();
                 let (last, rest) = names.split_last().expect("the registry is not empty");
                 return Err(format!(
                     "unknown job kind '{part}'; expected {} or {last}",
@@ -187,7 +238,7 @@ impl Deps {
 
 /// The handlers of every registered kind, built from `deps`.
 pub fn handlers(deps: &Deps) -> Result<Vec<Arc<dyn Handler>>, crate::config::ConfigError> {
-    REGISTRY.iter().map(|e| (e.handler)(deps)).collect()
+    registry().iter().map(|e| (e.handler)(deps)).collect()
 }
 
 #[cfg(test)]

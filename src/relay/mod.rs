@@ -6,7 +6,13 @@
 //! hook in the same transaction. Rows are claimed with `SKIP LOCKED`, so any number of relays
 //! run side by side and one row never blocks the rest.
 
+mod rounds;
 pub mod schedule;
+mod session;
+mod statements;
+
+pub use rounds::{Rounds, Settled};
+pub(crate) use session::relay_loop;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -21,8 +27,9 @@ use uuid::Uuid;
 
 use crate::broker::Topology;
 use crate::crash;
-use crate::jobs::{Kind, KindSpec, RetryPolicy, States};
+use crate::jobs::{Kind, RetryPolicy};
 use crate::wire::{valid_traceparent, OutboundMessage};
+use statements::Statements;
 
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
@@ -58,117 +65,6 @@ impl Default for RelayConfig {
             },
             poll: Duration::from_secs(1),
             depth: 4,
-        }
-    }
-}
-
-struct Statements {
-    claim: String,
-    mark: String,
-    release: String,
-    dead: String,
-}
-
-impl Statements {
-    fn new(spec: &KindSpec) -> Self {
-        let revision = if spec.revisions {
-            "o.delivery_revision"
-        } else {
-            "1"
-        };
-        let (mark_job, failed_set, failable) = match spec.states {
-            States::RunState { failed_keeps_slot } => (
-                "ready AS ( \
-                   SELECT j.id FROM {job} j JOIN marked ON j.id = marked.job_id \
-                   WHERE j.run_state = 'dispatch_pending' FOR UPDATE OF j SKIP LOCKED \
-                 ), moved AS ( \
-                   UPDATE {job} j SET run_state = 'queued', row_version = j.row_version + 1, updated_at = {now} \
-                   FROM ready WHERE j.id = ready.id RETURNING 1 \
-                 )",
-                if failed_keeps_slot {
-                    "run_state = 'failed', retry_at = NULL, last_error_code = 'dispatch_exhausted', last_error_message = $2"
-                } else {
-                    "run_state = 'failed', retry_at = NULL, active_slot = NULL, completed_at = now(), \
-                     last_error_code = 'dispatch_exhausted', last_error_message = $2"
-                },
-                "(j.run_state IN ('dispatch_pending', 'queued', 'retry_wait') \
-                  OR (j.run_state = 'running' AND j.lease_expires_at <= {now}))",
-            ),
-            States::Stage => (
-                "moved AS (SELECT 1 WHERE false)",
-                "stage = 'failed', retry_at = NULL, completed_at = {now}, error = 'dispatch_exhausted: ' || $2",
-                "(j.stage NOT IN ('paused', 'completed', 'failed', 'canceled') \
-                  AND (j.lease_token IS NULL OR j.lease_expires_at <= {now}))",
-            ),
-        };
-        Statements {
-            // Each way a row comes due is its own index range scan on (status, available_at
-            // or locked_until), locked with SKIP LOCKED, so a claim costs the same on an outbox
-            // of a hundred rows or of millions. Rows a relay died holding (a quarter of the
-            // batch) and rows whose visibility passed (another quarter) are taken besides the
-            // new ones, so new work cannot starve them; a claim is at most 1.5 × `batch` + 3.
-            claim: spec.sql(&format!(
-                "WITH stuck AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
-                   ORDER BY locked_until LIMIT $1 / 4 + 1 FOR UPDATE SKIP LOCKED \
-                 ), lost AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'dispatched' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
-                 ), expired AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'leased' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
-                 ), fresh AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'pending' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED \
-                 ) \
-                 UPDATE {{outbox}} o SET status = 'dispatching', lock_token = $2, locked_by = $3, \
-                   locked_until = {{now+$4}}, dispatch_attempts = o.dispatch_attempts + 1, \
-                   queue_job_id = gen_random_uuid()::text, updated_at = {{now}} \
-                 WHERE o.id = ANY(ARRAY( \
-                   SELECT id FROM stuck UNION ALL SELECT id FROM lost UNION ALL SELECT id FROM expired \
-                   UNION ALL SELECT id FROM fresh)) \
-                 RETURNING o.id, o.{{fk}}, o.payload, o.queue_job_id, o.dispatch_attempts, {revision}, o.schema_version"
-            )),
-            mark: spec.sql(&format!(
-                "WITH marked AS ( \
-                   UPDATE {{outbox}} o SET status = 'dispatched', lock_token = NULL, locked_by = NULL, \
-                     locked_until = NULL, available_at = {{now+$3}}, last_error = NULL, updated_at = {{now}} \
-                   FROM unnest($1::uuid[]) AS m(id) \
-                   WHERE o.id = m.id AND o.lock_token = $2 AND o.status = 'dispatching' \
-                   RETURNING o.{{fk}} AS job_id \
-                 ), {mark_job} \
-                 SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM moved)"
-            )),
-            // `refund`: the message never left (the channel was already broken), so this claim
-            // does not count as a dispatch attempt.
-            release: spec.sql(
-                "UPDATE {outbox} o SET status = 'pending', available_at = {now+m.delay_ms}, lock_token = NULL, \
-                   locked_by = NULL, locked_until = NULL, last_error = $3, \
-                   dispatch_attempts = o.dispatch_attempts - m.refund, updated_at = {now} \
-                 FROM unnest($1::uuid[], $4::bigint[], $5::int[]) AS m(id, delay_ms, refund) \
-                 WHERE o.id = m.id AND o.lock_token = $2 AND o.status = 'dispatching'",
-            ),
-            // Job rows locked by someone else (a worker mid-step) are skipped, never waited for:
-            // their outbox rows stay `dispatching` under our token and are released instead.
-            dead: spec.sql(&format!(
-                "WITH lockable AS ( \
-                   SELECT o.id, o.{{fk}} AS job_id FROM {{outbox}} o JOIN {{job}} j ON j.id = o.{{fk}} \
-                   WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $3 AND o.status = 'dispatching' \
-                   FOR UPDATE OF o, j SKIP LOCKED \
-                 ), r AS ( \
-                   UPDATE {{outbox}} o SET status = 'dead', lock_token = NULL, locked_by = NULL, locked_until = NULL, \
-                     last_error = 'dispatch_exhausted: ' || $2, updated_at = {{now}} \
-                   FROM lockable WHERE o.id = lockable.id \
-                   RETURNING o.{{fk}} AS job_id \
-                 ), f AS ( \
-                   UPDATE {{job}} j SET {failed_set}, worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
-                     heartbeat_at = NULL, row_version = j.row_version + 1, updated_at = {{now}} \
-                   FROM r WHERE j.id = r.job_id AND {failable} \
-                   RETURNING j.id, j.{{cp}}::text AS cp, j.row_version, j.execution_attempts, j.max_execution_attempts \
-                 ) SELECT (SELECT count(*) FROM r), f.id, f.cp, f.row_version, f.execution_attempts, \
-                   f.max_execution_attempts \
-                 FROM (SELECT 1) AS one LEFT JOIN f ON true"
-            )),
         }
     }
 }
@@ -620,6 +516,7 @@ fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
         .map(str::to_owned);
     OutboundMessage {
         kind,
+        event_type: kind.spec().event_type,
         outbox_id: row.id,
         job_id: row.job_id,
         delivery_id: row.queue_job_id.clone(),
@@ -627,90 +524,5 @@ fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
         schema_version: row.schema_version,
         traceparent,
         body: serde_json::to_vec(&row.payload).unwrap_or_default(),
-    }
-}
-
-/// How a round in flight ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Settled {
-    Round(Round),
-    Failed,
-}
-
-type RoundFuture<'a> = futures_util::future::BoxFuture<'a, (Kind, Result<Round, RelayError>)>;
-
-/// The relay's rounds on one channel, started as the [`schedule::Schedule`] allows. Invariant:
-/// once a round has failed no new one starts, and the rounds already in flight still settle
-/// what they claimed; the first failure is kept.
-pub struct Rounds<'a> {
-    relay: &'a Relay,
-    channel: &'a Channel,
-    batch: usize,
-    schedule: schedule::Schedule,
-    in_flight: FuturesUnordered<RoundFuture<'a>>,
-    failed: Option<RelayError>,
-}
-
-impl<'a> Rounds<'a> {
-    pub fn new(relay: &'a Relay, channel: &'a Channel, kinds: &[Kind]) -> Self {
-        Self {
-            relay,
-            channel,
-            batch: usize::try_from(relay.cfg.batch).unwrap_or(usize::MAX),
-            schedule: schedule::Schedule::new(kinds, relay.cfg.depth),
-            in_flight: FuturesUnordered::new(),
-            failed: None,
-        }
-    }
-
-    /// Rows of `kinds` may be due.
-    pub fn wake(&mut self, kinds: impl IntoIterator<Item = Kind>) {
-        self.schedule.wake(kinds);
-    }
-
-    /// Starts the rounds the schedule allows, unless a round has failed.
-    pub fn start(&mut self) {
-        if self.failed.is_some() {
-            return;
-        }
-        for kind in self.schedule.start() {
-            let (relay, channel) = (self.relay, self.channel);
-            self.in_flight.push(
-                relay
-                    .relay_once(channel, kind)
-                    .map(move |r| (kind, r))
-                    .boxed(),
-            );
-        }
-    }
-
-    /// Waits for the next round in flight to end. `None`: none is in flight. A failed round is
-    /// kept for [`Rounds::failed`].
-    pub async fn settle(&mut self) -> Option<Settled> {
-        let (kind, round) = self.in_flight.next().await?;
-        Some(match round {
-            Ok(r) => {
-                self.schedule.finished(kind, r.claimed >= self.batch);
-                Settled::Round(r)
-            }
-            Err(e) => {
-                self.schedule.finished(kind, false);
-                self.failed.get_or_insert(e);
-                Settled::Failed
-            }
-        })
-    }
-
-    pub fn in_flight(&self) -> bool {
-        !self.in_flight.is_empty()
-    }
-
-    pub fn has_failed(&self) -> bool {
-        self.failed.is_some()
-    }
-
-    /// The first round's failure, if any.
-    pub fn failed(self) -> Option<RelayError> {
-        self.failed
     }
 }

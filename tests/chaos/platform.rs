@@ -18,8 +18,8 @@
 use std::time::Duration;
 
 use kfs_worker::jobs::{compile, deletion, research};
-use kfs_worker::platform::{self, NotesSpace};
 use kfs_worker::store::Store;
+use kfs_worker::tools::platform::{self, NotesSpace};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::{Connection, PgPool};

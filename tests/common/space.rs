@@ -16,9 +16,9 @@ use kfs_worker::jobs::compile::{
     self, AttemptStatus, CompileError, CompileHandler, RequestOptions,
 };
 use kfs_worker::jobs::{Deps, Kind};
-use kfs_worker::platform;
 use kfs_worker::publication;
 use kfs_worker::store::Store;
+use kfs_worker::tools::platform;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;

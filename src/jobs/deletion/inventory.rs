@@ -113,7 +113,7 @@ impl NewItem {
         Self {
             kind: "object",
             resource_id: resource,
-            idempotency_key: format!("object:{}", crate::platform::sha256_hex(key.as_bytes())),
+            idempotency_key: format!("object:{}", crate::canonical::sha256_hex(key.as_bytes())),
             object_key: Some(key),
             credential_ref: None,
         }
@@ -125,7 +125,7 @@ impl NewItem {
             resource_id: Some(source),
             idempotency_key: format!(
                 "secret:{}",
-                crate::platform::sha256_hex(credential_ref.as_bytes())
+                crate::canonical::sha256_hex(credential_ref.as_bytes())
             ),
             object_key: None,
             credential_ref: Some(credential_ref),
@@ -601,7 +601,7 @@ mod tests {
         let o = NewItem::object(None, "t/spaces/s/a".into());
         assert_eq!(
             o.idempotency_key,
-            format!("object:{}", crate::platform::sha256_hex(b"t/spaces/s/a"))
+            format!("object:{}", crate::canonical::sha256_hex(b"t/spaces/s/a"))
         );
         let s = NewItem::secret(Uuid::nil(), "source-secret:v1:x".into());
         assert!(s.idempotency_key.starts_with("secret:"));

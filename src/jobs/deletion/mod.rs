@@ -86,7 +86,7 @@ impl TargetType {
 /// The cache prefixes a deletion of anything in the space drains, in the platform's order: the
 /// legacy prefixes (global: they carry no tenant or space), then the space's own v2 prefixes.
 pub fn cache_prefixes(tenant: &str, space: Uuid) -> Vec<String> {
-    let t = crate::platform::sha256_hex(tenant.as_bytes());
+    let t = crate::canonical::sha256_hex(tenant.as_bytes());
     let mut out: Vec<String> = [
         "contextual-enrichment:",
         "evidence-bundle:",
@@ -164,7 +164,7 @@ pub(crate) fn payload_digest(
         framed.extend_from_slice(&(field.len() as u32).to_be_bytes());
         framed.extend_from_slice(field.as_bytes());
     }
-    crate::platform::sha256_hex(&framed)
+    crate::canonical::sha256_hex(&framed)
 }
 
 /// Tuning; the defaults suit production, tests shrink them.

@@ -124,7 +124,7 @@ pub struct ForgetSecrets;
 #[async_trait::async_trait]
 impl SecretStore for ForgetSecrets {
     async fn delete_secret(&self, secret: &SecretRef<'_>) -> Result<(), PortError> {
-        let digest = crate::platform::sha256_hex(secret.credential_ref.as_bytes());
+        let digest = crate::canonical::sha256_hex(secret.credential_ref.as_bytes());
         tracing::info!(credential_digest = &digest[..16], space = %secret.space, "secret reference erased");
         Ok(())
     }

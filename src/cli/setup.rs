@@ -1,0 +1,74 @@
+//! `kfs-worker migrate` and `kfs-worker check`: set up and check the services. Invariant: a
+//! service that cannot be reached or refuses is a usage error (exit 2) naming the service;
+//! `check` reports every problem it finds, not only the first.
+
+use super::{ConnArgs, Failure};
+use crate::{broker, db};
+
+pub(super) async fn migrate(conn: &ConnArgs) -> Result<(), Failure> {
+    let url = conn.database_url()?;
+    let timeout = conn.connect_timeout()?;
+    let pool = db::connect(&url, "kfs-worker migrate", 2, timeout)
+        .await
+        .map_err(Failure::usage)?;
+    let report = db::migrate(&pool).await.map_err(|e| match e {
+        db::MigrateError::Refused(_) => Failure::usage(format!("cannot migrate {url}: {e}")),
+        _ => Failure::runtime(format!("migration failed: {e}")),
+    })?;
+    if !report.newer_platform.is_empty() {
+        eprintln!(
+            "warning: the database also records the platform's migrations {}; kfs-worker builds \
+             and uses the platform's schema through {}",
+            report.newer_platform.join(", "),
+            db::migrate::PLATFORM_MIGRATIONS[db::migrate::PLATFORM_MIGRATIONS.len() - 1]
+        );
+    }
+    println!(
+        "migrations: {} applied now ({}), {} in total, database {url} is up to date",
+        report.applied.len(),
+        report.found,
+        report.total,
+    );
+    Ok(())
+}
+
+pub(super) async fn check(conn: &ConnArgs) -> Result<(), Failure> {
+    let services = conn.services()?;
+    let timeout = services.connect_timeout;
+    let mut problems = Vec::new();
+
+    match db::connect(&services.database_url, "kfs-worker check", 1, timeout).await {
+        Ok(pool) => {
+            let version: String = sqlx::query_scalar("SELECT current_setting('server_version')")
+                .fetch_one(&pool)
+                .await
+                .unwrap_or_else(|_| "unknown version".into());
+            println!(
+                "postgres: ok, PostgreSQL {version} at {}",
+                services.database_url
+            );
+        }
+        Err(e) => problems.push(e.to_string()),
+    }
+
+    match broker::connect(&services.amqp_url, "kfs-worker check", timeout).await {
+        Ok(c) => {
+            let channel = c.create_channel().await;
+            let _ = c.close(200, "check done".into()).await;
+            match channel {
+                Ok(_) => println!("rabbitmq: ok at {}", services.amqp_url),
+                Err(e) => problems.push(format!(
+                    "RabbitMQ at {} accepted the login but refused a channel: {e}",
+                    services.amqp_url.endpoint(5672)
+                )),
+            }
+        }
+        Err(e) => problems.push(e.to_string()),
+    }
+
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(Failure::usage(problems.join("\nerror: ")))
+    }
+}

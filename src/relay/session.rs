@@ -1,0 +1,176 @@
+//! The relay's session: one broker channel in confirm mode and one Postgres listener. Invariant:
+//! the listener is only a wake-up (polling every `poll` wakes every kind whatever happens);
+//! after a failed round no new one starts, the rounds in flight settle what they claimed, and
+//! the session reconnects after a backoff that only a whole settled round resets.
+
+use std::time::Duration;
+
+use lapin::options::ConfirmSelectOptions;
+use sqlx::postgres::PgListener;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+use super::{Relay, Rounds, Settled};
+use crate::broker::{self, Topology};
+use crate::config::Services;
+use crate::engine::backoff::{nap, reconnect_backoff};
+use crate::jobs::Kind;
+
+/// Publishes due outbox rows of every kind until shutdown: woken by notifications, with
+/// polling as the fallback; reconnects with backoff.
+pub(crate) async fn relay_loop(
+    relay: Relay,
+    ready: impl Fn(bool) + Send + Sync,
+    services: Services,
+    topology: Topology,
+    shutdown: CancellationToken,
+) {
+    let kinds = relay.kinds();
+    let mut backoff = reconnect_backoff();
+    while !shutdown.is_cancelled() {
+        let session = async {
+            let conn = broker::connect(
+                &services.amqp_url,
+                "kfs-worker relay",
+                services.connect_timeout,
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+            let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
+            topology
+                .declare(&ch, &kinds)
+                .await
+                .map_err(|e| e.to_string())?;
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(|e| e.to_string())?;
+            // The listener is set up beside the rounds, never before them: its connection
+            // comes from the pool, which past Postgres' connection limit may wait for a
+            // session up to its acquire timeout, and polling publishes meanwhile.
+            let mut listener: Option<PgListener> = None;
+            let mut listen_backoff = reconnect_backoff();
+            let mut setup = Some(Box::pin(listen(relay_pool(&relay), Duration::ZERO)));
+            ready(true);
+            let mut rounds = Rounds::new(&relay, &ch, &kinds);
+            // The polling fallback: a fixed interval that wakes every kind whatever else
+            // happens. Rows that come due with time (retries, re-arms, visibility republishes,
+            // future `available_at`) never notify; a timer restarted by each notification or
+            // settled round would let one busy kind starve the others' polls.
+            let mut poll = tokio::time::interval_at(
+                tokio::time::Instant::now() + relay.config().poll,
+                relay.config().poll,
+            );
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                if !shutdown.is_cancelled() {
+                    rounds.start();
+                }
+                if !rounds.in_flight() && (rounds.has_failed() || shutdown.is_cancelled()) {
+                    break;
+                }
+                tokio::select! {
+                    Some(settled) = rounds.settle(), if rounds.in_flight() => {
+                        // Only a whole round proves both services back: resetting the backoff
+                        // on the broker connection alone made a Postgres outage a reconnect
+                        // loop. After a failed round the others settle what they claimed, then
+                        // the session reconnects.
+                        if let Settled::Round(_) = settled {
+                            backoff = reconnect_backoff();
+                        }
+                    },
+                    () = shutdown.cancelled(), if rounds.in_flight() || !rounds.has_failed() => {
+                        // Rounds in flight still settle; no new one starts.
+                        if !rounds.in_flight() {
+                            break;
+                        }
+                        let _ = tokio::time::timeout(relay.config().confirm_timeout, async {
+                            while rounds.settle().await.is_some() {}
+                        })
+                        .await;
+                        break;
+                    }
+                    ready = async { setup.as_mut().expect("guarded").await }, if setup.is_some() => {
+                        setup = None;
+                        match ready {
+                            Ok(l) => {
+                                listener = Some(l);
+                                // What was notified before LISTEN took effect is lost: look.
+                                rounds.wake(kinds.clone());
+                            }
+                            Err(e) => {
+                                let delay = listen_backoff.next().unwrap_or(Duration::from_secs(10));
+                                tracing::warn!(error = %e, retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "relay cannot listen for outbox notifications; polling until it can");
+                                setup = Some(Box::pin(listen(relay_pool(&relay), delay)));
+                            }
+                        }
+                    }
+                    _ = poll.tick(), if !rounds.has_failed() => {
+                        rounds.wake(kinds.clone());
+                    }
+                    woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
+                        match woken {
+                            Ok(notified) => rounds.wake(notified),
+                            Err(e) => {
+                                // Listen again after a pause; polling publishes meanwhile, and
+                                // what was notified while no one listened is looked for.
+                                listener = None;
+                                let delay = listen_backoff.next().unwrap_or(Duration::from_secs(10));
+                                tracing::warn!(error = %e, retry_in_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX), "relay lost its outbox notifications; polling until it listens again");
+                                setup = Some(Box::pin(listen(relay_pool(&relay), delay)));
+                                rounds.wake(kinds.clone());
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(e) = rounds.failed() {
+                return Err(e.to_string());
+            }
+            // A connection the broker already dropped may never answer a close.
+            let _ = tokio::time::timeout(Duration::from_secs(3), ch.close(200, "bye".into())).await;
+            let _ =
+                tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
+            Ok::<(), String>(())
+        };
+        let ended = session.await;
+        ready(false);
+        if let Err(e) = ended {
+            tracing::warn!(error = %e, "relay lost a service; retrying");
+        }
+        let delay = backoff.next().unwrap_or(Duration::from_secs(10));
+        if !nap(delay, &shutdown).await {
+            return;
+        }
+    }
+}
+
+fn relay_pool(relay: &Relay) -> PgPool {
+    relay.pool()
+}
+
+/// Waits `after`, then listens on the outbox's notification channel with a connection of
+/// `pool`.
+async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error> {
+    tokio::time::sleep(after).await;
+    crate::crash::stall("relay-listen").await;
+    let mut listener = PgListener::connect_with(&pool).await?;
+    listener.listen("kfs_outbox").await?;
+    Ok(listener)
+}
+
+/// Returns the kinds notified; never returns while there is no listener (the poll interval
+/// covers that time).
+async fn wait_for_notification(
+    listener: &mut Option<PgListener>,
+) -> Result<Vec<Kind>, sqlx::Error> {
+    let Some(l) = listener else {
+        return std::future::pending().await;
+    };
+    let first = l.recv().await?;
+    // Drain what else is buffered so that a burst costs one round.
+    let mut kinds: Vec<Kind> = Kind::from_event_type(first.payload()).into_iter().collect();
+    while let Some(n) = l.next_buffered() {
+        kinds.extend(Kind::from_event_type(n.payload()));
+    }
+    Ok(kinds)
+}

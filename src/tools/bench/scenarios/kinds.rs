@@ -1,0 +1,172 @@
+//! Scenario 5, `kinds`: the platform's kinds (compile, research, deletion) on a notes space of the
+//! bench's own tenant. Invariant: each kind's jobs are all requested at once and timed from the
+//! first request to the last finished job, and a job counts as done only when its row says it
+//! succeeded.
+
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{run_options, wait_for, with_runtime, Params};
+use crate::config;
+use crate::jobs::{compile, deletion, research, Kind};
+use crate::store::Store;
+use crate::tools::bench::env::BenchEnv;
+use crate::tools::bench::report::{Progress, Report, Run};
+use crate::tools::platform;
+
+const TENANT: &str = "kfs-bench";
+const SUBJECT: &str = "bench-user";
+
+/// Counts `(succeeded, finished)` of `ids` in a job table.
+async fn kind_progress(pool: &PgPool, sql: &str, ids: &[Uuid]) -> Result<(u64, u64), String> {
+    let (ok, fin): (i64, i64) = sqlx::query_as(sql)
+        .bind(ids)
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((ok as u64, fin as u64))
+}
+
+async fn wait_kind(
+    env: &BenchEnv,
+    label: &'static str,
+    sql: &str,
+    ids: &[Uuid],
+    started: Instant,
+    p: &Params,
+) -> Result<Run, String> {
+    let n = ids.len() as u64;
+    let progress = Progress::new(label, n, p.interactive);
+    let finished = wait_for(n, &progress, Duration::from_millis(20), || async {
+        kind_progress(&env.pool, sql, ids).await.map(|c| c.1)
+    })
+    .await?;
+    let secs = started.elapsed().as_secs_f64();
+    progress.finish(finished);
+    let (ok, _) = kind_progress(&env.pool, sql, ids).await?;
+    Ok(Run::new(label, n, ok, secs, "jobs/s"))
+}
+
+/// 5. The platform's kinds: compiles of small Markdown documents, research tasks over the
+///    compiled space, and deletions of single documents, each requested at once and timed
+///    from the first request to the last finished job.
+pub async fn kinds(env: &BenchEnv, p: &Params) -> Result<Report, String> {
+    let k = p.kind_jobs;
+    let dir = std::env::temp_dir().join(format!("kfs-bench-{}", env.tag));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("object store directory: {e}"))?;
+    let store_url = format!("file://{}", dir.display());
+    let store = Store::open(&config::object_store(&store_url).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let kinds = Kind::platform();
+    let opts = run_options(env, kinds.clone(), p.inflight, &store_url)?;
+    let queues: Vec<String> = kinds.iter().map(|k| env.topology.queue(*k)).collect();
+
+    let (space, snapshot, docs) = {
+        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
+        let notes =
+            platform::create_notes_space(&mut tx, &store, TENANT, SUBJECT, "bench", k as usize)
+                .await
+                .map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        (notes.space, notes.snapshot, notes.documents)
+    };
+
+    let runs = with_runtime(opts, async {
+        for q in &queues {
+            env.wait_consumers(q, 1, Duration::from_secs(60)).await?;
+        }
+        let mut conn = env.pool.acquire().await.map_err(|e| e.to_string())?;
+
+        let started = Instant::now();
+        let mut attempts = Vec::new();
+        for doc in &docs {
+            let id = compile::request::request(
+                &mut conn,
+                *doc,
+                compile::request::RequestOptions::default(),
+            )
+            .await
+            .map_err(|e| format!("compile request: {e}"))?;
+            attempts.push(id);
+        }
+        let compiled = wait_kind(
+            env,
+            "compile",
+            "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
+               count(*) FILTER (WHERE run_state IN ('succeeded', 'failed', 'canceled', 'superseded')) \
+             FROM document_compilation_attempts WHERE id = ANY($1)",
+            &attempts,
+            started,
+            p,
+        )
+        .await?;
+
+        let started = Instant::now();
+        let mut tasks = Vec::new();
+        for i in 0..k {
+            let req = research::request::ResearchRequest::new(
+                space,
+                format!("How does note {i} describe leases and fencing of workers?"),
+                SUBJECT,
+                snapshot,
+            );
+            let r = research::request::request(&mut conn, &req)
+                .await
+                .map_err(|e| format!("research request: {e}"))?;
+            tasks.push(r.job_id);
+        }
+        let researched = wait_kind(
+            env,
+            "research",
+            "SELECT count(*) FILTER (WHERE stage = 'completed'), \
+               count(*) FILTER (WHERE stage IN ('completed', 'failed', 'canceled')) \
+             FROM research_task_jobs WHERE id = ANY($1)",
+            &tasks,
+            started,
+            p,
+        )
+        .await?;
+
+        let started = Instant::now();
+        let mut deletions = Vec::new();
+        for doc in &docs {
+            let req = deletion::request::DeletionRequest {
+                tenant_id: TENANT.into(),
+                knowledge_space_id: space,
+                target: deletion::request::Target::Document { id: *doc },
+                expected_revision: None,
+                requested_by_subject_id: SUBJECT.into(),
+                permission_snapshot_id: snapshot,
+                access_channel: "interactive".into(),
+                idempotency_key: format!("bench-delete-{doc}"),
+            };
+            let r = deletion::request::request_deletion(&mut conn, &req)
+                .await
+                .map_err(|e| format!("deletion request: {e}"))?;
+            deletions.push(r.job_id);
+        }
+        let deleted = wait_kind(
+            env,
+            "deletion",
+            "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
+               count(*) FILTER (WHERE run_state IN ('succeeded', 'failed', 'canceled')) \
+             FROM deletion_jobs WHERE id = ANY($1)",
+            &deletions,
+            started,
+            p,
+        )
+        .await?;
+        Ok(vec![compiled, researched, deleted])
+    })
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(Report::of_runs(
+        "kinds",
+        "jobs/s",
+        runs?,
+        json!({"documents": k, "inflight": p.inflight}),
+    ))
+}
