@@ -1,6 +1,6 @@
 //! The polled intake: leased kinds claimed straight from Postgres, with no outbox and no
 //! queue. Invariant: a runner claims only while it has a free slot, every claimed job runs
-//! through the engine's one leased slice runner ([`run_slice`]), an idle runner sleeps its
+//! through the engine's leased slice runner ([`run_slice`]), an idle runner sleeps its
 //! poll interval, and on start it ends the leases a dead predecessor left under its worker id,
 //! so a restart under the same id takes its jobs back at once.
 

@@ -1,7 +1,7 @@
 //! The operator dashboard at `/`: live counts and rates per kind, relay lag, recent failures,
 //! dead letters, and one page per job. Invariant: every page is built from the kinds'
-//! [`KindSpec`](crate::jobs::KindSpec)s, [`crate::status::read`] and the per-kind rules, which
-//! are all in `kinds.rs` (the only file of the dashboard that matches on a [`Kind`]); the only
+//! [`KindSpec`](crate::jobs::KindSpec)s, [`crate::status::read`] and each kind's registered
+//! operator surface, read in `kinds.rs` (nothing here matches on a [`Kind`]); the only
 //! writes are the actions, each allowed only with the admin token (compared in constant time)
 //! and each done by the same library function the CLI calls.
 //!
