@@ -11,7 +11,7 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::kind::{Handler, JobCtx, Kind, KindSpec, States};
+use super::kind::{Handler, JobCtx, KindSpec, States};
 
 /// The code a job fails with when its outbox row can never be delivered.
 pub const UNDELIVERABLE: &str = "undeliverable";
@@ -19,7 +19,6 @@ pub const UNDELIVERABLE: &str = "undeliverable";
 /// The statements of one kind, rendered once.
 #[derive(Debug)]
 pub struct Statements {
-    kind: Kind,
     spec: &'static KindSpec,
     lock_job: String,
     lock_outbox: String,
@@ -50,7 +49,6 @@ impl Statements {
             ),
         };
         Statements {
-            kind: spec.kind,
             spec,
             // The job row first, as every writer locks: the job of the row, whatever the
             // message said.
@@ -174,7 +172,7 @@ pub async fn settle(
                 .await?;
             if let Some(rv) = failed {
                 let ctx = JobCtx::unleased(
-                    st.kind,
+                    st.spec.kind,
                     job_id,
                     outbox_id,
                     rv,

@@ -106,6 +106,15 @@ pub fn register(entry: &'static Entry) -> Result<(), String> {
     Ok(())
 }
 
+/// The first registered kind that `pred` accepts: the built-in ones, then the registered ones,
+/// without building the list (the relay looks kinds up per notification).
+fn find(pred: impl Fn(&KindSpec) -> bool) -> Option<&'static Entry> {
+    if let Some(e) = BUILT_IN.iter().find(|e| pred(e.spec)) {
+        return Some(e);
+    }
+    registered().iter().find(|e| pred(e.spec)).copied()
+}
+
 fn position(kind: Kind) -> usize {
     if let Some(i) = BUILT_IN.iter().position(|e| e.spec.kind == kind) {
         return i;
@@ -141,13 +150,7 @@ impl Kind {
 
     /// The kind's registration. Every `Kind` value comes from a registered kind's folder.
     pub fn entry(self) -> &'static Entry {
-        if let Some(e) = BUILT_IN.iter().find(|e| e.spec.kind == self) {
-            return e;
-        }
-        registered()
-            .iter()
-            .find(|e| e.spec.kind == self)
-            .copied()
+        find(|s| s.kind == self)
             .unwrap_or_else(|| panic!("job kind {self} is not in jobs::registry()"))
     }
 
@@ -160,23 +163,22 @@ impl Kind {
     }
 
     pub fn from_event_type(s: &str) -> Option<Kind> {
-        registry()
-            .iter()
-            .find(|e| e.spec.event_type == s)
-            .map(|e| e.spec.kind)
+        find(|spec| spec.event_type == s).map(|e| e.spec.kind)
+    }
+
+    /// The registered kind whose short name is exactly `name`.
+    pub fn named(name: &str) -> Option<Kind> {
+        find(|spec| spec.kind.name() == name).map(|e| e.spec.kind)
     }
 
     /// Parses a comma-separated list of kind names or event types, such as `compile,deletion`.
     pub fn parse_list(raw: &str) -> Result<Vec<Kind>, String> {
         let mut kinds = Vec::new();
         for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let all = registry();
-            let Some(kind) = all
-                .iter()
-                .find(|e| e.spec.kind.name() == part || e.spec.event_type == part)
-                .map(|e| e.spec.kind)
+            let Some(kind) =
+                find(|s| s.kind.name() == part || s.event_type == part).map(|e| e.spec.kind)
             else {
-                let names: Vec<&str> = all.iter().map(|e| e.spec.kind.name()).collect();
+                let names: Vec<&str> = registry().iter().map(|e| e.spec.kind.name()).collect();
                 let (last, rest) = names.split_last().expect("the registry is not empty");
                 return Err(format!(
                     "unknown job kind '{part}'; expected {} or {last}",

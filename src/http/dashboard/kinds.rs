@@ -66,7 +66,7 @@ pub(super) async fn run_action(
 
 /// The inputs of `action`'s form on the page of a job of the kind named `kind`.
 pub(super) fn action_inputs(kind: &str, action: &str) -> &'static [Input] {
-    by_name(kind)
+    Kind::named(kind)
         .and_then(|k| k.entry().ops.action(action))
         .map_or(&[], |a| a.inputs)
 }
@@ -74,10 +74,5 @@ pub(super) fn action_inputs(kind: &str, action: &str) -> &'static [Input] {
 /// The action the failures list of the overview offers as a button of its own, for a job of
 /// the kind named `kind` that takes it; the actions of other kinds are on the job page.
 pub(super) fn failure_list_action(kind: &str) -> Option<&'static str> {
-    by_name(kind)?.entry().ops.failure_list_action
-}
-
-/// The kind whose [`Kind::name`] is exactly `name`.
-fn by_name(name: &str) -> Option<Kind> {
-    Kind::all().into_iter().find(|k| k.name() == name)
+    Kind::named(kind)?.entry().ops.failure_list_action
 }
