@@ -115,9 +115,16 @@ async fn every_scenario_reports_all_its_work_done() {
     assert_eq!(num(&relay["runs"][1], "n"), 200.0, "{relay}");
     assert!(num(relay, "ratio") > 0.0, "{relay}");
     // The ceiling comes from the CPU each part used: the relay's statements and the publishes.
-    assert!(num(&relay["runs"][1], "cpu_ms") > 0.0, "{relay}");
-    assert!(num(&relay["runs"][0], "cpu_ms") > 0.0, "{relay}");
-    assert!(num(relay, "ratio_ceiling") > 0.0, "{relay}");
+    // The machine's busy time counts in 10 ms ticks, and 200 publishes can take less than one,
+    // so a part may read 0: then there is no ceiling, never a made-up one.
+    let statements_cpu = num(&relay["runs"][1], "cpu_ms");
+    let publishes_cpu = num(&relay["runs"][0], "cpu_ms");
+    assert!(statements_cpu >= 0.0 && publishes_cpu >= 0.0, "{relay}");
+    if statements_cpu + publishes_cpu > 0.0 {
+        assert!(num(relay, "ratio_ceiling") > 0.0, "{relay}");
+    } else {
+        assert!(relay.get("ratio_ceiling").is_none(), "{relay}");
+    }
 
     let engine = scenario("engine");
     assert_eq!(engine["ratio_to"], "limit", "{engine}");
