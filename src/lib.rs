@@ -8,6 +8,7 @@
 //! - [`access`] — the platform's revalidation of a permission snapshot.
 //! - [`config`] — settings from the environment, validated once, secrets redacted.
 //! - [`db`] — Postgres pools, migrations, error classification.
+//! - [`command`] — what every command shares: connection flags and the failure it ends with.
 //! - [`wire`] — the message format shared by relay and consumer: headers, body limit,
 //!   traceparent, decoding.
 //! - [`broker`] — RabbitMQ connections and topology.
@@ -39,6 +40,7 @@ pub mod access;
 pub mod broker;
 pub mod canonical;
 pub mod cli;
+pub mod command;
 pub mod config;
 pub mod consumer;
 pub mod crash;

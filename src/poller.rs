@@ -1,6 +1,6 @@
 //! The polled intake: leased kinds claimed straight from Postgres, with no outbox and no
 //! queue. Invariant: a runner claims only while it has a free slot, every claimed job runs
-//! through the engine's leased slice runner ([`run_slice`]), an idle runner sleeps its
+//! through the engine's one slice runner (by [`run_slice`]), an idle runner sleeps its
 //! poll interval, and on start it ends the leases a dead predecessor left under its worker id,
 //! so a restart under the same id takes its jobs back at once.
 
@@ -90,10 +90,11 @@ async fn kind_loop(
                         crate::metrics::takeover(kind.name(), None);
                     }
                     tracing::debug!(kind = kind.name(), job = %job.job_id, checkpoint = %job.checkpoint, "leased job claimed");
-                    let (pool, kind, budget) = (pool.clone(), kind.clone(), cfg.budget);
+                    let (pool, kind, budget, shutdown) =
+                        (pool.clone(), kind.clone(), cfg.budget, shutdown.clone());
                     running.spawn(async move {
                         let id = job.job_id;
-                        let outcome = run_slice(&pool, kind.as_ref(), job, budget).await;
+                        let outcome = run_slice(&pool, kind.as_ref(), job, budget, &shutdown).await;
                         tracing::debug!(kind = kind.name(), job = %id, ?outcome, "leased slice ended");
                     });
                 }
@@ -113,6 +114,7 @@ async fn kind_loop(
             () = tokio::time::sleep(cfg.poll) => {}
         }
     }
-    // Running slices end with their own commits; a step never outlives its lease.
+    // Running slices end with their own commits (or, waiting out database trouble, at
+    // shutdown); a step never outlives its lease.
     while running.join_next().await.is_some() {}
 }

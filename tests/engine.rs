@@ -865,3 +865,164 @@ async fn a_kind_registered_from_outside_runs_through_relay_and_consumer_like_a_b
     let _ = tokio::time::timeout(Duration::from_secs(30), worker).await;
     env.cleanup().await;
 }
+
+/// A leased kind defined here, on a table of its own: one step that records its effect, the
+/// first time with its own session terminated before the engine writes the end.
+mod flaky {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use kfs_worker::engine::lease::End;
+    use kfs_worker::engine::leased::{ClaimRule, EndWrite, Lease, LeasedKind, Param};
+    use kfs_worker::jobs::{JobError, Policy, RetryPolicy, Step};
+    use sqlx::{PgConnection, PgPool};
+
+    pub const TABLE: &str = "kfs_flaky_jobs";
+
+    pub const SCHEMA: &str = "
+        CREATE TABLE kfs_flaky_jobs (
+          id uuid PRIMARY KEY, run_state text NOT NULL DEFAULT 'queued', checkpoint text NOT NULL DEFAULT 'start',
+          row_version int NOT NULL DEFAULT 1, updated_at timestamptz NOT NULL DEFAULT now(),
+          completed_at timestamptz, last_error_code text, last_error_message text,
+          worker_id text, lease_token uuid, lease_expires_at timestamptz, heartbeat_at timestamptz);
+        CREATE TABLE kfs_flaky_effects (job_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT now());";
+
+    pub struct Flaky {
+        pub admin: PgPool,
+        pub broken_once: AtomicBool,
+        pub policy: Policy,
+    }
+
+    impl Flaky {
+        pub fn new(admin: PgPool) -> Self {
+            Flaky {
+                admin,
+                broken_once: AtomicBool::new(false),
+                policy: Policy {
+                    lease: std::time::Duration::from_secs(30),
+                    max_attempts: 3,
+                    retry: RetryPolicy {
+                        base: std::time::Duration::from_secs(1),
+                        max: std::time::Duration::from_secs(5),
+                    },
+                },
+            }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl LeasedKind for Flaky {
+        fn name(&self) -> &'static str {
+            "flaky"
+        }
+        fn table(&self) -> &'static str {
+            TABLE
+        }
+        fn policy(&self) -> &Policy {
+            &self.policy
+        }
+        fn claim_rule(&self) -> ClaimRule {
+            ClaimRule {
+                claimable: "j.run_state = 'queued' AND $4::int IS NOT NULL".into(),
+                select: String::new(),
+                set: String::new(),
+                attempt: "1",
+                max_attempts: None,
+                param: Param::Int(0),
+                exhausted: None,
+            }
+        }
+        async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
+            sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
+                .bind(job.job_id)
+                .execute(&mut *tx)
+                .await?;
+            if !self.broken_once.swap(true, Ordering::SeqCst) {
+                // The step's own session dies before the engine writes the end: the end's
+                // statement fails, and the step's effect is rolled back with it.
+                let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                    .fetch_one(&mut *tx)
+                    .await?;
+                let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+                    .bind(pid)
+                    .fetch_one(&self.admin)
+                    .await
+                    .expect("terminate the step's session");
+                assert!(killed, "the step's session was terminated");
+            }
+            Ok(Step::Succeed("done".into()))
+        }
+        fn end_write(&self, _job: &Lease, end: &End) -> EndWrite {
+            let set = match end {
+                End::Succeed { .. } => "run_state = 'succeeded', checkpoint = $4, completed_at = now()",
+                End::Fail { .. } | End::Cancel { .. } | End::Supersede { .. } => {
+                    "run_state = 'failed', completed_at = now(), last_error_code = $4, last_error_message = $5"
+                }
+                End::Wait { .. } | End::Continue => "run_state = 'queued'",
+            };
+            let (text4, text5) = match end {
+                End::Succeed { checkpoint } => (Some(checkpoint.clone()), None),
+                End::Fail { code, message } | End::Cancel { code, message } => {
+                    (Some(code.clone()), Some(message.clone()))
+                }
+                _ => (None, None),
+            };
+            EndWrite {
+                set: set.into(),
+                text4,
+                text5,
+                ..EndWrite::default()
+            }
+        }
+    }
+}
+
+/// The slice runner is the same for leased kinds as for delivered ones: when the step's
+/// connection dies before the end commits, the slice reads the row back, finds its lease still
+/// live and runs the step again on a fresh connection, instead of leaving the job held until
+/// its lease runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_slice_whose_connection_dies_resynchronises_and_finishes_once() {
+    use kfs_worker::engine::leased::{self, Outcome};
+    use kfs_worker::engine::slice::Budget;
+
+    let env = TestEnv::new().await;
+    sqlx::raw_sql(flaky::SCHEMA)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let job = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO kfs_flaky_jobs (id) VALUES ($1)")
+        .bind(job)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let kind = flaky::Flaky::new(env.pool.clone());
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        leased::run_once(&env.pool, &kind, "w-flaky", Budget::default()),
+    )
+    .await
+    .expect("the slice ended")
+    .unwrap();
+    let (_, outcome) = ran.expect("the job was claimed");
+    assert!(
+        kind.broken_once.load(std::sync::atomic::Ordering::SeqCst),
+        "the step's session was terminated once"
+    );
+    assert_eq!(outcome, Outcome::Ended("succeeded"));
+    let (state, token): (String, Option<uuid::Uuid>) =
+        sqlx::query_as("SELECT run_state, lease_token FROM kfs_flaky_jobs WHERE id = $1")
+            .bind(job)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!((state.as_str(), token), ("succeeded", None));
+    let effects: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_flaky_effects WHERE job_id = $1")
+            .bind(job)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(effects, 1, "the step's effect committed exactly once");
+    env.cleanup().await;
+}

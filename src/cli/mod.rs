@@ -1,8 +1,9 @@
 //! The command line. Invariant: every command validates its input before it touches a
 //! service, and a bad input ends in one line on stderr naming the problem, with exit code 2.
 //!
-//! Here: the top level (`Cli`, `Command` and the dispatch), the connection flags every command
-//! shares ([`ConnArgs`]), the [`Failure`] a command ends with, and clap's refusals. Each group of
+//! Here: the top level (`Cli`, `Command` and the dispatch) and clap's refusals; the connection
+//! flags every command shares and the failure a command ends with are in [`crate::command`],
+//! below the kinds, so a kind's subcommands need nothing from here. Each group of
 //! subcommands has its own file (`run`, `status`, `dlq`, and `setup` for `migrate` and
 //! `check`); the kind-specific subcommands live with their kind, in `jobs/<kind>/cli.rs`, and
 //! the dev tools' in `tools`.
@@ -13,12 +14,10 @@ mod setup;
 mod status;
 
 use std::process::ExitCode;
-use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Parser, Subcommand};
 
-use crate::config::{self, ConfigError, SecretUrl, Services};
-use crate::db;
+pub use crate::command::{ConnArgs, Failure};
 
 pub use dlq::{DlqAction, DlqArgs};
 pub use run::RunArgs;
@@ -35,54 +34,6 @@ pub struct Cli {
     pub conn: ConnArgs,
     #[command(subcommand)]
     pub command: Command,
-}
-
-/// Connection settings, from flags or the environment.
-#[derive(Debug, Args)]
-pub struct ConnArgs {
-    /// Postgres URL, e.g. postgres://postgres@127.0.0.1:5432/kfs
-    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
-    pub database_url: Option<String>,
-    /// RabbitMQ URL
-    #[arg(long, env = "AMQP_URL", global = true, hide_env_values = true, default_value = config::DEFAULT_AMQP_URL, hide_default_value = true)]
-    pub amqp_url: String,
-    /// Prefix of every exchange and queue name; isolates deployments and tests
-    #[arg(long, env = "KFS_QUEUE_PREFIX", global = true, default_value = config::DEFAULT_QUEUE_PREFIX)]
-    pub queue_prefix: String,
-    /// Where document bytes live: file://<dir>, memory://, s3://bucket/prefix, gs://…, az://…
-    #[arg(long, env = "KFS_OBJECT_STORE", global = true, default_value = config::DEFAULT_OBJECT_STORE)]
-    pub object_store: String,
-    /// How long to wait for a service to answer before giving up (e.g. 5s)
-    #[arg(long, env = "KFS_CONNECT_TIMEOUT", global = true, default_value = "5s")]
-    pub connect_timeout: String,
-}
-
-impl ConnArgs {
-    pub fn database_url(&self) -> Result<SecretUrl, ConfigError> {
-        config::database_url(self.database_url.as_deref())
-    }
-
-    pub fn connect_timeout(&self) -> Result<Duration, ConfigError> {
-        config::duration("KFS_CONNECT_TIMEOUT", &self.connect_timeout)
-    }
-
-    /// A small pool for a one-shot command, or the one-line error of why there is none.
-    pub async fn pool(&self, command: &str) -> Result<sqlx::PgPool, Failure> {
-        let url = self.database_url()?;
-        let timeout = self.connect_timeout()?;
-        db::connect(&url, &format!("kfs-worker {command}"), 2, timeout)
-            .await
-            .map_err(Failure::usage)
-    }
-
-    pub fn services(&self) -> Result<Services, ConfigError> {
-        Ok(Services {
-            database_url: self.database_url()?,
-            amqp_url: config::amqp_url(&self.amqp_url)?,
-            queue_prefix: config::queue_prefix(&self.queue_prefix)?,
-            connect_timeout: self.connect_timeout()?,
-        })
-    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -111,35 +62,6 @@ pub enum Command {
     Bench(crate::tools::bench::BenchArgs),
     /// List the dead-letter queue, or requeue one of its messages
     Dlq(DlqArgs),
-}
-
-/// A failed command: the one line to print, and the exit code.
-#[derive(Debug)]
-pub struct Failure {
-    pub message: String,
-    pub code: u8,
-}
-
-impl Failure {
-    pub fn usage(message: impl ToString) -> Self {
-        Self {
-            message: message.to_string(),
-            code: 2,
-        }
-    }
-
-    pub fn runtime(message: impl ToString) -> Self {
-        Self {
-            message: message.to_string(),
-            code: 1,
-        }
-    }
-}
-
-impl From<ConfigError> for Failure {
-    fn from(e: ConfigError) -> Self {
-        Self::usage(e)
-    }
 }
 
 /// Reports a command line clap refused. A value it could not parse gets one line that names

@@ -5,7 +5,6 @@
 //! [`crate::engine::settle`]); while Postgres cannot be reached nothing is acked.
 
 mod consume;
-mod heartbeat;
 mod runner;
 mod supervise;
 
@@ -22,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::crash;
+use crate::engine::backoff::retry_pause;
 use crate::engine::{lease, slice};
 use crate::jobs::{Handler, Kind, Policy};
 use crate::wire;
@@ -317,15 +317,6 @@ impl Engine {
         Ok(&mut **slot.as_mut().expect("acquired above"))
     }
 
-    /// Begins a transaction on the delivery's connection.
-    async fn begin<'a>(
-        &self,
-        slot: &'a mut Slot,
-    ) -> Result<sqlx::Transaction<'a, sqlx::Postgres>, sqlx::Error> {
-        let c = self.connection(slot).await?;
-        sqlx::Connection::begin(c).await
-    }
-
     /// Waits `delay`. `false`: shutting down instead.
     async fn pause_for(&self, delay: Duration, shutdown: &CancellationToken) -> bool {
         tokio::select! {
@@ -336,47 +327,4 @@ impl Engine {
 }
 
 /// The connection a delivery holds from its claim to the end of its slice.
-type Slot = Option<sqlx::pool::PoolConnection<sqlx::Postgres>>;
-
-/// The pause before the `tries`-th retry of a database call: 100 ms doubling to 5 s, with
-/// jitter (half to all of it), so that workers that lost Postgres together do not return in
-/// step.
-fn retry_pause(tries: u32) -> Duration {
-    let base = backon::ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(5))
-        .with_factor(2.0)
-        .without_max_times();
-    let ceiling = backon::BackoffBuilder::build(base)
-        .nth(usize::try_from(tries.saturating_sub(1)).unwrap_or(usize::MAX))
-        .unwrap_or(Duration::from_secs(5));
-    ceiling.mul_f64(0.5 + rand::random::<f64>() * 0.5)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::retry_pause;
-    use std::time::Duration;
-
-    #[test]
-    fn retry_pauses_grow_to_a_ceiling_with_jitter() {
-        // (try, lowest, highest): half to all of 100 ms × 2^(try-1), at most 5 s.
-        let table = [
-            (1, 50, 100),
-            (2, 100, 200),
-            (3, 200, 400),
-            (6, 1600, 3200),
-            (7, 2500, 5000),
-            (50, 2500, 5000),
-        ];
-        for (tries, lo, hi) in table {
-            for _ in 0..50 {
-                let p = retry_pause(tries);
-                assert!(
-                    p >= Duration::from_millis(lo) && p <= Duration::from_millis(hi),
-                    "try {tries}: {p:?} outside {lo}..={hi} ms"
-                );
-            }
-        }
-    }
-}
+type Slot = crate::engine::runner::Slot;

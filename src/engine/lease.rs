@@ -1,14 +1,17 @@
-//! The consumer's writes: claim, fence, heartbeat and end of slice. Invariant: every write to
+//! The writes of the outbox kinds' table shape (a job table and its outbox): claim, fence,
+//! advance, heartbeat, end of slice and their [`Transitions`](super::runner::Transitions). Invariant: every write to
 //! a claimed job compares `lease_token`, `row_version` and an unexpired lease, and zero rows
 //! changed means the lease is lost. Locks are always taken job row first, then outbox row, so
 //! that claims, steps and heartbeats never deadlock each other.
 
 mod claims;
+mod delivered;
 mod fenced;
 
 pub(crate) use claims::log_settled;
 pub use claims::{claim, claim_as, settle_named};
-pub use fenced::{advance, end, fence, heartbeat, idle_timeout};
+pub use delivered::Delivered;
+pub use fenced::{advance, end, fence, heartbeat, idle_timeout, resync};
 
 use std::time::Duration;
 
@@ -22,6 +25,7 @@ pub struct Statements {
     diagnose: String,
     fence: String,
     ours: String,
+    resync: String,
     advance: String,
     heartbeat: String,
     end_succeed: String,
@@ -37,7 +41,8 @@ pub struct Statements {
     spec: &'static KindSpec,
 }
 
-const LEASE_CLEAR: &str =
+/// The columns an end or a release clears, in every table shape.
+pub const LEASE_CLEAR: &str =
     "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
 
 impl Statements {
@@ -173,6 +178,12 @@ impl Statements {
                  FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
                  WHERE j.id = $1 AND j.lease_token = $2 AND j.worker_id = $3 AND j.lease_expires_at > {{now}} \
                    AND {live} AND o.id = $4 AND o.queue_job_id = $5 AND o.status = 'leased'"
+            )),
+            // The row read back after a step whose commit is in doubt: found only while our
+            // lease is on a live row, which no one else can have written meanwhile.
+            resync: spec.sql(&format!(
+                "SELECT row_version, {{cp}}::text FROM {{job}} \
+                 WHERE id = $1 AND lease_token = $2 AND lease_expires_at > {{now}} AND {live}"
             )),
             fence: spec.sql(&format!(
                 "SELECT row_version, set_config('idle_in_transaction_session_timeout', $4, true) \

@@ -12,6 +12,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::kind::{Handler, JobCtx, KindSpec, States};
+use super::lease::LEASE_CLEAR;
 
 /// The code a job fails with when its outbox row can never be delivered.
 pub const UNDELIVERABLE: &str = "undeliverable";
@@ -72,8 +73,7 @@ impl Statements {
                  WHERE id = $1 AND status IN ('dispatching', 'dispatched', 'leased')",
             ),
             fail_job: spec.sql(&format!(
-                "UPDATE {{job}} SET {fail_set}, worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
-                   heartbeat_at = NULL, row_version = row_version + 1, updated_at = {{now}} \
+                "UPDATE {{job}} SET {fail_set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = {{now}} \
                  WHERE id = $1 AND row_version = $2 AND {failable} RETURNING row_version"
             )),
         }

@@ -3,6 +3,7 @@
 //! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a job row
 //! another transaction holds is skipped, never waited for.
 
+use crate::engine::lease::LEASE_CLEAR;
 use crate::jobs::{KindSpec, States};
 
 pub(super) struct Statements {
@@ -104,8 +105,7 @@ impl Statements {
                    FROM lockable WHERE o.id = lockable.id \
                    RETURNING o.{{fk}} AS job_id \
                  ), f AS ( \
-                   UPDATE {{job}} j SET {failed_set}, worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
-                     heartbeat_at = NULL, row_version = j.row_version + 1, updated_at = {{now}} \
+                   UPDATE {{job}} j SET {failed_set}, {LEASE_CLEAR}, row_version = j.row_version + 1, updated_at = {{now}} \
                    FROM r WHERE j.id = r.job_id AND {failable} \
                    RETURNING j.id, j.{{cp}}::text AS cp, j.row_version, j.execution_attempts, j.max_execution_attempts \
                  ) SELECT (SELECT count(*) FROM r), f.id, f.cp, f.row_version, f.execution_attempts, \

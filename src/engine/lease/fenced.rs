@@ -54,6 +54,19 @@ pub async fn advance(
         .await
 }
 
+/// Reads the job row back: `Some((row version, checkpoint))` while our lease is on it and live.
+pub async fn resync(
+    conn: &mut PgConnection,
+    st: &Statements,
+    job: &JobCtx,
+) -> Result<Option<(i32, String)>, sqlx::Error> {
+    sqlx::query_as(&st.resync)
+        .bind(job.job_id)
+        .bind(job.lease_token)
+        .fetch_optional(conn)
+        .await
+}
+
 /// Extends the lease and the outbox visibility. `false`: the lease is lost.
 pub async fn heartbeat(
     conn: &mut PgConnection,

@@ -27,7 +27,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{Lease, LeasedKind};
+use crate::engine::leased::{ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use walk::{HeadFact, Plan, SourceFacts};
@@ -82,11 +82,6 @@ impl Default for BackfillKind {
         }
     }
 }
-
-const LEASE_CLEAR: &str =
-    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
-const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_state = 'running' \
-                     AND lease_expires_at > clock_timestamp()";
 
 /// What one discovery page did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -345,11 +340,7 @@ impl LeasedKind for BackfillKind {
         &self.policy
     }
 
-    async fn claim(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<Option<Lease>, sqlx::Error> {
+    async fn before_claim(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
         let page = discover(
             conn,
             self.cursor.get(),
@@ -358,57 +349,36 @@ impl LeasedKind for BackfillKind {
         )
         .await?;
         self.cursor.set(page.next);
-        let mut tx = conn.begin().await?;
-        // A job whose last attempt died with its worker fails instead of staying held forever.
-        sqlx::query(&format!(
-            "UPDATE {TABLE} SET run_state = 'failed', {LEASE_CLEAR}, completed_at = now(), \
-               last_error_code = $1, last_error_message = $2, \
-               row_version = row_version + 1, updated_at = now() \
-             WHERE execution_attempts >= max_execution_attempts \
-               AND (run_state = 'queued' OR (run_state = 'running' \
-                    AND (lease_expires_at <= now() OR NOT kfs_worker_alive(worker_id))))"
-        ))
-        .bind(walk::EXHAUSTED)
-        .bind(EXHAUSTED_MESSAGE)
-        .execute(&mut *tx)
-        .await?;
-        let token = Uuid::new_v4();
-        let row: Option<(Uuid, i32, i32, i32, String)> = sqlx::query_as(&format!(
-            "WITH c AS ( \
-               SELECT j.id, j.run_state::text AS was FROM {TABLE} j \
-               WHERE j.execution_attempts < j.max_execution_attempts \
+        Ok(())
+    }
+
+    fn claim_rule(&self) -> ClaimRule {
+        let dead = "(j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))";
+        ClaimRule {
+            claimable: format!(
+                "j.execution_attempts < j.max_execution_attempts \
                  AND ((j.run_state = 'queued' \
                        AND j.updated_at + coalesce(($4::bigint[])[j.execution_attempts], 0) * interval '1 millisecond' <= now()) \
-                   OR (j.run_state = 'running' \
-                       AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id)))) \
-               ORDER BY j.updated_at, j.id LIMIT 1 FOR UPDATE OF j SKIP LOCKED \
-             ) \
-             UPDATE {TABLE} j SET run_state = 'running', worker_id = $1, lease_token = $2, \
-               lease_expires_at = now() + $3::bigint * interval '1 millisecond', heartbeat_at = now(), \
-               execution_attempts = j.execution_attempts + 1, row_version = j.row_version + 1, updated_at = now(), \
-               completed_at = NULL, last_error_code = NULL, last_error_message = NULL \
-             FROM c WHERE j.id = c.id \
-             RETURNING j.id, j.row_version, j.execution_attempts, j.max_execution_attempts, c.was"
-        ))
-        .bind(worker_id)
-        .bind(token)
-        .bind(millis(self.policy.lease))
-        .bind(self.delays())
-        .fetch_optional(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(
-            row.map(|(id, row_version, attempt, max_attempts, was)| Lease {
-                job_id: id,
-                lease_token: token,
-                row_version,
-                checkpoint: "running".into(),
-                attempt,
-                max_attempts,
-                worker_id: worker_id.to_owned(),
-                taken_over: was == "running",
+                   OR (j.run_state = 'running' AND {dead}))"
+            ),
+            select: String::new(),
+            set: ", execution_attempts = j.execution_attempts + 1, completed_at = NULL, \
+                  last_error_code = NULL, last_error_message = NULL"
+                .into(),
+            attempt: "j.execution_attempts",
+            max_attempts: Some("j.max_execution_attempts"),
+            param: Param::BigInts(self.delays()),
+            // A job whose last attempt died with its worker fails instead of staying held
+            // forever.
+            exhausted: Some(Exhausted {
+                rows: format!(
+                    "j.execution_attempts >= j.max_execution_attempts \
+                     AND (j.run_state = 'queued' OR (j.run_state = 'running' AND {dead}))"
+                ),
+                code: walk::EXHAUSTED,
+                message: EXHAUSTED_MESSAGE,
             }),
-        )
+        }
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
@@ -426,12 +396,7 @@ impl LeasedKind for BackfillKind {
         }
     }
 
-    async fn end(
-        &self,
-        conn: &mut PgConnection,
-        job: &Lease,
-        end: &End,
-    ) -> Result<bool, sqlx::Error> {
+    fn end_write(&self, job: &Lease, end: &End) -> EndWrite {
         let failed = "run_state = 'failed', completed_at = now(), last_error_code = left($4, 64), \
                       last_error_message = left($5, 16384)";
         let (set, code, message, refund) = match end {
@@ -468,33 +433,12 @@ impl LeasedKind for BackfillKind {
                 1,
             ),
         };
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET {set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() WHERE {FENCE}"
-        ))
-        .bind(job.job_id)
-        .bind(job.lease_token)
-        .bind(job.row_version)
-        .bind(code)
-        .bind(message)
-        .bind(refund)
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release_own(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<u64, sqlx::Error> {
-        // The dead predecessor's attempt stays used, as a crash's does.
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET run_state = 'queued', {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
-             WHERE worker_id = $1 AND run_state = 'running'"
-        ))
-        .bind(worker_id)
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected())
+        EndWrite {
+            set: set.to_owned(),
+            text4: code,
+            text5: message,
+            int6: refund,
+            bigint7: 0,
+        }
     }
 }

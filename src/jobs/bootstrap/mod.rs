@@ -32,7 +32,7 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{Lease, LeasedKind};
+use crate::engine::leased::{ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use walk::{Checkpoint, Waits};
@@ -77,10 +77,6 @@ impl Default for BootstrapKind {
 
 const NOW_MS: &str = "(extract(epoch from now()) * 1000)::bigint";
 const FAILURES: &str = "coalesce((j.snapshot_metadata ->> 'failures')::int, 0)";
-const LEASE_CLEAR: &str =
-    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
-const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_state = 'running' \
-                     AND lease_expires_at > clock_timestamp()";
 
 /// Writes the bootstrap marker of a space as the platform's migration 0009 writes it (id = the
 /// space's id, queued at `pending_snapshot`). Idempotent: the space's existing bootstrap is
@@ -245,63 +241,31 @@ impl LeasedKind for BootstrapKind {
         &self.policy
     }
 
-    async fn claim(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<Option<Lease>, sqlx::Error> {
-        let mut tx = conn.begin().await?;
-        // A job that died under its worker as often as it may be retried is not run again.
-        sqlx::query(&format!(
-            "UPDATE {TABLE} j SET run_state = 'failed', {LEASE_CLEAR}, completed_at = now(), \
-               last_error_code = $2, \
-               last_error_message = 'the bootstrap was taken over from dead workers too often', \
-               row_version = j.row_version + 1, updated_at = now() \
-             WHERE j.run_state = 'running' AND {FAILURES} >= $1 \
-               AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))"
-        ))
-        .bind(self.policy.max_attempts)
-        .bind(EXHAUSTED)
-        .execute(&mut *tx)
-        .await?;
-        let token = Uuid::new_v4();
-        let row: Option<(Uuid, String, i32, String, i32)> = sqlx::query_as(&format!(
-            "WITH c AS ( \
-               SELECT j.id, j.run_state::text AS was, \
-                 {FAILURES} + CASE WHEN j.run_state = 'running' THEN 1 ELSE 0 END AS failures \
-               FROM {TABLE} j \
-               WHERE (j.run_state = 'queued' \
-                      AND coalesce((j.snapshot_metadata ->> 'notBefore')::bigint, 0) <= {NOW_MS}) \
-                  OR (j.run_state = 'running' AND {FAILURES} < $4 \
-                      AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))) \
-               ORDER BY j.updated_at, j.id LIMIT 1 FOR UPDATE OF j SKIP LOCKED \
-             ) \
-             UPDATE {TABLE} j SET run_state = 'running', worker_id = $1, lease_token = $2, \
-               lease_expires_at = now() + $3::bigint * interval '1 millisecond', heartbeat_at = now(), \
-               snapshot_metadata = (j.snapshot_metadata - 'notBefore') || jsonb_build_object('failures', c.failures), \
-               row_version = j.row_version + 1, updated_at = now() \
-             FROM c WHERE j.id = c.id \
-             RETURNING j.id, j.checkpoint::text, j.row_version, c.was, c.failures"
-        ))
-        .bind(worker_id)
-        .bind(token)
-        .bind(millis(self.policy.lease))
-        .bind(self.policy.max_attempts)
-        .fetch_optional(&mut *tx)
-        .await?;
-        tx.commit().await?;
-        Ok(
-            row.map(|(id, checkpoint, row_version, was, failures)| Lease {
-                job_id: id,
-                lease_token: token,
-                row_version,
-                checkpoint,
-                attempt: failures + 1,
-                max_attempts: self.policy.max_attempts,
-                worker_id: worker_id.to_owned(),
-                taken_over: was == "running",
+    fn claim_rule(&self) -> ClaimRule {
+        let dead = "(j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))";
+        ClaimRule {
+            claimable: format!(
+                "(j.run_state = 'queued' \
+                  AND coalesce((j.snapshot_metadata ->> 'notBefore')::bigint, 0) <= {NOW_MS}) \
+                 OR (j.run_state = 'running' AND {FAILURES} < $4 AND {dead})"
+            ),
+            // A takeover counts as a failure of the run it took over.
+            select: format!(
+                ", {FAILURES} + CASE WHEN j.run_state = 'running' THEN 1 ELSE 0 END AS failures"
+            ),
+            set: ", snapshot_metadata = (j.snapshot_metadata - 'notBefore') \
+                  || jsonb_build_object('failures', c.failures)"
+                .into(),
+            attempt: "c.failures + 1",
+            max_attempts: None,
+            param: Param::Int(self.policy.max_attempts),
+            // A job that died under its worker as often as it may be retried is not run again.
+            exhausted: Some(Exhausted {
+                rows: format!("j.run_state = 'running' AND {FAILURES} >= $3 AND {dead}"),
+                code: EXHAUSTED,
+                message: "the bootstrap was taken over from dead workers too often",
             }),
-        )
+        }
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
@@ -317,12 +281,7 @@ impl LeasedKind for BootstrapKind {
         }
     }
 
-    async fn end(
-        &self,
-        conn: &mut PgConnection,
-        job: &Lease,
-        end: &End,
-    ) -> Result<bool, sqlx::Error> {
+    fn end_write(&self, job: &Lease, end: &End) -> EndWrite {
         let set = match end {
             End::Succeed { .. } => {
                 "run_state = 'succeeded', checkpoint = $4, completed_at = now(), last_error_code = NULL, \
@@ -366,35 +325,12 @@ impl LeasedKind for BootstrapKind {
             End::Supersede { message } => ("superseded".into(), message.clone(), Duration::ZERO),
             End::Continue => (String::new(), String::new(), Duration::ZERO),
         };
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET {set}, {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
-             WHERE {FENCE}"
-        ))
-        .bind(job.job_id)
-        .bind(job.lease_token)
-        .bind(job.row_version)
-        .bind(a)
-        .bind(b)
-        .bind(job.attempt)
-        .bind(millis(delay))
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release_own(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<u64, sqlx::Error> {
-        // Not a failure of the job: the process that held it is gone, and this one replaces it.
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET run_state = 'queued', {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
-             WHERE worker_id = $1 AND run_state = 'running'"
-        ))
-        .bind(worker_id)
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected())
+        EndWrite {
+            set,
+            text4: Some(a),
+            text5: Some(b),
+            int6: job.attempt,
+            bigint7: millis(delay),
+        }
     }
 }

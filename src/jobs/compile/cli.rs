@@ -10,7 +10,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::request::{self, CompileError, RequestOptions, Requester};
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 
 #[derive(Debug, clap::Args)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]

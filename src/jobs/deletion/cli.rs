@@ -10,7 +10,7 @@ use uuid::Uuid;
 use super::request::{
     self, DeletionRequest, RequestError, RetryAuthority, RetryRequest, SourceMode, Target,
 };
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 
 #[derive(Debug, clap::Args)]
 pub struct DeleteArgs {

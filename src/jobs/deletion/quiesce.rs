@@ -15,6 +15,7 @@ use super::ports::Ports;
 use super::sql::{self, scoped, with, OWNED};
 use super::walk::Event;
 use super::{clamp_wait, head, inventory, DeletionConfig, JobRow, Scope};
+use crate::engine::lease::LEASE_CLEAR;
 use crate::jobs::JobError;
 
 /// The platform's terminal staged-commit states.
@@ -138,8 +139,7 @@ fn cancel_statements(scope: Scope) -> Vec<String> {
         ),
         // Research tasks without a live lease are canceled, with their outbox.
         format!(
-            "{w} UPDATE research_task_jobs j SET stage = 'canceled', worker_id = NULL, lease_token = NULL, \
-               lease_expires_at = NULL, heartbeat_at = NULL, retry_at = NULL, completed_at = {NOW_MS}, \
+            "{w} UPDATE research_task_jobs j SET stage = 'canceled', {LEASE_CLEAR}, retry_at = NULL, completed_at = {NOW_MS}, \
                updated_at = {NOW_MS}, row_version = j.row_version + 1 FROM p \
              WHERE {} AND j.stage NOT IN ('completed', 'failed', 'canceled') \
                AND (j.lease_token IS NULL OR j.lease_expires_at <= {NOW_MS})",
@@ -166,8 +166,7 @@ fn cancel_statements(scope: Scope) -> Vec<String> {
         ),
     ];
     let backfill = format!(
-        "{w} UPDATE source_credential_backfills b SET run_state = 'failed', worker_id = NULL, lease_token = NULL, \
-           lease_expires_at = NULL, heartbeat_at = NULL, completed_at = now(), updated_at = now(), \
+        "{w} UPDATE source_credential_backfills b SET run_state = 'failed', {LEASE_CLEAR}, completed_at = now(), updated_at = now(), \
            last_error_code = '{FENCE_CODE}', last_error_message = '{FENCE_MESSAGE}', row_version = b.row_version + 1 \
          FROM p WHERE {} AND {} AND (b.run_state = 'queued' OR (b.run_state = 'running' AND b.lease_expires_at <= now()))",
         scoped("b"),
@@ -185,8 +184,7 @@ fn cancel_statements(scope: Scope) -> Vec<String> {
         return out;
     }
     out.push(format!(
-        "{w} UPDATE document_compilation_attempts a SET run_state = 'canceled', active_slot = NULL, worker_id = NULL, \
-           lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL, retry_at = NULL, completed_at = now(), \
+        "{w} UPDATE document_compilation_attempts a SET run_state = 'canceled', active_slot = NULL, {LEASE_CLEAR}, retry_at = NULL, completed_at = now(), \
            updated_at = now(), row_version = a.row_version + 1 FROM p \
          WHERE {} AND {} AND (a.run_state IN ('dispatch_pending', 'queued', 'retry_wait') \
            OR (a.run_state = 'running' AND a.lease_expires_at <= now()))",
@@ -209,8 +207,7 @@ fn cancel_statements(scope: Scope) -> Vec<String> {
         ("tidb_fts_posting_backfills", "failed"),
     ] {
         out.push(format!(
-            "{w} UPDATE {table} b SET run_state = '{terminal}', worker_id = NULL, lease_token = NULL, \
-               lease_expires_at = NULL, heartbeat_at = NULL, completed_at = now(), updated_at = now(), \
+            "{w} UPDATE {table} b SET run_state = '{terminal}', {LEASE_CLEAR}, completed_at = now(), updated_at = now(), \
                last_error_code = '{FENCE_CODE}', last_error_message = '{FENCE_MESSAGE}', row_version = b.row_version + 1 \
              FROM p WHERE {} AND (b.run_state = 'queued' OR (b.run_state = 'running' AND b.lease_expires_at <= now()))",
             scoped("b")

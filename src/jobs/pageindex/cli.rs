@@ -8,7 +8,7 @@
 use uuid::Uuid;
 
 use super::RequestError;
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 
 #[derive(Debug, clap::Args)]
 pub struct PageIndexArgs {

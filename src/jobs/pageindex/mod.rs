@@ -33,7 +33,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{Lease, LeasedKind};
+use crate::engine::leased::{ClaimRule, EndWrite, Lease, LeasedKind, Param};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use closure::Status;
@@ -78,10 +78,7 @@ impl Default for PageIndexKind {
     }
 }
 
-const LEASE_CLEAR: &str =
-    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
-const FENCE: &str = "id = $1 AND lease_token = $2 AND row_version = $3 AND run_state = 'running' \
-                     AND lease_expires_at > clock_timestamp()";
+pub(crate) use crate::engine::lease::LEASE_CLEAR;
 
 /// A backfill row, as the platform's API shows it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, sqlx::FromRow)]
@@ -275,43 +272,20 @@ impl LeasedKind for PageIndexKind {
         &self.policy
     }
 
-    async fn claim(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<Option<Lease>, sqlx::Error> {
-        let token = Uuid::new_v4();
-        let row: Option<(Uuid, i32, String)> = sqlx::query_as(&format!(
-            "WITH c AS ( \
-               SELECT j.id, j.run_state::text AS was FROM {TABLE} j \
-               WHERE (j.run_state = 'queued' \
-                      AND (j.last_error_code IS NULL OR j.updated_at + $4::bigint * interval '1 millisecond' <= now())) \
-                  OR (j.run_state = 'running' \
-                      AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))) \
-               ORDER BY j.updated_at, j.id LIMIT 1 FOR UPDATE OF j SKIP LOCKED \
-             ) \
-             UPDATE {TABLE} j SET run_state = 'running', worker_id = $1, lease_token = $2, \
-               lease_expires_at = now() + $3::bigint * interval '1 millisecond', heartbeat_at = now(), \
-               completed_at = NULL, row_version = j.row_version + 1, updated_at = now() \
-             FROM c WHERE j.id = c.id \
-             RETURNING j.id, j.row_version, c.was"
-        ))
-        .bind(worker_id)
-        .bind(token)
-        .bind(millis(self.policy.lease))
-        .bind(millis(self.retry_after))
-        .fetch_optional(conn)
-        .await?;
-        Ok(row.map(|(id, row_version, was)| Lease {
-            job_id: id,
-            lease_token: token,
-            row_version,
-            checkpoint: "running".into(),
-            attempt: 1,
-            max_attempts: self.policy.max_attempts,
-            worker_id: worker_id.to_owned(),
-            taken_over: was == "running",
-        }))
+    fn claim_rule(&self) -> ClaimRule {
+        ClaimRule {
+            claimable: "(j.run_state = 'queued' \
+                  AND (j.last_error_code IS NULL OR j.updated_at + $4::bigint * interval '1 millisecond' <= now())) \
+                 OR (j.run_state = 'running' \
+                     AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id)))"
+                .into(),
+            select: String::new(),
+            set: ", completed_at = NULL".into(),
+            attempt: "1",
+            max_attempts: None,
+            param: Param::BigInt(millis(self.retry_after)),
+            exhausted: None,
+        }
     }
 
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
@@ -324,12 +298,7 @@ impl LeasedKind for PageIndexKind {
         }
     }
 
-    async fn end(
-        &self,
-        conn: &mut PgConnection,
-        job: &Lease,
-        end: &End,
-    ) -> Result<bool, sqlx::Error> {
+    fn end_write(&self, _job: &Lease, end: &End) -> EndWrite {
         let terminal = "completed_at = now(), last_error_code = left($4, 64), last_error_message = left($5, 16384)";
         let (state, code, message) = match end {
             End::Succeed { .. } => ("succeeded", None, None),
@@ -352,32 +321,11 @@ impl LeasedKind for PageIndexKind {
         } else {
             terminal
         };
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET run_state = '{state}', {set}, {LEASE_CLEAR}, row_version = row_version + 1, \
-               updated_at = now() WHERE {FENCE}"
-        ))
-        .bind(job.job_id)
-        .bind(job.lease_token)
-        .bind(job.row_version)
-        .bind(code)
-        .bind(message)
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release_own(
-        &self,
-        conn: &mut PgConnection,
-        worker_id: &str,
-    ) -> Result<u64, sqlx::Error> {
-        let done = sqlx::query(&format!(
-            "UPDATE {TABLE} SET run_state = 'queued', {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
-             WHERE worker_id = $1 AND run_state = 'running'"
-        ))
-        .bind(worker_id)
-        .execute(conn)
-        .await?;
-        Ok(done.rows_affected())
+        EndWrite {
+            set: format!("run_state = '{state}', {set}"),
+            text4: code,
+            text5: message,
+            ..EndWrite::default()
+        }
     }
 }

@@ -17,7 +17,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use super::{control, follow, request, Stage};
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 use crate::config;
 
 #[derive(Debug, clap::Args)]

@@ -10,12 +10,11 @@
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
+use crate::engine::lease::LEASE_CLEAR;
+
 use super::progress::{self, payload, EventType, JobScope, NOW_MS};
 use super::request::insert_outbox;
 use super::walk::{self, Control, ControlMove, Refusal, Stage};
-
-const LEASE_CLEAR: &str =
-    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
 
 /// What a control did.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -9,7 +9,7 @@ use sqlx::PgPool;
 use uuid::Uuid;
 
 use super::{fail, Progress, TENANT};
-use crate::cli::Failure;
+use crate::command::Failure;
 use crate::config::Services;
 use crate::jobs::Kind;
 
