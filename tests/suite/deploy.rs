@@ -1,21 +1,22 @@
 //! The deploy files agree with what the worker declares: RabbitMQ definitions loaded into the
 //! broker first must not conflict with the worker's own idempotent declarations.
 
-mod common;
-
 use std::process::Command;
 
 use kfs_worker::broker::Topology;
 use kfs_worker::jobs::Kind;
 
+use crate::support;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_definitions_match_the_topology_the_worker_declares() {
+    let _services = support::isolation::shared().await;
     let ok = Command::new("rabbitmqctl")
         .args(["-q", "status"])
         .output()
         .map(|o| o.status.success());
     if !matches!(ok, Ok(true)) {
-        common::skip_or_fail(
+        support::skip_or_fail(
             "rabbitmqctl cannot reach the local broker, so definitions cannot be imported",
         );
         return;
@@ -45,7 +46,7 @@ async fn rabbitmq_definitions_match_the_topology_the_worker_declares() {
     );
 
     let conn =
-        lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
+        lapin::Connection::connect(&support::amqp_url(), lapin::ConnectionProperties::default())
             .await
             .unwrap();
     let ch = conn.create_channel().await.unwrap();

@@ -5,11 +5,8 @@
 //! it back. The slices run in-process with `leased::run_once` so interleavings are exact; the
 //! crash tests run real `kfs-worker run --leased` children aborted at crash points.
 
-mod common;
-
 use std::time::Duration;
 
-use common::space::SpaceFx;
 use kfs_worker::engine::leased::{self, Outcome};
 use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::pageindex::{self, walk, PageIndexKind};
@@ -17,10 +14,9 @@ use serde_json::Value;
 use sqlx::PgPool;
 use uuid::Uuid;
 
+use crate::support::space::{SpaceFx, GUIDE_MD, NOTES_TXT, PAGE_HTML};
+
 const TENANT: &str = "tenant-pageindex";
-const GUIDE_MD: &[u8] = include_bytes!("fixtures/compile/guide.md");
-const PAGE_HTML: &[u8] = include_bytes!("fixtures/compile/page.html");
-const NOTES_TXT: &[u8] = include_bytes!("fixtures/compile/notes.txt");
 
 fn one_step() -> Budget {
     Budget {
@@ -576,7 +572,7 @@ async fn a_worker_dying_mid_backfill_is_taken_over_and_each_page_index_is_built_
             compiled_rows,
             "{point}: each page index built once, as the compile wrote it"
         );
-        common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
+        crate::support::stop_cleanly([&mut b], Duration::from_secs(30)).await;
         fx.cleanup().await;
     }
 }

@@ -6,7 +6,7 @@
 //! Only built with `--features crash-points` (the kill points compile to nothing without it):
 //!
 //! ```text
-//! cargo test --all-features --test crash -- --nocapture
+//! cargo test --all-features --test suite crash:: -- --nocapture
 //! ```
 //!
 //! Instrumentation: each test installs, in its own throwaway database, a trigger that records
@@ -15,21 +15,19 @@
 //! `crash_outbox_log` (for failure diagnostics). They observe, they never change what the
 //! engine does; they turn "when did a new lease of this job begin" into a query instead of a
 //! race with a poller.
-#![cfg(feature = "crash-points")]
-
-mod common;
 
 use std::os::unix::process::ExitStatusExt;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::{TestEnv, Worker};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::support::{self, TestEnv, Worker};
 
 // Row shapes of the diagnostic queries.
 /// (job, step, writer, written at, newer lease's worker, claimed at)
@@ -158,7 +156,7 @@ async fn wait_queues_drained(env: &TestEnv, timeout: Duration) -> (u32, u32) {
 /// - no effect was written by a lease after a newer lease of the same job began: for each
 ///   effect, no later claim of its job (by claim order) happened before the effect's insert.
 async fn assert_history(pool: &PgPool) {
-    common::assert_probe_invariants(pool).await;
+    support::assert_probe_invariants(pool).await;
     let backwards: Vec<(Uuid, i32, i64)> = sqlx::query_as(
         "SELECT job_id, step, rn FROM ( \
            SELECT job_id, step, row_number() OVER (PARTITION BY job_id ORDER BY id) AS rn FROM kfs_probe_effects \
@@ -381,11 +379,11 @@ async fn kill_point(point: &'static str) {
     assert!(
         done,
         "not every job is terminal 90 s after A died: {:?}\n{logs}",
-        common::probe_states(&env.pool).await
+        support::probe_states(&env.pool).await
     );
 
     let depths = wait_queues_drained(&env, Duration::from_secs(15)).await;
-    common::stop_cleanly(&mut others, Duration::from_secs(20)).await;
+    support::stop_cleanly(&mut others, Duration::from_secs(20)).await;
     assert_eq!(
         depths,
         (0, 0),
@@ -590,7 +588,7 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
     assert!(
         done,
         "job not terminal: {:?}\n{}\n{}",
-        common::probe_states(&s.env.pool).await,
+        support::probe_states(&s.env.pool).await,
         s.a.tail(20),
         s.b.tail(20)
     );
@@ -642,7 +640,7 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
         ms(claim_b - s.stopped_at),
         s.claim_b_while_stopped.is_some(),
     );
-    common::stop_cleanly([&mut s.a, &mut s.b], Duration::from_secs(20)).await;
+    support::stop_cleanly([&mut s.a, &mut s.b], Duration::from_secs(20)).await;
     assert_history(&s.env.pool).await;
     assert_no_overlap(&s.env.pool, "a", "b").await;
     let depths = wait_queues_drained(&s.env, Duration::from_secs(5)).await;
@@ -864,7 +862,7 @@ async fn fleet_run(same_id: bool) {
     .fetch_all(&env.pool)
     .await
     .unwrap();
-    let states = common::probe_states(&env.pool).await;
+    let states = support::probe_states(&env.pool).await;
 
     // The figures, before any assertion can hide them.
     let mut samples: Vec<f64> = Vec::new();
@@ -966,7 +964,7 @@ async fn fleet_run(same_id: bool) {
         "not every job terminal after 150 s: {states:?}; e.g. (job, state, checkpoint, worker, lease expires, \
          outbox status, dispatch attempts, outbox available at): {stuck:#?}"
     );
-    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
+    support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     assert_eq!(succeeded, 1000, "jobs not succeeded: {states:?}");
     assert_eq!(
         never_claimed, 0,
@@ -1024,7 +1022,7 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
     assert!(
         running,
         "w1 never held the 4 jobs: {:?}\n{}",
-        common::probe_states(&env.pool).await,
+        support::probe_states(&env.pool).await,
         workers[1].tail(20)
     );
     workers[1].kill();
@@ -1058,7 +1056,7 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
         "jobs stranded 30 s after the restart (lease 10 s): {rows:#?}\n{}",
         workers[1].tail(20)
     );
-    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
+    support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     assert_history(&env.pool).await;
     env.cleanup().await;
 }
@@ -1139,7 +1137,7 @@ async fn worker_start_does_not_deadlock_with_running_steps() {
         "the running step could not end its slice: {step_result}"
     );
     let mut workers = vec![w];
-    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
+    support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     env.cleanup().await;
 }
 
@@ -1150,7 +1148,7 @@ async fn worker_start_does_not_deadlock_with_running_steps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_whose_reply_was_lost_is_recognised_as_its_own_on_retry() {
     let env = TestEnv::new().await;
-    let (job, _outbox) = common::enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let (job, _outbox) = support::enqueue_one(&env.pool, &ProbeSpec::default()).await;
     let mut w = spawn(
         &env,
         "lost-reply",

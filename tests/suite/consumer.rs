@@ -8,13 +8,10 @@
 //! `Engine::process` / `Engine::process_ref` itself. Nothing sleeps to make time pass: leases,
 //! retries and visibility windows are moved with SQL.
 
-mod common;
-
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{enqueue_one, job_text, TestEnv};
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::engine::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::engine::slice::Budget;
@@ -29,6 +26,8 @@ use sqlx::pool::PoolConnection;
 use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::support::{self, enqueue_one, job_text, TestEnv};
 
 /// A bound on calls that must not block; a hang fails the test instead of stalling the suite.
 /// Never a timing assertion: each call here ends in well under a second when it works.
@@ -2844,7 +2843,7 @@ async fn rows_no_delivery_can_use_are_settled_once_and_dead_lettered_at_most_onc
     drop(conn);
     let live_before = (
         job_text(&env.pool, live_job).await,
-        common::outbox_text(&env.pool, live_outbox).await,
+        support::outbox_text(&env.pool, live_outbox).await,
     );
 
     // A relay with a short visibility window and a consumer, for many windows. The window is
@@ -2957,7 +2956,7 @@ async fn rows_no_delivery_can_use_are_settled_once_and_dead_lettered_at_most_onc
     assert_eq!(
         (
             job_text(&env.pool, live_job).await,
-            common::outbox_text(&env.pool, live_outbox).await,
+            support::outbox_text(&env.pool, live_outbox).await,
         ),
         live_before,
         "a live worker's job and row are left as they are"

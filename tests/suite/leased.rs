@@ -11,11 +11,8 @@
 //! Every test installs a trigger that logs each state written to the two job tables, so the
 //! tests can inspect every written state, not only the last one.
 
-mod common;
-
 use std::time::Duration;
 
-use common::space::{SpaceFx, OWNER};
 use kfs_worker::consumer::Engine;
 use kfs_worker::engine::lease::End;
 use kfs_worker::engine::leased::{self, Lease, LeasedKind, Outcome};
@@ -30,10 +27,10 @@ use serde_json::{json, Value};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;
 
+use crate::support;
+use crate::support::space::{SpaceFx, GUIDE_MD, NOTES_TXT, OWNER, PAGE_HTML};
+
 const TENANT: &str = "tenant-leased";
-const GUIDE_MD: &[u8] = include_bytes!("fixtures/compile/guide.md");
-const PAGE_HTML: &[u8] = include_bytes!("fixtures/compile/page.html");
-const NOTES_TXT: &[u8] = include_bytes!("fixtures/compile/notes.txt");
 
 /// Logs every state written to the two job tables.
 const STATE_LOG: &str = r#"
@@ -60,7 +57,7 @@ CREATE TRIGGER leased_state_log_backfill AFTER INSERT OR UPDATE ON knowledge_spa
   FOR EACH ROW EXECUTE FUNCTION leased_state_log_backfill();
 "#;
 
-common::space::space_fixture!(Fx);
+support::space::space_fixture!(Fx);
 
 /// A legacy embedding profile as a 0018-era API wrote it into the manifest.
 fn embedding_profile() -> Value {
@@ -278,7 +275,7 @@ impl Fx {
         ]
     }
 
-    fn spawn(&self, id: &str, args: &[&str], extra: &[(&str, &str)]) -> common::Worker {
+    fn spawn(&self, id: &str, args: &[&str], extra: &[(&str, &str)]) -> support::Worker {
         let mut env = self.worker_env(id);
         env.extend(
             extra
@@ -1551,7 +1548,7 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .args(["status", "--json", "--kinds", "compile"])
         .env("DATABASE_URL", &fx.env.url)
-        .env("AMQP_URL", common::amqp_url())
+        .env("AMQP_URL", support::amqp_url())
         .env("KFS_QUEUE_PREFIX", &fx.env.prefix)
         .output()
         .unwrap();
@@ -1568,7 +1565,7 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
     ] {
         assert!(metrics.contains(want), "{want} missing from\n{metrics}");
     }
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
 
@@ -1609,7 +1606,7 @@ async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
     .unwrap();
     assert_eq!(per_doc, vec![1, 1, 1]);
     assert_bootstrap_states(&fx.states(boot).await);
-    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
 
@@ -1654,7 +1651,7 @@ async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes(
     assert_bootstrap_states(&states);
     let tokens: std::collections::BTreeSet<Uuid> = states.iter().filter_map(|s| s.3).collect();
     assert!(tokens.len() >= 2, "a second lease finished the walk");
-    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
 
@@ -1713,6 +1710,6 @@ async fn a_worker_dying_inside_the_backfill_transaction_leaves_nothing_and_is_ta
     .await
     .unwrap();
     assert_eq!((revisions, heads), (1, 1));
-    common::stop_cleanly([&mut b], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }

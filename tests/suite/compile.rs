@@ -8,12 +8,9 @@
 //! Document bytes live in a temporary `file://` object store that the test and any spawned
 //! worker share.
 
-mod common;
-
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::space::SpaceFx;
 use kfs_worker::consumer::Handled;
 use kfs_worker::jobs::compile::artifact;
 use kfs_worker::jobs::compile::chunk::{self, MAX_CHUNK_GRAPHEMES};
@@ -27,13 +24,12 @@ use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::support;
+use crate::support::space::{SpaceFx, GUIDE_MD, NOTES_TXT, PAGE_HTML};
+
 const TENANT: &str = "tenant-compile";
 
-const GUIDE_MD: &[u8] = include_bytes!("fixtures/compile/guide.md");
-const PAGE_HTML: &[u8] = include_bytes!("fixtures/compile/page.html");
-const NOTES_TXT: &[u8] = include_bytes!("fixtures/compile/notes.txt");
-
-common::space::space_fixture!(
+support::space::space_fixture!(
     /// A test database and queues, a shared file object store, and one knowledge space.
     Fx
 );
@@ -782,7 +778,7 @@ async fn a_publish_over_a_document_being_deleted_waits_for_the_deletion_and_then
     fx.drive_to(&one_step, attempt, "smoke_eval_passed").await;
     // The document the candidate inherits is being deleted (tombstone written, head not yet
     // changed): the publish waits, using no attempt, and publishes nothing.
-    let owner = fx.snapshot(common::space::OWNER).await;
+    let owner = fx.snapshot(support::space::OWNER).await;
     let mut tx = fx.pool().begin().await.unwrap();
     let job = del::request_deletion(
         &mut tx,
@@ -791,7 +787,7 @@ async fn a_publish_over_a_document_being_deleted_waits_for_the_deletion_and_then
             knowledge_space_id: fx.space,
             target: Target::Document { id: gone },
             expected_revision: None,
-            requested_by_subject_id: common::space::OWNER.into(),
+            requested_by_subject_id: support::space::OWNER.into(),
             permission_snapshot_id: owner,
             access_channel: "interactive".into(),
             idempotency_key: "fence-test".into(),
@@ -1824,7 +1820,7 @@ async fn two_hundred_documents_across_two_worker_processes() {
     );
     assert_all_published(&fx, &docs).await;
     assert_eq!(fx.served().await.len(), DOCS);
-    common::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
+    support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     fx.cleanup().await;
 }
 
@@ -1890,7 +1886,7 @@ mod crash {
             started.elapsed().as_secs_f64()
         );
         assert_all_published(&fx, &docs).await;
-        common::stop_cleanly([&mut b], Duration::from_secs(20)).await;
+        support::stop_cleanly([&mut b], Duration::from_secs(20)).await;
         drop(a);
         fx.cleanup().await;
     }

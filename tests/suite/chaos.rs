@@ -11,22 +11,21 @@
 //! directory, on their own ports), never the shared services. Only built with `crash-points`.
 //!
 //! ```text
-//! cargo test --all-features --test chaos -- --nocapture        # short form (about 90 s)
-//! ops/chaos --minutes 10 --seed 7 [--outages]                  # full form, with a soak report
+//! cargo test --all-features --test suite chaos:: -- --nocapture   # short form (about 90 s)
+//! ops/chaos --minutes 10 --seed 7 [--outages]                     # full form, with a soak report
 //! ```
+//!
+//! The short form is also part of every run of the whole suite. The run has the machine to
+//! itself there (`support::isolation::alone`), as it did when it was a test binary of its own:
+//! its five workers and private services load every core, and timings under faults are what
+//! it checks.
 //!
 //! Settings (environment): `KFS_CHAOS_SECONDS` (length of the faulty phase, default 60),
 //! `KFS_CHAOS_SEED` (default: from the clock, printed), `KFS_CHAOS_OUTAGES=1` (add a 60 s
 //! RabbitMQ and a 30 s Postgres outage and check the workers' CPU time while they last),
 //! `KFS_CHAOS_REPORT` (also write the report to this file).
-#![cfg(feature = "crash-points")]
 
-mod common;
-#[path = "chaos/platform.rs"]
-mod platform_mix;
-#[path = "chaos/proxy.rs"]
-mod proxy;
-#[path = "chaos/services.rs"]
+mod platform;
 mod services;
 
 use std::collections::BTreeMap;
@@ -35,16 +34,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use chrono::{DateTime, Utc};
-use common::Worker;
 use kfs_worker::broker::Topology;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
-use proxy::Proxy;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use services::{PrivatePostgres, PrivateRabbit};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;
+
+use crate::support::proxy::Proxy;
+use crate::support::{self, Worker};
 
 const DB: &str = "kfs_chaos";
 const LEASE: &str = "probe=4s,compile=4s,deletion=4s,research=4s";
@@ -262,7 +262,7 @@ struct Record {
     samples: Vec<Sample>,
     jobs: Vec<(Uuid, &'static str)>,
     /// The platform's jobs requested during the run.
-    platform: platform_mix::Requested,
+    platform: platform::Requested,
     /// Unexpected events worth reading in the report.
     notes: Vec<String>,
 }
@@ -386,6 +386,7 @@ fn workload_spec(rng: &mut StdRng) -> (ProbeSpec, &'static str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos_run_keeps_every_promise() {
+    let _alone = support::isolation::alone().await;
     let settings = Settings::from_env();
     let seed = settings.seed;
     println!(
@@ -426,7 +427,7 @@ async fn chaos_run_keeps_every_promise() {
         .execute(&pool)
         .await
         .expect("observers");
-    sqlx::raw_sql(platform_mix::OBSERVERS)
+    sqlx::raw_sql(platform::OBSERVERS)
         .execute(&pool)
         .await
         .expect("observers of the platform's tables");
@@ -437,7 +438,7 @@ async fn chaos_run_keeps_every_promise() {
         &kfs_worker::config::object_store(&store_url).expect("object store URL"),
     )
     .expect("object store");
-    let space = platform_mix::seed(&pool, &store).await;
+    let space = platform::seed(&pool, &store).await;
     let prefix = "chaos".to_owned();
     let topology = Topology::new(&prefix);
     {
@@ -531,7 +532,7 @@ async fn chaos_run_keeps_every_promise() {
         })
     };
 
-    let platform_requests = tokio::spawn(platform_mix::drive(
+    let platform_requests = tokio::spawn(platform::drive(
         pool.clone(),
         space,
         stop_enqueue.clone(),
@@ -600,7 +601,7 @@ async fn chaos_run_keeps_every_promise() {
     while drain_start.elapsed() < Duration::from_secs(240) {
         supervise_unarmed(&mut cluster, &mut rec, &pool).await;
         let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await
-            + platform_mix::open(&pool).await;
+            + platform::open(&pool).await;
         if open == 0 {
             drained = true;
             break;
@@ -1218,7 +1219,7 @@ async fn check_invariants(
     ));
 
     let outbox_open = count(pool, "SELECT count(*) FROM kfs_probe_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')").await
-        + platform_mix::outbox_open(pool).await;
+        + platform::outbox_open(pool).await;
     out.push(check(
         "outbox settled",
         outbox_open == 0,
@@ -1229,7 +1230,7 @@ async fn check_invariants(
         depths == (0, 0),
         format!("depths {depths:?}"),
     ));
-    for (name, ok, detail) in platform_mix::checks(pool, &rec.platform).await {
+    for (name, ok, detail) in platform::checks(pool, &rec.platform).await {
         out.push(check(name, ok, detail));
     }
     if !rec.outage_cpu.is_empty() {
@@ -1301,7 +1302,7 @@ async fn report(
         "\njobs: {} enqueued; by final state {states:?}; {steps} step effects",
         rec.jobs.len()
     );
-    let _ = writeln!(r, "platform jobs: {}", platform_mix::summary(&rec.platform));
+    let _ = writeln!(r, "platform jobs: {}", platform::summary(&rec.platform));
     let _ = writeln!(r, "claims: {claims} (of which {reclaims} after the job's first claim: new slices, retries and takeovers)");
     let (acks, warnings) = read_logs(cluster);
     let mut by_claim: BTreeMap<String, u64> = BTreeMap::new();

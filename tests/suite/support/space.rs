@@ -30,24 +30,28 @@ pub const OWNER: &str = "owner-1";
 
 const HANG: Duration = Duration::from_secs(60);
 
-/// Declares `struct $name(SpaceFx)` that derefs to the `SpaceFx`, so a test file can add its
+/// The documents of `tests/fixtures/compile` that the compile, bootstrap and page-index tests
+/// upload.
+pub const GUIDE_MD: &[u8] = include_bytes!("../../fixtures/compile/guide.md");
+pub const PAGE_HTML: &[u8] = include_bytes!("../../fixtures/compile/page.html");
+pub const NOTES_TXT: &[u8] = include_bytes!("../../fixtures/compile/notes.txt");
+
+/// Declares `struct $name(SpaceFx)` that derefs to the `SpaceFx`, so a test module can add its
 /// own steps to the shared fixture.
-#[allow(unused_macros)]
 macro_rules! space_fixture {
     ($(#[$meta:meta])* $name:ident) => {
         $(#[$meta])*
-        struct $name(common::space::SpaceFx);
+        struct $name($crate::support::space::SpaceFx);
 
         impl std::ops::Deref for $name {
-            type Target = common::space::SpaceFx;
+            type Target = $crate::support::space::SpaceFx;
 
-            fn deref(&self) -> &common::space::SpaceFx {
+            fn deref(&self) -> &$crate::support::space::SpaceFx {
                 &self.0
             }
         }
     };
 }
-#[allow(unused_imports)]
 pub(crate) use space_fixture;
 
 pub struct SpaceFx {

@@ -3,8 +3,6 @@
 //! request → relay publish → consumer → claim and steps. The collector here is a real OTLP/HTTP
 //! endpoint that decodes what the worker sends.
 
-mod common;
-
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -12,10 +10,11 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
-use common::TestEnv;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use prost::Message;
+
+use crate::support::{self, TestEnv};
 
 #[derive(Clone, Debug)]
 struct Exported {
@@ -169,6 +168,6 @@ async fn the_requests_traceparent_reaches_the_consumer_through_the_relay() {
     );
     assert!(under_consume.contains(&"end_slice"), "{under_consume:?}");
 
-    common::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
     env.cleanup().await;
 }

@@ -13,10 +13,9 @@
 //!   without the vector extension;
 //! - running the migrations again on a fresh database is a no-op.
 //!
-//! Every test works in its own scratch database, dropped afterwards even when the test fails.
+//! Every test works in its own scratch database, dropped afterwards even when the test fails,
+//! and holds the shared services (`support::isolation`) while it uses them.
 //! Under `CI=true` a missing `../shared` fails the test instead of skipping it.
-
-mod common;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -29,7 +28,7 @@ use kfs_worker::db::MIGRATOR;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Executor, PgPool};
 
-const DEFAULT_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+use crate::support;
 
 fn manifest_dir() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -39,21 +38,20 @@ fn shared_dir() -> PathBuf {
     manifest_dir().join("..").join("shared")
 }
 
-fn admin_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_ADMIN_URL.to_owned())
-}
-
 /// A database of its own for one test. Dropped (with FORCE) when the value goes out of scope,
-/// including when the test panics.
+/// including when the test panics; it holds the shared services until then.
 struct ScratchDb {
     name: String,
     admin: PgConnectOptions,
     pool: Option<PgPool>,
+    /// Released after `Drop::drop` dropped the database.
+    _services: support::isolation::Services,
 }
 
 impl ScratchDb {
     async fn create(tag: &str) -> Result<Self> {
-        let admin = PgConnectOptions::from_str(&admin_url())
+        let services = support::isolation::shared().await;
+        let admin = PgConnectOptions::from_str(&support::admin_url())
             .context("DATABASE_URL is not a Postgres URL")?;
         let name = format!("kfs_schema_{tag}_{}", uuid::Uuid::new_v4().simple());
         let mut conn = sqlx::ConnectOptions::connect(&admin)
@@ -72,6 +70,7 @@ impl ScratchDb {
             name,
             admin,
             pool: Some(pool),
+            _services: services,
         })
     }
 
@@ -209,7 +208,7 @@ fn shared_or_skip(what: &str) -> Option<PathBuf> {
     if dir.join("reference-schema").is_dir() && dir.join("tools").is_dir() {
         return Some(dir);
     }
-    common::skip_or_fail(&format!(
+    support::skip_or_fail(&format!(
         "{} is missing, so {what} cannot run (CI runs with ../shared beside the checkout)",
         dir.display()
     ));
@@ -219,6 +218,7 @@ fn shared_or_skip(what: &str) -> Option<PathBuf> {
 /// Runs one of the shared schema tools against DATABASE_URL's server; returns its stdout.
 fn run_tool(name: &str) -> Option<String> {
     let shared = shared_or_skip(name)?;
+    let _services = support::isolation::shared_blocking();
     let tool = shared.join("tools").join(name);
     let mut command = Command::new(&tool);
     command.arg("migrations").current_dir(manifest_dir());
@@ -442,7 +442,7 @@ fn is_own(key: &str) -> bool {
 
 /// Runs the `kfs-worker` binary with DATABASE_URL naming `db`.
 fn kfs_migrate(db: &ScratchDb) -> std::process::Output {
-    let mut url = url::Url::parse(&admin_url()).expect("DATABASE_URL");
+    let mut url = url::Url::parse(&support::admin_url()).expect("DATABASE_URL");
     url.set_path(&format!("/{}", db.name));
     Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .arg("migrate")

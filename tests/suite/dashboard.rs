@@ -5,15 +5,11 @@
 //! first without the token (refused, nothing changes) and then with it (it runs again); a
 //! research task is paused, resumed and canceled with a reason by clicking its page's buttons.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::space::SpaceFx;
-use common::{free_port, TestEnv};
 use fantoccini::{ClientBuilder, Locator};
 use kfs_worker::jobs::compile::{self, RequestOptions};
 use kfs_worker::jobs::probe::{self, ProbeSpec};
@@ -22,6 +18,9 @@ use lapin::options::{BasicGetOptions, BasicPublishOptions, BasicRejectOptions};
 use lapin::BasicProperties;
 use serde_json::Value;
 use uuid::Uuid;
+
+use crate::support::space::SpaceFx;
+use crate::support::{self, free_port, TestEnv};
 
 const TOKEN: &str = "dashboard-test-token-0123456789";
 const RESEARCHER: &str = "subject-dash";
@@ -68,7 +67,7 @@ async fn post(addr: SocketAddr, path: &str, form: &str, bearer: Option<&str>) ->
     )
 }
 
-common::space::space_fixture!(
+support::space::space_fixture!(
     /// A test database and queues, a file object store shared with the worker, one space.
     Fx
 );
@@ -152,7 +151,7 @@ impl Fx {
     }
 
     /// A `kfs-worker run` process for compile and probe with the dashboard on `addr`.
-    fn worker(&self, name: &str, addr: SocketAddr, token: Option<&str>) -> common::Worker {
+    fn worker(&self, name: &str, addr: SocketAddr, token: Option<&str>) -> support::Worker {
         let addr = addr.to_string();
         let mut extra = vec![
             ("KFS_HTTP_ADDR", addr.as_str()),
@@ -197,7 +196,7 @@ impl Fx {
 
     /// A `kfs-worker run --maintenance` process for research with the dashboard on `addr`: no
     /// relay and no consumer, so a job stays where the dashboard's actions put it.
-    fn dashboard_only(&self, name: &str, addr: SocketAddr, token: &str) -> common::Worker {
+    fn dashboard_only(&self, name: &str, addr: SocketAddr, token: &str) -> support::Worker {
         let addr = addr.to_string();
         let extra = [
             ("KFS_HTTP_ADDR", addr.as_str()),
@@ -209,7 +208,7 @@ impl Fx {
             .spawn_worker(name, &["run", "--maintenance"], &extra)
     }
 
-    async fn wait_ready(&self, addr: SocketAddr, worker: &common::Worker) {
+    async fn wait_ready(&self, addr: SocketAddr, worker: &support::Worker) {
         let ok = self
             .env
             .wait_until(Duration::from_secs(30), || async {
@@ -451,7 +450,7 @@ async fn the_json_endpoints_show_live_numbers_and_every_action_needs_the_token()
         .await;
     assert!(died_twice, "{}", get_json(addr, "/api/overview").await.1);
 
-    common::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut worker], Duration::from_secs(30)).await;
     assert!(
         !worker.log_text().contains(TOKEN),
         "the token is never logged"
@@ -581,7 +580,7 @@ async fn the_command_line_lists_and_requeues_dead_letters_once() {
     // Two requeues of one message at the same time: exactly one moves it.
     dead_letter(&env, "dead-2").await;
     let amqp =
-        lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
+        lapin::Connection::connect(&support::amqp_url(), lapin::ConnectionProperties::default())
             .await
             .unwrap();
     let (a, b) = tokio::join!(

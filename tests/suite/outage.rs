@@ -1,25 +1,20 @@
 //! Outages in the middle of a run: RabbitMQ restarted, Postgres restarted. Workers keep running,
-//! back off, reconnect, and finish every job with each effect applied once. Some tests restart
-//! the machine's own services, so every test here runs alone, and those bring the services back
-//! even when they fail; where a service cannot be restarted from here they skip with a reason.
-//! A worker started while Postgres cannot be reached waits for it behind a TCP proxy that
-//! refuses connections (and stops cleanly on SIGTERM meanwhile), and one whose credentials are
-//! refused exits at once.
-
-mod common;
-#[allow(dead_code)]
-#[path = "chaos/proxy.rs"]
-mod proxy;
+//! back off, reconnect, and finish every job with each effect applied once. Two tests restart
+//! the machine's own services: each holds them alone (`TestEnv::alone`, see
+//! `support::isolation`), so no other test of the suite runs beside it, and brings them back
+//! even when it fails; where a service cannot be restarted from here they skip with a reason.
+//! Do not run them on a machine whose services others are using. A worker started while
+//! Postgres cannot be reached waits for it behind a TCP proxy that refuses connections (and
+//! stops cleanly on SIGTERM meanwhile), and one whose credentials are refused exits at once;
+//! those share the services like any other test.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::TestEnv;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 
-/// Every test here takes it: those that restart a service, and those that only need both
-/// services up while they set up, which a restart beside them would refuse.
-static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+use crate::support::proxy;
+use crate::support::{self, TestEnv};
 
 fn run(cmd: &str, args: &[&str]) -> bool {
     Command::new(cmd)
@@ -107,8 +102,9 @@ fn worker_args(id: &str) -> Vec<String> {
 
 /// Runs two workers over `JOBS` probe jobs, calls `outage` once a fifth is done, and checks
 /// that the workers kept running, finished every job with each effect once, and stop cleanly.
+/// The environment holds the services alone: `outage` stops one of them.
 async fn survive(name: &str, outage: impl FnOnce()) {
-    let env = TestEnv::new().await;
+    let env = TestEnv::alone().await;
     probe::enqueue_many(
         &env.pool,
         JOBS,
@@ -142,15 +138,15 @@ async fn survive(name: &str, outage: impl FnOnce()) {
     assert!(
         finished,
         "jobs: {:?}\nworker a:\n{}",
-        common::probe_states(&env.pool).await,
+        support::probe_states(&env.pool).await,
         wa.log_text()
     );
-    common::assert_probe_invariants(&env.pool).await;
+    support::assert_probe_invariants(&env.pool).await;
     assert!(
         wa.wait_exit(Duration::ZERO).is_none() && wb.wait_exit(Duration::ZERO).is_none(),
         "workers kept running"
     );
-    common::stop_cleanly([&mut wa, &mut wb], Duration::from_secs(60)).await;
+    support::stop_cleanly([&mut wa, &mut wb], Duration::from_secs(60)).await;
     let log = wa.log_text() + &wb.log_text();
     assert!(
         log.contains("reconnecting") || log.contains("retrying") || log.contains("resynchronising"),
@@ -161,9 +157,8 @@ async fn survive(name: &str, outage: impl FnOnce()) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rabbitmq_restart_mid_run_loses_nothing() {
-    let _one = ONE_AT_A_TIME.lock().await;
     if !can_restart_rabbitmq() {
-        common::skip_or_fail(
+        support::skip_or_fail(
             "rabbitmqctl cannot control the local broker here, so the broker cannot be restarted",
         );
         return;
@@ -181,9 +176,8 @@ async fn a_rabbitmq_restart_mid_run_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_restart_mid_run_loses_nothing() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let Some(cluster) = postgres_cluster().filter(|_| can_restart_postgres()) else {
-        common::skip_or_fail(
+        support::skip_or_fail(
             "no pg_ctlcluster-managed Postgres here, so Postgres cannot be restarted",
         );
         return;
@@ -224,7 +218,7 @@ async fn behind_a_refusing_proxy(
     env: &TestEnv,
     name: &str,
     worker_id: &str,
-) -> (proxy::Proxy, common::Worker) {
+) -> (proxy::Proxy, support::Worker) {
     let u = url::Url::parse(&env.url).unwrap();
     let upstream: std::net::SocketAddr = format!(
         "{}:{}",
@@ -257,7 +251,6 @@ fn waiting_lines(log: &str) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_the_jobs() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let jobs = 20;
     probe::enqueue_many(&env.pool, jobs, &ProbeSpec::default())
@@ -278,7 +271,7 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
         w.log_text()
     );
     assert_eq!(
-        common::probe_states(&env.pool).await,
+        support::probe_states(&env.pool).await,
         vec![("dispatch_pending".to_owned(), jobs)]
     );
     assert!(
@@ -292,17 +285,16 @@ async fn a_worker_started_while_postgres_is_unreachable_waits_for_it_then_runs_t
     assert!(
         finished,
         "jobs: {:?}\nworker log:\n{}",
-        common::probe_states(&env.pool).await,
+        support::probe_states(&env.pool).await,
         w.log_text()
     );
-    common::assert_probe_invariants(&env.pool).await;
-    common::stop_cleanly([&mut w], Duration::from_secs(60)).await;
+    support::assert_probe_invariants(&env.pool).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(60)).await;
     env.cleanup().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let (_pg, mut w) = behind_a_refusing_proxy(&env, "stops", "stops-waiting").await;
     let waiting = env
@@ -311,7 +303,7 @@ async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
         })
         .await;
     assert!(waiting, "worker log:\n{}", w.log_text());
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     assert!(
         !w.log_text().contains("kfs-worker running"),
         "it started without Postgres"
@@ -321,7 +313,6 @@ async fn a_worker_waiting_for_postgres_stops_cleanly_on_sigterm() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_whose_postgres_role_is_refused_exits_at_once_instead_of_waiting() {
-    let _one = ONE_AT_A_TIME.lock().await;
     let env = TestEnv::new().await;
     let mut url = url::Url::parse(&env.url).unwrap();
     url.set_username("no_such_role").unwrap();

@@ -1,10 +1,8 @@
 //! `kfs-worker demo`, run non-interactively as a newcomer would, twice in a row.
 
-mod common;
-
 use std::process::Command;
 
-use common::TestEnv;
+use crate::support::{self, TestEnv};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again() {
@@ -15,7 +13,7 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
         let out = Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
             .args(["demo", "--no-wait", "--log-dir", logs.to_str().unwrap()])
             .env("DATABASE_URL", &env.url)
-            .env("AMQP_URL", common::amqp_url())
+            .env("AMQP_URL", support::amqp_url())
             .env("KFS_QUEUE_PREFIX", &env.prefix)
             .env("KFS_OBJECT_STORE", format!("file://{}", store.display()))
             // demo-a starts consuming 3 s after demo-b, as a slow first start on a fresh

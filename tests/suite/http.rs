@@ -1,11 +1,8 @@
 //! The HTTP surface of a running worker: health, readiness and metrics that move when their
 //! events happen.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{free_port, http_get as get, TestEnv};
 use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
@@ -14,6 +11,8 @@ use kfs_worker::relay::RelayConfig;
 use kfs_worker::runtime::{self, RunOptions};
 use kfs_worker::wire::OutboundMessage;
 use tokio_util::sync::CancellationToken;
+
+use crate::support::{self, free_port, http_get as get, TestEnv};
 
 /// The value of the first sample line of `metric` whose labels contain all of `labels`.
 fn sample(body: &str, metric: &str, labels: &[&str]) -> Option<f64> {
@@ -190,7 +189,7 @@ async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric()
     let env = TestEnv::new().await;
     // A job its holder never finished: leased for ten minutes by a worker that is gone, whose
     // last heartbeat was three seconds ago.
-    let (gone_job, _) = common::enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let (gone_job, _) = support::enqueue_one(&env.pool, &ProbeSpec::default()).await;
     sqlx::query(
         "UPDATE kfs_probe_jobs SET run_state = 'running', worker_id = 'gone', lease_token = gen_random_uuid(), \
            lease_expires_at = now() + interval '10 minutes', heartbeat_at = now() - interval '3 seconds', \
@@ -250,7 +249,7 @@ async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric()
     );
 
     // A retry: the first attempt fails with a retryable error.
-    let (retried, _) = common::enqueue_one(
+    let (retried, _) = support::enqueue_one(
         &env.pool,
         &ProbeSpec {
             fail_mode: "retry_once",
@@ -259,7 +258,7 @@ async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric()
     )
     .await;
     // A long job, to receive a duplicate of its delivery while it runs, and a stale one.
-    let (slow, slow_outbox) = common::enqueue_one(
+    let (slow, slow_outbox) = support::enqueue_one(
         &env.pool,
         &ProbeSpec {
             steps: 1,

@@ -2,16 +2,16 @@
 //! services, reports a well-formed result and finishes all of its work, and removes what it
 //! created. No assertion here is about speed.
 
-mod common;
-
 use std::process::{Command, Output};
+
+use crate::support;
 
 fn bench(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .arg("bench")
         .args(args)
-        .env("DATABASE_URL", common::admin_url())
-        .env("AMQP_URL", common::amqp_url())
+        .env("DATABASE_URL", support::admin_url())
+        .env("AMQP_URL", support::amqp_url())
         .env_remove("RUST_LOG")
         .output()
         .expect("run kfs-worker bench")
@@ -45,7 +45,7 @@ fn assert_latency(v: &serde_json::Value, key: &str) {
 }
 
 async fn bench_databases() -> i64 {
-    let pool = sqlx::PgPool::connect(&common::admin_url()).await.unwrap();
+    let pool = sqlx::PgPool::connect(&support::admin_url()).await.unwrap();
     let n = sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname LIKE 'kfs_bench_%'")
         .fetch_one(&pool)
         .await
@@ -56,6 +56,7 @@ async fn bench_databases() -> i64 {
 
 #[tokio::test]
 async fn every_scenario_reports_all_its_work_done() {
+    let _services = support::isolation::shared().await;
     let before = bench_databases().await;
     let o = bench(&[
         "--jobs",
@@ -172,6 +173,7 @@ async fn every_scenario_reports_all_its_work_done() {
 
 #[test]
 fn an_unknown_scenario_is_one_clear_error() {
+    let _services = support::isolation::shared_blocking();
     let o = bench(&["--scenarios", "limit,fastest"]);
     let err = String::from_utf8_lossy(&o.stderr).into_owned();
     assert_eq!(o.status.code(), Some(2), "stderr: {err}");

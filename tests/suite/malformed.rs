@@ -5,12 +5,9 @@
 //! database is unchanged apart from the real jobs that ran meanwhile; and the real jobs all
 //! finish, each effect exactly once.
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::TestEnv;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
 use kfs_worker::wire::{H_OUTBOX_ID, H_SCHEMA, MAX_BODY};
@@ -22,6 +19,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use sqlx::PgPool;
 use uuid::Uuid;
+
+use crate::support::{self, TestEnv};
 
 /// One message to publish: where, and what the worker must do with it.
 struct Bad {
@@ -336,7 +335,7 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
     assert!(
         done,
         "the first batch did not finish: {:?}",
-        common::probe_states(&env.pool).await
+        support::probe_states(&env.pool).await
     );
     let real: Vec<(Uuid, Uuid, String)> =
         sqlx::query_as("SELECT probe_job_id, id, queue_job_id FROM kfs_probe_outbox ORDER BY id")
@@ -358,7 +357,7 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
     for (i, m) in messages.iter().enumerate() {
         // Real jobs keep arriving while the bad messages do.
         if i % 33 == 0 && enqueued < SECOND {
-            common::enqueue_one(&env.pool, &spec).await;
+            support::enqueue_one(&env.pool, &spec).await;
             enqueued += 1;
         }
         let c = ch
@@ -374,7 +373,7 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
         confirms.push(c);
     }
     while enqueued < SECOND {
-        common::enqueue_one(&env.pool, &spec).await;
+        support::enqueue_one(&env.pool, &spec).await;
         enqueued += 1;
     }
     for c in confirms {
@@ -415,7 +414,7 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
     assert!(
         finished,
         "real jobs did not finish during the storm: {:?}",
-        common::probe_states(&env.pool).await
+        support::probe_states(&env.pool).await
     );
     assert_eq!(
         depths,
@@ -508,7 +507,7 @@ async fn ten_thousand_bad_messages_change_nothing_and_real_jobs_keep_flowing() {
         (100 + SECOND) as i64,
         "probe jobs other than the real ones appeared"
     );
-    common::assert_probe_invariants(&env.pool).await;
+    support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
 }
 

@@ -1,9 +1,10 @@
 //! The command line against real services: bad configuration and unreachable or refusing
-//! services each give one clear line and exit code 2, and no secret is ever printed.
-
-mod common;
+//! services each give one clear line and exit code 2, and no secret is ever printed. A test
+//! that hands the worker the shared services' addresses holds them (`support::isolation`).
 
 use std::process::{Command, Output};
+
+use crate::support;
 
 fn kfs(args: &[&str], env: &[(&str, &str)]) -> Output {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kfs-worker"));
@@ -41,10 +42,11 @@ fn assert_usage_error(o: &Output, lines: usize, needle: &str) {
 
 #[test]
 fn check_passes_against_the_running_services() {
-    let db = common::admin_url();
+    let _services = support::isolation::shared_blocking();
+    let db = support::admin_url();
     let o = kfs(
         &["check"],
-        &[("DATABASE_URL", &db), ("AMQP_URL", &common::amqp_url())],
+        &[("DATABASE_URL", &db), ("AMQP_URL", &support::amqp_url())],
     );
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "stdout: {out} stderr: {}", stderr(&o));
@@ -55,10 +57,11 @@ fn check_passes_against_the_running_services() {
 
 #[test]
 fn check_with_a_wrong_rabbitmq_password_says_so() {
+    let _services = support::isolation::shared_blocking();
     let o = kfs(
         &["check"],
         &[
-            ("DATABASE_URL", &common::admin_url()),
+            ("DATABASE_URL", &support::admin_url()),
             ("AMQP_URL", "amqp://guest:hunter2@127.0.0.1:5672/%2f"),
         ],
     );
@@ -71,6 +74,7 @@ fn check_with_a_wrong_rabbitmq_password_says_so() {
 
 #[test]
 fn check_with_a_postgres_role_that_cannot_log_in_says_so() {
+    let _services = support::isolation::shared_blocking();
     let o = kfs(
         &["check"],
         &[
@@ -78,7 +82,7 @@ fn check_with_a_postgres_role_that_cannot_log_in_says_so() {
                 "DATABASE_URL",
                 "postgres://no_such_role:hunter2@127.0.0.1:5432/postgres",
             ),
-            ("AMQP_URL", &common::amqp_url()),
+            ("AMQP_URL", &support::amqp_url()),
         ],
     );
     assert_usage_error(
@@ -114,6 +118,7 @@ fn check_with_closed_ports_says_which_service_is_unreachable() {
 
 #[test]
 fn malformed_urls_name_the_variable_and_hide_the_password() {
+    let _services = support::isolation::shared_blocking();
     let o = kfs(
         &["check"],
         &[("DATABASE_URL", "postgres//admin:hunter2@db/kfs")],
@@ -122,7 +127,7 @@ fn malformed_urls_name_the_variable_and_hide_the_password() {
     let o = kfs(
         &["check"],
         &[
-            ("DATABASE_URL", &common::admin_url()),
+            ("DATABASE_URL", &support::admin_url()),
             ("AMQP_URL", "amqp://guest:hunter2@127.0.0.1:notaport/%2f"),
         ],
     );
@@ -142,7 +147,8 @@ fn missing_database_url_is_one_clear_line() {
 
 #[test]
 fn bad_run_settings_are_refused_before_connecting() {
-    let db = common::admin_url();
+    let _services = support::isolation::shared_blocking();
+    let db = support::admin_url();
     for (var, value, needle) in [
         (
             "KFS_KINDS",

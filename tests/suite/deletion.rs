@@ -10,8 +10,6 @@
 //! takes the messages off the queue and hands them to an `Engine`, as a consumer would. Waiting
 //! time is skipped with SQL (retry_at and item next_attempt_at moved to now), never slept through.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,7 +17,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::space::{SpaceFx, OWNER};
 use futures_util::StreamExt;
 use kfs_worker::consumer::{ConsumerConfig, Engine};
 use kfs_worker::engine::slice::Budget;
@@ -38,6 +35,8 @@ use lapin::options::BasicGetOptions;
 use sqlx::{PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::support::space::{SpaceFx, OWNER};
 
 // ---------------------------------------------------------------------------------------------
 // Spaces: compiled documents plus every table compile does not write
@@ -2733,7 +2732,7 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             job_state(pool, job).await,
             rescuer.log_text()
         );
-        common::stop_cleanly([&mut rescuer], Duration::from_secs(30)).await;
+        crate::support::stop_cleanly([&mut rescuer], Duration::from_secs(30)).await;
         assert_finished_clean(pool, job).await;
         let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
         assert!(left.is_empty(), "{point}: {left:?}");

@@ -11,14 +11,11 @@
 //! Research jobs are driven in-process (a real relay round, the message taken off the queue,
 //! `Engine::process`), by hand through the engine's own lease API, or by spawned workers.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::space::SpaceFx;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::engine::lease::{self, Claim, DeliveryRef, End, Statements};
 use kfs_worker::jobs::research::generator::{
@@ -36,6 +33,9 @@ use sqlx::{PgConnection, PgPool};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::support;
+use crate::support::space::SpaceFx;
 
 const HANG: Duration = Duration::from_secs(60);
 const TENANT: &str = "t-acme";
@@ -112,7 +112,7 @@ async fn seed(slug: &str) -> Seeded {
     }
     let other_space = {
         let mut conn = fx.pool().acquire().await.unwrap();
-        platform::create_space(&mut conn, OTHER_TENANT, slug, "Docs", common::space::OWNER)
+        platform::create_space(&mut conn, OTHER_TENANT, slug, "Docs", support::space::OWNER)
             .await
             .unwrap()
     };
@@ -2388,7 +2388,7 @@ async fn a_worker_killed_at_each_kill_point_leaves_a_walk_another_finishes() {
             job(&pool, id).await,
             rescuer.log_text()
         );
-        common::stop_cleanly([&mut rescuer], Duration::from_secs(20)).await;
+        support::stop_cleanly([&mut rescuer], Duration::from_secs(20)).await;
 
         let evs = events(&pool, id).await;
         assert_contiguous(id, &evs);

@@ -1,10 +1,7 @@
 //! End to end through real Postgres and RabbitMQ: the whole protocol in one process.
 
-mod common;
-
 use std::time::Duration;
 
-use common::TestEnv;
 use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
@@ -15,6 +12,8 @@ use lapin::options::BasicPublishOptions;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::BasicProperties;
 use tokio_util::sync::CancellationToken;
+
+use crate::support::{self, TestEnv};
 
 fn options(env: &TestEnv, worker: &str) -> RunOptions {
     RunOptions {
@@ -84,8 +83,8 @@ async fn jobs_flow_from_outbox_to_success_and_poison_goes_to_the_dead_letter_que
     }
 
     let done = env.wait_probe_succeeded(200, Duration::from_secs(60)).await;
-    assert!(done, "jobs: {:?}", common::probe_states(&env.pool).await);
-    common::assert_probe_invariants(&env.pool).await;
+    assert!(done, "jobs: {:?}", support::probe_states(&env.pool).await);
+    support::assert_probe_invariants(&env.pool).await;
 
     let dlq = env.topology.dead_letter_queue();
     let dead_lettered = env
@@ -326,7 +325,7 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     );
     assert!(log.contains(&format!("Postgres accepts {usable}")), "{log}");
     assert!(log.contains("Lower KFS_PREFETCH"), "{log}");
-    common::stop_cleanly(&mut workers, Duration::from_secs(30)).await;
+    support::stop_cleanly(&mut workers, Duration::from_secs(30)).await;
     env.cleanup().await;
 }
 
@@ -347,7 +346,7 @@ async fn a_worker_stopped_by_sigterm_logs_no_error() {
     );
     let done = env.wait_probe_succeeded(50, Duration::from_secs(60)).await;
     assert!(done, "{}", w.tail(20));
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
     assert!(log.contains("shutdown requested"), "{}", w.tail(20));
     let errors: Vec<&str> = log.lines().filter(|l| l.contains(" ERROR ")).collect();
@@ -385,11 +384,11 @@ async fn a_relay_whose_listener_never_comes_up_publishes_by_polling() {
     assert!(
         done,
         "jobs stayed unpublished while the listener was stalled: {:?}\n{}",
-        common::probe_states(&env.pool).await,
+        support::probe_states(&env.pool).await,
         w.tail(20)
     );
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
-    common::assert_probe_invariants(&env.pool).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
 }
 
@@ -402,9 +401,12 @@ async fn a_relay_whose_listener_never_comes_up_publishes_by_polling() {
 /// keep theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_and_stays_ready() {
-    let role = DropRole(format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()));
+    let role = DropRole {
+        name: format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()),
+        _services: support::isolation::shared().await,
+    };
     let env = TestEnv::new().await;
-    let role = &role.0;
+    let role = &role.name;
     let limit: i64 = 8;
     for sql in [
         format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER CONNECTION LIMIT {limit}"),
@@ -428,7 +430,7 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
     .await
     .unwrap();
     // Prefetch 16: the pool may open 24 sessions, three times what the role is allowed.
-    let addr = common::free_port();
+    let addr = support::free_port();
     let mut w = env.spawn_worker(
         "capped",
         &["run", "--kinds", "probe", "--worker-id", "capped"],
@@ -443,7 +445,7 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
     let unready = std::sync::Mutex::new(Vec::new());
     let finished = env
         .wait_until(Duration::from_secs(120), || async {
-            let (code, body) = common::http_get(addr, "/readyz").await;
+            let (code, body) = support::http_get(addr, "/readyz").await;
             if code == 200 {
                 was_ready.store(true, std::sync::atomic::Ordering::Relaxed);
             } else if was_ready.load(std::sync::atomic::Ordering::Relaxed) {
@@ -456,11 +458,11 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
                     .await
                     .unwrap();
             peak.fetch_max(sessions, std::sync::atomic::Ordering::Relaxed);
-            common::probe_succeeded(&env.pool).await == jobs
+            support::probe_succeeded(&env.pool).await == jobs
         })
         .await;
     assert!(finished, "{}", w.tail(30));
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
     // The pool did reach the limit, so Postgres refused the sessions it tried to add.
     assert_eq!(
@@ -491,20 +493,24 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
         unready.len(),
         unready[0]
     );
-    common::assert_probe_invariants(&env.pool).await;
+    support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
 }
 
 /// Drops a role created by a test when the test ends, passed or failed; after the test's
-/// database is gone, since the role holds privileges there.
-struct DropRole(String);
+/// database is gone, since the role holds privileges there. It holds the shared services
+/// until then, as the test's `TestEnv` no longer does.
+struct DropRole {
+    name: String,
+    _services: support::isolation::Services,
+}
 
 impl Drop for DropRole {
     fn drop(&mut self) {
-        let sql = format!("DROP ROLE IF EXISTS \"{}\"", self.0);
-        common::block_on_aside(async move {
+        let sql = format!("DROP ROLE IF EXISTS \"{}\"", self.name);
+        support::block_on_aside(async move {
             use sqlx::Connection;
-            if let Ok(mut admin) = sqlx::PgConnection::connect(&common::admin_url()).await {
+            if let Ok(mut admin) = sqlx::PgConnection::connect(&support::admin_url()).await {
                 let _ = sqlx::query(&sql).execute(&mut admin).await;
                 let _ = admin.close().await;
             }
@@ -528,7 +534,7 @@ async fn a_worker_logging_to_a_file_writes_no_colour_codes() {
         })
         .await;
     assert!(started, "{}", w.tail(20));
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
     assert!(log.contains(" INFO "), "{log}");
     assert!(
@@ -601,7 +607,7 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     // One job on its only attempt, and one with an attempt left that a takeover could use.
     let mut jobs = Vec::new();
     for max_attempts in [1, 2] {
-        let (job, outbox) = common::enqueue_one(
+        let (job, outbox) = support::enqueue_one(
             &env.pool,
             &ProbeSpec {
                 steps: 3,
@@ -799,6 +805,10 @@ mod note {
     }
 }
 
+/// The registry is the process's, and the suite is one process: once this test ran, every
+/// test after it sees the note kind too. Nothing there depends on it: a `TestEnv` declares and
+/// deletes the note kind's queues with the others', workers serve only the kinds they are given
+/// (the note kind is not a default one), and the decoding properties hold for every kind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_kind_registered_from_outside_runs_through_relay_and_consumer_like_a_built_in_one() {
     kfs_worker::jobs::register(&note::ENTRY).expect("the note kind registers");

@@ -1,7 +1,8 @@
-//! A TCP fault proxy between the workers and one service. Invariant: bytes pass through
-//! unchanged and in order; a fault only delays them (latency), holds them while keeping both
-//! sockets open (half-open), refuses new connections, or closes connections; it never
-//! invents, reorders or alters data.
+//! A TCP fault proxy between the workers and one service: the chaos run's network faults, and
+//! the Postgres that refuses connections in `outage`. Invariant: bytes pass through unchanged
+//! and in order; a fault only delays them (latency), holds them while keeping both sockets open
+//! (half-open), refuses new connections, or closes connections; it never invents, reorders or
+//! alters data.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -77,25 +78,29 @@ impl Proxy {
         }
     }
 
-    /// Delays every chunk by `ms` (0: none).
-    pub fn set_latency(&self, ms: u64) {
-        self.faults.latency_ms.store(ms, Ordering::Relaxed);
-    }
-
     /// Accepts and immediately closes new connections while set.
     pub fn set_refuse(&self, on: bool) {
         self.faults.refuse.store(on, Ordering::Relaxed);
-    }
-
-    /// Half-open: stops forwarding in both directions without closing anything.
-    pub fn set_hold(&self, on: bool) {
-        self.faults.hold.store(on, Ordering::Relaxed);
     }
 
     /// Closes every open connection now.
     pub fn cut_all(&self) {
         self.faults.cut.fetch_add(1, Ordering::Relaxed);
         self.generation.send_modify(|g| *g += 1);
+    }
+}
+
+/// The faults and counts only the chaos run uses (it is built with `crash-points`).
+#[cfg(feature = "crash-points")]
+impl Proxy {
+    /// Delays every chunk by `ms` (0: none).
+    pub fn set_latency(&self, ms: u64) {
+        self.faults.latency_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Half-open: stops forwarding in both directions without closing anything.
+    pub fn set_hold(&self, on: bool) {
+        self.faults.hold.store(on, Ordering::Relaxed);
     }
 
     /// Connections open through the proxy now.

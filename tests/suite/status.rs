@@ -1,19 +1,18 @@
 //! `kfs-worker status` and the JSON log format, against the real services.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
-use common::TestEnv;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
+
+use crate::support::{self, TestEnv};
 
 fn status(env: &TestEnv, args: &[&str]) -> std::process::Output {
     Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .arg("status")
         .args(args)
         .env("DATABASE_URL", &env.url)
-        .env("AMQP_URL", common::amqp_url())
+        .env("AMQP_URL", support::amqp_url())
         .env("KFS_QUEUE_PREFIX", &env.prefix)
         .output()
         .expect("run status")
@@ -79,7 +78,7 @@ async fn a_worker_logs_one_json_object_per_line_when_asked() {
         .unwrap();
     let done = env.wait_probe_succeeded(2, Duration::from_secs(30)).await;
     assert!(done);
-    common::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
     let log = w.log_text();
     let lines: Vec<&str> = log.lines().collect();
     assert!(lines.len() >= 3, "{log}");

@@ -3,19 +3,16 @@
 //! publish, persistent mandatory publishes with confirms, mark fenced by lock token and status,
 //! release with backoff, and `dead` after the last allowed dispatch attempt.
 //!
-//! Every test has its own database and queue prefix (`common::TestEnv`). Nothing sleeps to make
+//! Every test has its own database and queue prefix (`support::TestEnv`). Nothing sleeps to make
 //! time pass: rows are made due by moving `available_at` / `locked_until` with SQL, and a relay
 //! is held between its publish and its mark by a test-only trigger that waits on an advisory
 //! lock the test holds.
-
-mod common;
 
 use std::collections::HashSet;
 use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{enqueue_one, job_text, outbox_text, TestEnv};
 use kfs_worker::broker::Topology;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::jobs::probe::{self, ProbeHandler, ProbeSpec};
@@ -30,6 +27,8 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
+
+use crate::support::{self, enqueue_one, job_text, outbox_text, TestEnv};
 
 /// A bound on calls that must not block; a hang fails the test instead of stalling the suite.
 /// Never a timing assertion: every call here finishes in milliseconds when it works.
@@ -1157,7 +1156,7 @@ async fn a_traceparent_larger_than_a_frame_does_not_take_the_rest_of_the_batch_d
     }
     // Its own connection: the broker may close it.
     let conn =
-        lapin::Connection::connect(&common::amqp_url(), lapin::ConnectionProperties::default())
+        lapin::Connection::connect(&support::amqp_url(), lapin::ConnectionProperties::default())
             .await
             .unwrap();
     let ch = conn.create_channel().await.unwrap();

@@ -1,8 +1,10 @@
-//! Test harness: a fresh database and unique broker names per test, real services only.
-//! Invariant: every test gets its own database (migrated, probe kind installed) and its own
-//! queue prefix, and both are removed when the `TestEnv` is dropped.
-#![allow(dead_code)]
+//! Test harness, declared once for the whole suite: a fresh database and unique broker names
+//! per test, real services only. Invariant: every test gets its own database (migrated, probe
+//! kind installed) and its own queue prefix, and both are removed when the `TestEnv` is
+//! dropped; a `TestEnv` holds the shared services (`isolation`) until then.
 
+pub mod isolation;
+pub mod proxy;
 pub mod space;
 
 use std::path::PathBuf;
@@ -38,12 +40,24 @@ pub struct TestEnv {
     pub topology: Topology,
     pub amqp: lapin::Connection,
     cleaned: bool,
+    /// Released last, after the clean-up (the fields drop after `Drop::drop` ran).
+    _services: isolation::Services,
 }
 
 impl TestEnv {
     /// A fresh migrated database with the probe kind installed, and a declared topology
-    /// under a unique prefix.
+    /// under a unique prefix; the services shared with the tests running beside this one.
     pub async fn new() -> TestEnv {
+        TestEnv::holding(isolation::shared().await).await
+    }
+
+    /// [`TestEnv::new`] for a test that stops a shared service: no other test holds the
+    /// services until this environment is dropped.
+    pub async fn alone() -> TestEnv {
+        TestEnv::holding(isolation::alone().await).await
+    }
+
+    async fn holding(services: isolation::Services) -> TestEnv {
         let tag = uuid::Uuid::new_v4().simple().to_string()[..12].to_owned();
         let db_name = format!("kfs_t_{tag}");
         let mut admin = PgConnection::connect(&admin_url())
@@ -82,6 +96,7 @@ impl TestEnv {
             topology,
             amqp,
             cleaned: false,
+            _services: services,
         }
     }
 
