@@ -27,7 +27,7 @@ use sqlx::{Connection, PgConnection, PgPool, Postgres};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::support::{self, enqueue_one, job_text, TestEnv};
+use crate::support::{self, dispatch, enqueue_one, job_text, TestEnv};
 
 /// A bound on calls that must not block; a hang fails the test instead of stalling the suite.
 /// Never a timing assertion: each call here ends in well under a second when it works.
@@ -62,29 +62,6 @@ async fn process(engine: &Engine, d: &DeliveryRef) -> Handled {
     tokio::time::timeout(HANG, engine.process_ref(d, &CancellationToken::new()))
         .await
         .expect("process_ref hung")
-}
-
-/// Puts an outbox row out for delivery the way the relay's mark leaves it: `dispatched` under a
-/// fresh delivery id, visible again in 5 minutes. Returns the delivery.
-async fn dispatch(pool: &PgPool, kind: Kind, outbox: Uuid) -> DeliveryRef {
-    let spec = kind.spec();
-    let (job_id, delivery_id): (Uuid, String) = sqlx::query_as(&spec.sql(
-        "UPDATE {outbox} SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
-           dispatch_attempts = dispatch_attempts + 1, available_at = {now+$2}, lock_token = NULL, locked_by = NULL, \
-           locked_until = NULL, updated_at = {now} \
-         WHERE id = $1 RETURNING {fk}, queue_job_id",
-    ))
-    .bind(outbox)
-    .bind(300_000_i64)
-    .fetch_one(pool)
-    .await
-    .unwrap();
-    DeliveryRef {
-        kind,
-        job_id,
-        outbox_id: outbox,
-        delivery_id,
-    }
 }
 
 /// One real relay round for `kind`, then the one message it published, taken off the queue.

@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
-use kfs_worker::engine::lease::{self, Claim, DeliveryRef, End, Statements};
+use kfs_worker::engine::lease::{self, Claim, End, Statements};
 use kfs_worker::jobs::research::generator::{
     ExtractiveGenerator, Generator, OpenAiConfig, OpenAiGenerator, NO_EVIDENCE_ANSWER,
 };
@@ -386,22 +386,14 @@ async fn run_until_settled(fx: &SpaceFx, engine: &Engine, id: Uuid) -> JobState 
 /// Puts the job's live outbox row out for delivery as the relay's mark would, and claims it
 /// with the engine's own claim. The context a worker holds.
 async fn claim_by_hand(pool: &PgPool, id: Uuid, worker: &str) -> JobCtx {
-    let (outbox_id, delivery_id): (Uuid, String) = sqlx::query_as(
-        "UPDATE research_task_outbox SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
-           dispatch_attempts = dispatch_attempts + 1, \
-           available_at = (extract(epoch from now()) * 1000)::bigint + 300000, updated_at = (extract(epoch from now()) * 1000)::bigint \
-         WHERE research_task_job_id = $1 AND status = 'pending' RETURNING id, queue_job_id",
+    let outbox: Uuid = sqlx::query_scalar(
+        "SELECT id FROM research_task_outbox WHERE research_task_job_id = $1 AND status = 'pending'",
     )
     .bind(id)
     .fetch_one(pool)
     .await
     .unwrap();
-    let d = DeliveryRef {
-        kind: Kind::Research,
-        job_id: id,
-        outbox_id,
-        delivery_id,
-    };
+    let d = support::dispatch(pool, Kind::Research, outbox).await;
     let mut conn = pool.acquire().await.unwrap();
     let claimed = lease::claim(
         &mut conn,

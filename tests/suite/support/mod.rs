@@ -442,6 +442,33 @@ pub async fn enqueue_one(
     (job, outbox)
 }
 
+/// Puts an outbox row out for delivery the way the relay's mark leaves it: `dispatched` under a
+/// fresh delivery id, visible again in 5 minutes. Returns the delivery.
+pub async fn dispatch(
+    pool: &PgPool,
+    kind: Kind,
+    outbox: uuid::Uuid,
+) -> kfs_worker::engine::lease::DeliveryRef {
+    let spec = kind.spec();
+    let (job_id, delivery_id): (uuid::Uuid, String) = sqlx::query_as(&spec.sql(
+        "UPDATE {outbox} SET status = 'dispatched', queue_job_id = gen_random_uuid()::text, \
+           dispatch_attempts = dispatch_attempts + 1, available_at = {now+$2}, lock_token = NULL, locked_by = NULL, \
+           locked_until = NULL, updated_at = {now} \
+         WHERE id = $1 RETURNING {fk}, queue_job_id",
+    ))
+    .bind(outbox)
+    .bind(300_000_i64)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    kfs_worker::engine::lease::DeliveryRef {
+        kind,
+        job_id,
+        outbox_id: outbox,
+        delivery_id,
+    }
+}
+
 /// The whole probe job row as text: "changes nothing" compares these.
 pub async fn job_text(pool: &PgPool, job: uuid::Uuid) -> String {
     sqlx::query_scalar("SELECT j::text FROM kfs_probe_jobs j WHERE id = $1")
