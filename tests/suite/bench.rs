@@ -7,12 +7,17 @@ use std::process::{Command, Output};
 use crate::support;
 
 fn bench(args: &[&str]) -> Output {
+    bench_with(args, &[])
+}
+
+fn bench_with(args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
         .arg("bench")
         .args(args)
         .env("DATABASE_URL", support::admin_url())
         .env("AMQP_URL", support::amqp_url())
         .env_remove("RUST_LOG")
+        .envs(env.iter().copied())
         .output()
         .expect("run kfs-worker bench")
 }
@@ -156,6 +161,31 @@ async fn every_scenario_reports_all_its_work_done() {
         assert_run_complete(r, "kinds");
     }
 
+    // The peer is Celery doing the bare loop's work, from a virtualenv the bench makes. A
+    // machine without Python skips it with the reason; CI has Python, so there it must run.
+    let peer = scenario("peer");
+    if std::env::var("CI").as_deref() == Ok("true") || peer.get("skipped").is_none() {
+        assert!(peer.get("skipped").is_none(), "the peer ran: {peer}");
+        assert_run_complete(peer, "peer");
+        assert_eq!(num(peer, "n"), 200.0, "{peer}");
+        assert_eq!(peer["ratio_to"], "limit", "{peer}");
+        assert!(
+            peer["settings"]["peer"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("celery 5")),
+            "{peer}"
+        );
+        assert_eq!(peer["settings"]["prefetch_multiplier"], 1, "{peer}");
+        assert_eq!(peer["settings"]["acks_late"], true, "{peer}");
+    } else {
+        assert!(
+            peer["skipped"]
+                .as_str()
+                .is_some_and(|w| w.contains("skipped")),
+            "{peer}"
+        );
+    }
+
     let scale = scenario("scaleout");
     let runs = scale["runs"].as_array().expect("runs");
     assert_eq!(runs.len(), 2, "1 and 2 workers: {scale}");
@@ -169,6 +199,34 @@ async fn every_scenario_reports_all_its_work_done() {
         before,
         "the bench left databases behind"
     );
+}
+
+#[test]
+fn without_python_the_peer_row_says_so_and_the_bench_still_succeeds() {
+    let _services = support::isolation::shared_blocking();
+    let venv = std::env::temp_dir().join(format!("kfs-no-venv-{}", uuid::Uuid::new_v4()));
+    let o = bench_with(
+        &["--jobs", "10", "--scenarios", "peer", "--json"],
+        &[
+            ("KFS_BENCH_PYTHON", "/nonexistent/python3"),
+            ("KFS_BENCH_PEER_VENV", venv.to_str().unwrap()),
+        ],
+    );
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    let peer: serde_json::Value = out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["scenario"] == "peer")
+        .unwrap_or_else(|| panic!("no peer row in: {out}"));
+    let why = peer["skipped"].as_str().unwrap_or_default();
+    assert!(
+        why.contains("skipped") && why.contains("/nonexistent/python3"),
+        "{peer}"
+    );
+    assert_eq!(num(&peer, "done"), 0.0, "{peer}");
+    assert!(!venv.exists(), "no virtualenv was made");
 }
 
 #[test]

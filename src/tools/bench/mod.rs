@@ -11,7 +11,7 @@ pub mod stats;
 
 use std::io::IsTerminal;
 
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 use crate::config::ConfigError;
 use report::Report;
 use scenarios::Params;
@@ -30,10 +30,11 @@ pub struct BenchArgs {
     /// One JSON object per line (the machine, then each scenario) instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Scenarios to run: limit, relay, engine, statements, latency, kinds, scaleout
+    /// Scenarios to run: limit, relay, engine, statements, peer (a Celery 5 worker doing the
+    /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, scaleout
     #[arg(
         long,
-        default_value = "limit,relay,engine,statements,latency,kinds,scaleout"
+        default_value = "limit,relay,engine,statements,peer,latency,kinds,scaleout"
     )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
@@ -53,17 +54,19 @@ pub enum Scenario {
     Relay,
     Engine,
     Statements,
+    Peer,
     Latency,
     Kinds,
     Scaleout,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 7] = [
+    pub const ALL: [Scenario; 8] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Engine,
         Scenario::Statements,
+        Scenario::Peer,
         Scenario::Latency,
         Scenario::Kinds,
         Scenario::Scaleout,
@@ -75,6 +78,7 @@ impl Scenario {
             Scenario::Relay => "relay",
             Scenario::Engine => "engine",
             Scenario::Statements => "statements",
+            Scenario::Peer => "peer",
             Scenario::Latency => "latency",
             Scenario::Kinds => "kinds",
             Scenario::Scaleout => "scaleout",
@@ -90,7 +94,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, latency, kinds or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, peer, latency, kinds or scaleout")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -211,7 +215,7 @@ pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
         if s == Scenario::Limit {
             limit_rate = Some(report.rate);
         }
-        if report.done < report.n {
+        if report.skipped.is_none() && report.done < report.n {
             undone.push(format!("{}: {} of {}", s.name(), report.done, report.n));
         }
         if args.json {
@@ -252,6 +256,7 @@ async fn one(
         Scenario::Relay => scenarios::relay(&env, p).await,
         Scenario::Engine => scenarios::engine(&env, p, limit).await,
         Scenario::Statements => scenarios::statements(&env, p, limit).await,
+        Scenario::Peer => scenarios::peer(&env, p, limit).await,
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
         Scenario::Scaleout => unreachable!("handled above"),
@@ -271,7 +276,8 @@ mod tests {
             vec![Scenario::Limit, Scenario::Engine]
         );
         assert_eq!(
-            Scenario::parse_list("limit,relay,engine,statements,latency,kinds,scaleout").unwrap(),
+            Scenario::parse_list("limit,relay,engine,statements,peer,latency,kinds,scaleout")
+                .unwrap(),
             Scenario::ALL.to_vec()
         );
         assert!(Scenario::parse_list("fast")

@@ -73,6 +73,9 @@ pub struct Report {
     pub to_done_ms: Option<Summary>,
     /// Settings that shaped the number (in flight, pool size, batch, …).
     pub settings: serde_json::Value,
+    /// Why the scenario did not run, when it could not here (the peer without Python).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub skipped: Option<String>,
 }
 
 impl Report {
@@ -110,6 +113,18 @@ impl Report {
             unit: run.unit,
             cpu_ms: run.cpu_ms,
             settings,
+            ..Report::default()
+        }
+    }
+
+    /// A scenario that could not run on this machine, and why; it did none of its `n`.
+    pub fn skipped(scenario: &'static str, n: u64, why: String) -> Report {
+        Report {
+            scenario,
+            n,
+            unit: "",
+            skipped: Some(why),
+            settings: serde_json::Value::Null,
             ..Report::default()
         }
     }
@@ -155,6 +170,9 @@ impl Report {
     }
 
     fn latency_note(&self) -> String {
+        if let Some(why) = &self.skipped {
+            return why.clone();
+        }
         let mut parts = Vec::new();
         if let Some(c) = self.to_claim_ms {
             parts.push(format!(

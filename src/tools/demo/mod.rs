@@ -13,7 +13,7 @@ mod workers;
 
 use std::time::{Duration, Instant};
 
-use crate::cli::{ConnArgs, Failure};
+use crate::command::{ConnArgs, Failure};
 use crate::config;
 use crate::jobs::{compile, deletion, research, Kind};
 use crate::{db, status, store::Store};

@@ -6,6 +6,7 @@
 mod engine;
 mod kinds;
 mod limit;
+mod peer;
 mod relay;
 mod scaleout;
 
@@ -30,6 +31,7 @@ use crate::runtime::{self, RunOptions};
 pub use engine::{engine, latency, statements};
 pub use kinds::kinds;
 pub use limit::limit;
+pub use peer::peer;
 pub use relay::relay;
 pub use scaleout::scaleout;
 
