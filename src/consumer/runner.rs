@@ -41,6 +41,7 @@ impl Engine {
             budget: self.cfg.budget,
             shutdown,
             points: &POINTS,
+            keep_connection: true,
         };
         let end = runner::run_slice(&transitions, job, conn, env).await;
         if end == Some(LEASE_LOST) {

@@ -405,6 +405,7 @@ pub async fn run_slice(
         budget,
         shutdown,
         points: &POINTS,
+        keep_connection: false,
     };
     match runner::run_slice(&slice, slice.ctx(job), None, env).await {
         Some(LEASE_LOST) => Outcome::LeaseLost,

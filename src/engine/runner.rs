@@ -88,6 +88,10 @@ pub struct Env<'a> {
     pub shutdown: &'a CancellationToken,
     /// The crash points this intake's slices pass through.
     pub points: &'static CrashPoints,
+    /// Whether the slice keeps its connection from step to step (a delivery, which claimed on
+    /// it), or gives it back to the pool after each committed step (a polled lease, whose
+    /// heartbeats share that pool).
+    pub keep_connection: bool,
 }
 
 /// The names of a slice's crash points (see [`crate::crash`]); `None`: not a point here.
@@ -265,6 +269,9 @@ pub async fn run_slice(
             Ok(None) => {
                 crash::point(env.points.after_step);
                 tries = 0;
+                if !env.keep_connection {
+                    conn = None;
+                }
                 if let Next::Step(cp) = next {
                     job.checkpoint = cp;
                     job.row_version = advanced;
