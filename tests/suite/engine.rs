@@ -896,6 +896,43 @@ mod flaky {
           worker_id text, lease_token uuid, lease_expires_at timestamptz, heartbeat_at timestamptz);
         CREATE TABLE kfs_flaky_effects (job_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT now());";
 
+    /// Claims any queued row.
+    pub fn rule() -> ClaimRule {
+        ClaimRule {
+            claimable: "j.run_state = 'queued' AND $4::int IS NOT NULL".into(),
+            select: String::new(),
+            set: String::new(),
+            attempt: "1",
+            max_attempts: None,
+            param: Param::Int(0),
+            exhausted: None,
+        }
+    }
+
+    /// What each end writes on the test table.
+    pub fn end_write(end: &End) -> EndWrite {
+        let set = match end {
+            End::Succeed { .. } => "run_state = 'succeeded', checkpoint = $4, completed_at = now()",
+            End::Fail { .. } | End::Cancel { .. } | End::Supersede { .. } => {
+                "run_state = 'failed', completed_at = now(), last_error_code = $4, last_error_message = $5"
+            }
+            End::Wait { .. } | End::Continue => "run_state = 'queued'",
+        };
+        let (text4, text5) = match end {
+            End::Succeed { checkpoint } => (Some(checkpoint.clone()), None),
+            End::Fail { code, message } | End::Cancel { code, message } => {
+                (Some(code.clone()), Some(message.clone()))
+            }
+            _ => (None, None),
+        };
+        EndWrite {
+            set: set.into(),
+            text4,
+            text5,
+            ..EndWrite::default()
+        }
+    }
+
     pub struct Flaky {
         pub admin: PgPool,
         pub broken_once: AtomicBool,
@@ -931,15 +968,7 @@ mod flaky {
             &self.policy
         }
         fn claim_rule(&self) -> ClaimRule {
-            ClaimRule {
-                claimable: "j.run_state = 'queued' AND $4::int IS NOT NULL".into(),
-                select: String::new(),
-                set: String::new(),
-                attempt: "1",
-                max_attempts: None,
-                param: Param::Int(0),
-                exhausted: None,
-            }
+            rule()
         }
         async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
             sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
@@ -962,26 +991,65 @@ mod flaky {
             Ok(Step::Succeed("done".into()))
         }
         fn end_write(&self, _job: &Lease, end: &End) -> EndWrite {
-            let set = match end {
-                End::Succeed { .. } => "run_state = 'succeeded', checkpoint = $4, completed_at = now()",
-                End::Fail { .. } | End::Cancel { .. } | End::Supersede { .. } => {
-                    "run_state = 'failed', completed_at = now(), last_error_code = $4, last_error_message = $5"
-                }
-                End::Wait { .. } | End::Continue => "run_state = 'queued'",
-            };
-            let (text4, text5) = match end {
-                End::Succeed { checkpoint } => (Some(checkpoint.clone()), None),
-                End::Fail { code, message } | End::Cancel { code, message } => {
-                    (Some(code.clone()), Some(message.clone()))
-                }
-                _ => (None, None),
-            };
-            EndWrite {
-                set: set.into(),
-                text4,
-                text5,
-                ..EndWrite::default()
+            end_write(end)
+        }
+    }
+
+    /// Ten steps of 300 ms each inside their transactions, under a 1.5 s lease: the slice
+    /// outlives its lease unless heartbeats extend it between steps.
+    pub struct Steady {
+        pub policy: Policy,
+    }
+
+    impl Steady {
+        pub fn new() -> Self {
+            Steady {
+                policy: Policy {
+                    lease: std::time::Duration::from_millis(1500),
+                    max_attempts: 3,
+                    retry: RetryPolicy {
+                        base: std::time::Duration::from_secs(1),
+                        max: std::time::Duration::from_secs(5),
+                    },
+                },
             }
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl LeasedKind for Steady {
+        fn name(&self) -> &'static str {
+            "steady"
+        }
+        fn table(&self) -> &'static str {
+            TABLE
+        }
+        fn policy(&self) -> &Policy {
+            &self.policy
+        }
+        fn claim_rule(&self) -> ClaimRule {
+            rule()
+        }
+        async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
+            sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
+                .bind(job.job_id)
+                .execute(&mut *tx)
+                .await?;
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            let n: i32 = job
+                .checkpoint
+                .strip_prefix("step-")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0)
+                + 1;
+            Ok(if n >= 10 {
+                Step::Succeed("done".into())
+            } else {
+                Step::Advance(format!("step-{n}"))
+            })
+        }
+        fn end_write(&self, _job: &Lease, end: &End) -> EndWrite {
+            end_write(end)
         }
     }
 }
@@ -1034,5 +1102,53 @@ async fn a_leased_slice_whose_connection_dies_resynchronises_and_finishes_once()
             .await
             .unwrap();
     assert_eq!(effects, 1, "the step's effect committed exactly once");
+    env.cleanup().await;
+}
+
+/// A polled lease gives its connection back to the pool between steps, so its heartbeats get
+/// one even from a pool of one: a slice longer than its lease keeps it and finishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leased_slice_longer_than_its_lease_is_kept_alive_by_heartbeats_from_a_pool_of_one() {
+    use kfs_worker::engine::leased::{self, Outcome};
+    use kfs_worker::engine::slice::Budget;
+
+    let env = TestEnv::new().await;
+    sqlx::raw_sql(flaky::SCHEMA)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let job = uuid::Uuid::new_v4();
+    sqlx::query("INSERT INTO kfs_flaky_jobs (id) VALUES ($1)")
+        .bind(job)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let one = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&env.url)
+        .await
+        .unwrap();
+    let kind = flaky::Steady::new();
+    let (_, outcome) = tokio::time::timeout(
+        Duration::from_secs(60),
+        leased::run_once(&one, &kind, "w-steady", Budget::default()),
+    )
+    .await
+    .expect("the slice ended")
+    .unwrap()
+    .expect("the job was claimed");
+    assert_eq!(
+        outcome,
+        Outcome::Ended("succeeded"),
+        "3 s of steps under a 1.5 s lease"
+    );
+    let effects: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_flaky_effects WHERE job_id = $1")
+            .bind(job)
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(effects, 10, "each of the ten steps once");
+    one.close().await;
     env.cleanup().await;
 }
