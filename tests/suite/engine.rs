@@ -896,6 +896,27 @@ mod flaky {
           worker_id text, lease_token uuid, lease_expires_at timestamptz, heartbeat_at timestamptz);
         CREATE TABLE kfs_flaky_effects (job_id uuid NOT NULL, at timestamptz NOT NULL DEFAULT now());";
 
+    /// Three attempts under `lease`, retried after 1 to 5 s.
+    fn policy(lease: std::time::Duration) -> Policy {
+        Policy {
+            lease,
+            max_attempts: 3,
+            retry: RetryPolicy {
+                base: std::time::Duration::from_secs(1),
+                max: std::time::Duration::from_secs(5),
+            },
+        }
+    }
+
+    /// One row per run of a step, in the step's transaction.
+    async fn record_effect(tx: &mut PgConnection, job: &Lease) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
+            .bind(job.job_id)
+            .execute(tx)
+            .await
+            .map(|_| ())
+    }
+
     /// Claims any queued row.
     pub fn rule() -> ClaimRule {
         ClaimRule {
@@ -944,14 +965,7 @@ mod flaky {
             Flaky {
                 admin,
                 broken_once: AtomicBool::new(false),
-                policy: Policy {
-                    lease: std::time::Duration::from_secs(30),
-                    max_attempts: 3,
-                    retry: RetryPolicy {
-                        base: std::time::Duration::from_secs(1),
-                        max: std::time::Duration::from_secs(5),
-                    },
-                },
+                policy: policy(std::time::Duration::from_secs(30)),
             }
         }
     }
@@ -971,10 +985,7 @@ mod flaky {
             rule()
         }
         async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
-            sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
-                .bind(job.job_id)
-                .execute(&mut *tx)
-                .await?;
+            record_effect(tx, job).await?;
             if !self.broken_once.swap(true, Ordering::SeqCst) {
                 // The step's own session dies before the engine writes the end: the end's
                 // statement fails, and the step's effect is rolled back with it.
@@ -1004,14 +1015,7 @@ mod flaky {
     impl Steady {
         pub fn new() -> Self {
             Steady {
-                policy: Policy {
-                    lease: std::time::Duration::from_millis(1500),
-                    max_attempts: 3,
-                    retry: RetryPolicy {
-                        base: std::time::Duration::from_secs(1),
-                        max: std::time::Duration::from_secs(5),
-                    },
-                },
+                policy: policy(std::time::Duration::from_millis(1500)),
             }
         }
     }
@@ -1031,10 +1035,7 @@ mod flaky {
             rule()
         }
         async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError> {
-            sqlx::query("INSERT INTO kfs_flaky_effects (job_id) VALUES ($1)")
-                .bind(job.job_id)
-                .execute(&mut *tx)
-                .await?;
+            record_effect(tx, job).await?;
             tokio::time::sleep(std::time::Duration::from_millis(300)).await;
             let n: i32 = job
                 .checkpoint
