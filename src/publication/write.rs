@@ -222,7 +222,9 @@ pub struct Moved {
 }
 
 /// Points the head at `publication` if it is still at revision `expected` (0: no head yet; the
-/// first head has the space's id as its id and revision 1). Only the head row changes here; the
+/// first head has the space's id as its id and revision 1). Two first heads racing meet on the
+/// primary key as well as on the space's unique key, so the insert yields on any conflict: the
+/// loser sees the head moved, never a unique violation. Only the head row changes here; the
 /// publications' statuses are the caller's, in the same transaction. Returns the new revision.
 pub async fn swap_head(
     conn: &mut PgConnection,
@@ -236,7 +238,7 @@ pub async fn swap_head(
             "INSERT INTO projection_set_publication_heads \
                (id, tenant_id, knowledge_space_id, publication_id, head_revision, created_at, updated_at) \
              VALUES ($2, $1, $2, $3, 1, now(), now()) \
-             ON CONFLICT (tenant_id, knowledge_space_id) DO NOTHING \
+             ON CONFLICT DO NOTHING \
              RETURNING head_revision",
         )
         .bind(tenant)

@@ -34,6 +34,7 @@ mod leased;
 mod malformed;
 mod outage;
 mod pageindex;
+mod publication;
 mod relay;
 mod research;
 mod schema;
