@@ -21,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::crash;
-use crate::engine::backoff::retry_pause;
+use crate::engine::backoff::{nap, retry_pause};
 use crate::engine::{lease, slice};
 use crate::jobs::{Handler, Kind, Policy};
 use crate::wire;
@@ -272,7 +272,7 @@ impl Engine {
                         return Handled::GiveBack;
                     }
                     tracing::warn!(kind = %d.kind, job_id = %d.job_id, error = %e, tries, "claim failed; not acking, will retry");
-                    if !self.pause_for(retry_pause(tries), shutdown).await {
+                    if !nap(retry_pause(tries), shutdown).await {
                         return Handled::Abandon;
                     }
                 }
@@ -315,14 +315,6 @@ impl Engine {
             *slot = Some(crate::db::acquire(&self.pool).await?);
         }
         Ok(&mut **slot.as_mut().expect("acquired above"))
-    }
-
-    /// Waits `delay`. `false`: shutting down instead.
-    async fn pause_for(&self, delay: Duration, shutdown: &CancellationToken) -> bool {
-        tokio::select! {
-            () = shutdown.cancelled() => false,
-            () = tokio::time::sleep(delay) => true,
-        }
     }
 }
 

@@ -126,6 +126,10 @@ pub struct Exhausted {
     pub message: &'static str,
 }
 
+/// A running row `j` whose holder is gone: its lease ran out, or its worker lost its liveness
+/// lock. Such a row is claimable again (or, out of attempts, failed) in every leased table.
+pub const HOLDER_GONE: &str = "(j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))";
+
 /// The one kind-specific value of a claim.
 #[derive(Clone, Debug)]
 pub enum Param {
@@ -160,6 +164,16 @@ fn bind_param<'q, O>(
     }
 }
 
+/// What a [`Lease`] carries as its checkpoint: the `checkpoint` column (of the row named by
+/// `alias`, `j.` or none), or the run state for kinds without one.
+fn checkpoint_of<K: LeasedKind + ?Sized>(kind: &K, alias: &str) -> String {
+    if kind.has_checkpoint() {
+        format!("{alias}checkpoint::text")
+    } else {
+        "'running'::text".to_owned()
+    }
+}
+
 /// Claims the most overdue claimable job of `kind`, in one committed transaction: first fails
 /// the rows that may not run again, then takes one row under `FOR UPDATE SKIP LOCKED` with a
 /// fresh lease token.
@@ -186,11 +200,7 @@ pub async fn claim<K: LeasedKind + ?Sized>(
         bind_param(q, &rule.param).fetch_one(&mut *tx).await?;
     }
     let token = Uuid::new_v4();
-    let checkpoint = if kind.has_checkpoint() {
-        "j.checkpoint::text"
-    } else {
-        "'running'::text"
-    };
+    let checkpoint = checkpoint_of(kind, "j.");
     let max = rule.max_attempts.unwrap_or("$5::int");
     let sql = format!(
         "WITH c AS ( \
@@ -332,13 +342,23 @@ pub async fn heartbeat(
     job: &Lease,
     lease: Duration,
 ) -> Result<bool, sqlx::Error> {
+    extend(conn, table, job.job_id, job.lease_token, lease).await
+}
+
+async fn extend(
+    conn: &mut PgConnection,
+    table: &str,
+    job_id: Uuid,
+    lease_token: Uuid,
+    lease: Duration,
+) -> Result<bool, sqlx::Error> {
     let done = sqlx::query(&format!(
         "UPDATE {table} SET lease_expires_at = now() + $3::bigint * interval '1 millisecond', \
            heartbeat_at = now() \
          WHERE id = $1 AND lease_token = $2 AND run_state = 'running' AND lease_expires_at > clock_timestamp()"
     ))
-    .bind(job.job_id)
-    .bind(job.lease_token)
+    .bind(job_id)
+    .bind(lease_token)
     .bind(millis(lease))
     .execute(conn)
     .await?;
@@ -507,11 +527,7 @@ impl Transitions for LeasedSlice<'_> {
         conn: &mut PgConnection,
         job: &JobCtx,
     ) -> Result<Option<(i32, String)>, sqlx::Error> {
-        let checkpoint = if self.kind.has_checkpoint() {
-            "checkpoint::text"
-        } else {
-            "'running'::text"
-        };
+        let checkpoint = checkpoint_of(self.kind, "");
         sqlx::query_as(&format!(
             "SELECT row_version, {checkpoint} FROM {table} \
              WHERE id = $1 AND lease_token = $2 AND run_state = 'running' AND lease_expires_at > clock_timestamp()",
@@ -540,16 +556,6 @@ struct Beat {
 #[async_trait::async_trait]
 impl Heartbeat for Beat {
     async fn extend(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<bool, sqlx::Error> {
-        let held = Lease {
-            job_id: job.job_id,
-            lease_token: job.lease_token,
-            row_version: job.row_version,
-            checkpoint: String::new(),
-            attempt: job.execution_attempts,
-            max_attempts: job.max_execution_attempts,
-            worker_id: job.worker_id.clone(),
-            taken_over: false,
-        };
-        heartbeat(conn, self.table, &held, self.lease).await
+        extend(conn, self.table, job.job_id, job.lease_token, self.lease).await
     }
 }

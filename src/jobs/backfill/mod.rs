@@ -27,7 +27,9 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param};
+use crate::engine::leased::{
+    ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param, HOLDER_GONE,
+};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use walk::{HeadFact, Plan, SourceFacts};
@@ -353,7 +355,7 @@ impl LeasedKind for BackfillKind {
     }
 
     fn claim_rule(&self) -> ClaimRule {
-        let dead = "(j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))";
+        let dead = HOLDER_GONE;
         ClaimRule {
             claimable: format!(
                 "j.execution_attempts < j.max_execution_attempts \

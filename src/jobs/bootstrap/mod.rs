@@ -32,7 +32,9 @@ use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param};
+use crate::engine::leased::{
+    ClaimRule, EndWrite, Exhausted, Lease, LeasedKind, Param, HOLDER_GONE,
+};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use walk::{Checkpoint, Waits};
@@ -242,7 +244,7 @@ impl LeasedKind for BootstrapKind {
     }
 
     fn claim_rule(&self) -> ClaimRule {
-        let dead = "(j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id))";
+        let dead = HOLDER_GONE;
         ClaimRule {
             claimable: format!(
                 "(j.run_state = 'queued' \

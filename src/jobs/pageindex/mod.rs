@@ -33,7 +33,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use crate::engine::lease::{millis, End};
-use crate::engine::leased::{ClaimRule, EndWrite, Lease, LeasedKind, Param};
+use crate::engine::leased::{ClaimRule, EndWrite, Lease, LeasedKind, Param, HOLDER_GONE};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
 
 use closure::Status;
@@ -274,11 +274,11 @@ impl LeasedKind for PageIndexKind {
 
     fn claim_rule(&self) -> ClaimRule {
         ClaimRule {
-            claimable: "(j.run_state = 'queued' \
+            claimable: format!(
+                "(j.run_state = 'queued' \
                   AND (j.last_error_code IS NULL OR j.updated_at + $4::bigint * interval '1 millisecond' <= now())) \
-                 OR (j.run_state = 'running' \
-                     AND (j.lease_expires_at <= now() OR NOT kfs_worker_alive(j.worker_id)))"
-                .into(),
+                 OR (j.run_state = 'running' AND {HOLDER_GONE})"
+            ),
             select: String::new(),
             set: ", completed_at = NULL".into(),
             attempt: "1",

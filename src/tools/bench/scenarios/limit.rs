@@ -8,13 +8,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueDeclareOptions,
-};
+use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, QueueDeclareOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use serde_json::json;
 
-use super::{inflight_pool, Params, STALL};
+use super::{inflight_pool, publish_confirmed, Params, STALL};
 use crate::relay::RelayConfig;
 use crate::tools::bench::env::BenchEnv;
 use crate::tools::bench::machine::CpuMeter;
@@ -105,35 +103,14 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let publishing = {
         let queue = queue.clone();
         async move {
-            let mut confirmed = 0u64;
-            let mut next = 1u64;
-            while next <= n {
-                let end = (next + batch as u64 - 1).min(n);
-                let mut confirms = Vec::with_capacity(batch);
-                for id in next..=end {
-                    let c = publisher
-                        .basic_publish(
-                            "".into(),
-                            queue.as_str().into(),
-                            BasicPublishOptions {
-                                mandatory: true,
-                                ..Default::default()
-                            },
-                            id.to_string().as_bytes(),
-                            lapin::BasicProperties::default().with_delivery_mode(2),
-                        )
-                        .await
-                        .map_err(|e| e.to_string())?;
-                    confirms.push(c);
-                }
-                for c in confirms {
-                    let c = c.await.map_err(|e| e.to_string())?;
-                    if c.is_ack() && c.take_message().is_none() {
-                        confirmed += 1;
-                    }
-                }
-                next = end + 1;
-            }
+            let confirmed =
+                publish_confirmed(&publisher, "", &queue, n, batch as u64, None, |id| {
+                    (
+                        lapin::BasicProperties::default().with_delivery_mode(2),
+                        id.to_string().into_bytes(),
+                    )
+                })
+                .await?;
             let _ = publisher.close(200, "published".into()).await;
             Ok::<u64, String>(confirmed)
         }

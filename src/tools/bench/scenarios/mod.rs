@@ -55,6 +55,54 @@ pub fn engine_pool_size(prefetch: u16, kinds: usize) -> u32 {
     (u32::from(prefetch) * kinds as u32 + 8).clamp(8, 64)
 }
 
+/// Publishes messages `1..=n`, each made by `message`, to `exchange` with `routing_key`,
+/// mandatory, `batch` at a time, each batch's confirms awaited before the next (as the relay
+/// does). Returns how many were confirmed: acked by the broker and not returned unroutable.
+async fn publish_confirmed(
+    ch: &lapin::Channel,
+    exchange: &str,
+    routing_key: &str,
+    n: u64,
+    batch: u64,
+    progress: Option<&Progress>,
+    mut message: impl FnMut(u64) -> (lapin::BasicProperties, Vec<u8>),
+) -> Result<u64, String> {
+    let mut confirmed = 0u64;
+    let mut next = 1u64;
+    while next <= n {
+        let end = (next + batch - 1).min(n);
+        let mut confirms = Vec::with_capacity(batch as usize);
+        for id in next..=end {
+            let (props, body) = message(id);
+            let c = ch
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    lapin::options::BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &body,
+                    props,
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+            confirms.push(c);
+        }
+        for c in confirms {
+            let c = c.await.map_err(|e| e.to_string())?;
+            if c.is_ack() && c.take_message().is_none() {
+                confirmed += 1;
+            }
+        }
+        if let Some(p) = progress {
+            p.set(end);
+        }
+        next = end + 1;
+    }
+    Ok(confirmed)
+}
+
 /// Polls `count` until it reaches `n`, or until nothing moved for [`STALL`].
 async fn wait_for<F, Fut>(
     n: u64,

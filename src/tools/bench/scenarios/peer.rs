@@ -10,12 +10,12 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
-use lapin::options::{BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions};
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
 use lapin::types::{AMQPValue, FieldArray, FieldTable};
 use serde_json::json;
 use tokio::process::Command;
 
-use super::{wait_for, Params};
+use super::{publish_confirmed, wait_for, Params};
 use crate::tools::bench::env::BenchEnv;
 use crate::tools::bench::machine::CpuMeter;
 use crate::tools::bench::report::{Progress, Report, Run};
@@ -202,35 +202,21 @@ async fn publish(env: &BenchEnv, queue: &str, n: u64, p: &Params) -> Result<(), 
     .await
     .map_err(|e| e.to_string())?;
     let progress = Progress::new("peer: publishing Celery tasks", n, p.interactive);
-    let mut next = 1u64;
-    while next <= n {
-        let end = (next + PUBLISH_BATCH - 1).min(n);
-        let mut confirms = Vec::new();
-        for id in next..=end {
-            let (props, body) = task_message(id);
-            let c = ch
-                .basic_publish(
-                    "".into(),
-                    queue.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &body,
-                    props,
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            confirms.push(c);
-        }
-        for c in confirms {
-            let c = c.await.map_err(|e| e.to_string())?;
-            if !c.is_ack() || c.take_message().is_some() {
-                return Err("RabbitMQ refused a peer task message".into());
-            }
-        }
-        progress.set(end);
-        next = end + 1;
+    let confirmed = publish_confirmed(
+        &ch,
+        "",
+        queue,
+        n,
+        PUBLISH_BATCH,
+        Some(&progress),
+        task_message,
+    )
+    .await?;
+    if confirmed < n {
+        return Err(format!(
+            "RabbitMQ refused {} of {n} peer task messages",
+            n - confirmed
+        ));
     }
     progress.finish(n);
     let _ = ch.close(200, "published".into()).await;

@@ -5,11 +5,11 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use lapin::options::{BasicPublishOptions, QueuePurgeOptions};
+use lapin::options::QueuePurgeOptions;
 use serde_json::json;
 use uuid::Uuid;
 
-use super::{enqueue_probes, probe_relay, Params};
+use super::{enqueue_probes, probe_relay, publish_confirmed, Params};
 use crate::jobs::Kind;
 use crate::relay::Relay;
 use crate::tools::bench::env::BenchEnv;
@@ -26,16 +26,19 @@ async fn raw_publishes(
     progress: &Progress,
 ) -> Result<u64, String> {
     let exchange = env.topology.exchange();
-    let mut confirmed = 0u64;
-    let mut sent = 0u64;
-    while sent < n {
-        let take = (n - sent).min(batch as u64);
-        let mut confirms = Vec::with_capacity(batch);
-        for _ in 0..take {
+    let route = Kind::Probe.event_type();
+    publish_confirmed(
+        ch,
+        &exchange,
+        route,
+        n,
+        batch as u64,
+        Some(progress),
+        |_| {
             let job = Uuid::now_v7();
             let msg = OutboundMessage {
                 kind: Kind::Probe,
-                event_type: Kind::Probe.event_type(),
+                event_type: route,
                 outbox_id: Uuid::new_v4(),
                 job_id: job,
                 delivery_id: Uuid::new_v4().to_string(),
@@ -44,31 +47,10 @@ async fn raw_publishes(
                 traceparent: None,
                 body: serde_json::to_vec(&json!({ "probeJobId": job })).unwrap_or_default(),
             };
-            let c = ch
-                .basic_publish(
-                    exchange.as_str().into(),
-                    Kind::Probe.event_type().into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    &msg.body,
-                    msg.properties(),
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-            confirms.push(c);
-        }
-        for c in confirms {
-            let c = c.await.map_err(|e| e.to_string())?;
-            if c.is_ack() && c.take_message().is_none() {
-                confirmed += 1;
-            }
-        }
-        sent += take;
-        progress.set(sent);
-    }
-    Ok(confirmed)
+            (msg.properties(), msg.body)
+        },
+    )
+    .await
 }
 
 /// 2. The real relay over `n` pending outbox rows, then `n` raw confirmed publishes of the same
