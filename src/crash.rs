@@ -7,10 +7,13 @@
 //! `KFS_LOSE_REPLY_AT=<statement>` makes the first reply of that statement look lost.
 
 /// The points the engine passes through.
-pub const POINTS: [&str; 5] = [
+pub const POINTS: [&str; 8] = [
     "after-claim-commit",
     "after-step-commit",
     "before-ack",
+    "after-group-claim-commit",
+    "after-group-step-commit",
+    "before-multi-ack",
     "after-publish-before-mark",
     "after-mark-before-confirm-wait",
 ];

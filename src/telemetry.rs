@@ -157,6 +157,16 @@ pub fn set_remote_parent(span: &Span, traceparent: Option<&str>) {
     let _ = span.set_parent(cx);
 }
 
+/// Links `span` to the remote span a `traceparent` names: a batch of deliveries has one span,
+/// linked to each message's publish.
+pub fn add_remote_link(span: &Span, traceparent: Option<&str>) {
+    use opentelemetry::trace::TraceContextExt;
+    let Some(tp) = traceparent else { return };
+    let carrier = HashMap::from([("traceparent".to_owned(), tp.to_owned())]);
+    let cx = TraceContextPropagator::new().extract(&carrier);
+    span.add_link(cx.span().span_context().clone());
+}
+
 /// The `traceparent` that names `span`, when spans are being exported; otherwise `None`.
 pub fn traceparent_of(span: &Span) -> Option<String> {
     if !EXPORTING.load(Ordering::Relaxed) {

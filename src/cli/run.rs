@@ -34,6 +34,10 @@ pub struct RunArgs {
     /// Unacked deliveries per kind, which is also how many slices run at once per kind
     #[arg(long, env = "KFS_PREFETCH", default_value_t = 16)]
     pub prefetch: u16,
+    /// Most deliveries of one kind claimed and stepped together as one batch; a batch takes
+    /// only what has arrived, so at low rates it is one delivery (1: no batches)
+    #[arg(long, env = "KFS_BATCH_MAX", default_value_t = 8)]
+    pub batch_max: u16,
     /// Most steps one delivery runs before the job goes back to the queue
     #[arg(long, env = "KFS_SLICE_STEPS", default_value_t = 64)]
     pub slice_steps: u32,
@@ -90,6 +94,9 @@ impl RunArgs {
         if self.prefetch == 0 {
             return Err(ConfigError::new("KFS_PREFETCH", "must be at least 1"));
         }
+        if self.batch_max == 0 {
+            return Err(ConfigError::new("KFS_BATCH_MAX", "must be at least 1"));
+        }
         if self.slice_steps == 0 {
             return Err(ConfigError::new("KFS_SLICE_STEPS", "must be at least 1"));
         }
@@ -107,6 +114,8 @@ impl RunArgs {
         }
         let mut consumer_cfg = ConsumerConfig {
             prefetch: self.prefetch,
+            // A batch never holds more than the prefetch lets arrive.
+            batch_max: self.batch_max.min(self.prefetch),
             budget: Budget {
                 max_steps: self.slice_steps,
                 max_time: config::duration("KFS_SLICE_TIME", &self.slice_time)?,

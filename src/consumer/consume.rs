@@ -1,20 +1,152 @@
-//! The delivery loop of one kind's queue. Invariant: a delivery is settled with the broker
-//! (ack, reject or give back) only after [`Engine::process`] returned its verdict, and acked
-//! only after the commit that decided it; an abandoned delivery is left unacked for
-//! redelivery; on shutdown the loop stops taking deliveries and gives the running ones the
-//! grace period to end.
+//! The delivery loop of one kind's queue: deliveries that have arrived together (up to the
+//! batch bound, never waiting for more) are handled as one batch by [`Engine::process_many`],
+//! and acked through the channel's ack window ([`super::acks`]). Invariant: a delivery is
+//! settled with the broker (ack, reject or give back) only after its verdict came back, and
+//! acked (alone or by a multiple ack) only after the commit that decided it; an abandoned
+//! delivery is left unacked for redelivery and no multiple ack covers it; on shutdown the loop
+//! stops taking deliveries and gives the running ones the grace period to end.
 
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
+use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
 use lapin::types::FieldTable;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use super::acks::{Ack, Window};
 use super::{Engine, Handled};
 use crate::jobs::Kind;
+
+/// A decided delivery not yet acked: its acker and what its ack-log line says.
+struct Unsettled {
+    delivery: Delivery,
+    claim: &'static str,
+    end: Option<&'static str>,
+}
+
+/// Sleeps until `at`; never returns without one (the branch is disabled then).
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Settles a finished batch's deliveries with the broker: rejects and give-backs one by one,
+/// acks through the window, so a multiple ack covers only deliveries whose commit happened.
+async fn settle(
+    kind: Kind,
+    handled: Vec<(Delivery, Handled)>,
+    window: &mut Window,
+    unsettled: &mut HashMap<u64, Unsettled>,
+) {
+    let mut decided = Vec::new();
+    let mut settled = Vec::new();
+    let mut abandoned = Vec::new();
+    for (delivery, h) in handled {
+        let tag = delivery.delivery_tag;
+        let sent = match h {
+            Handled::Ack { claim, end } => {
+                decided.push(tag);
+                unsettled.insert(
+                    tag,
+                    Unsettled {
+                        delivery,
+                        claim,
+                        end,
+                    },
+                );
+                continue;
+            }
+            Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
+            Handled::GiveBack => delivery.reject(BasicRejectOptions { requeue: true }).await,
+            Handled::Abandon => {
+                abandoned.push(tag);
+                continue;
+            }
+        };
+        settled.push(tag);
+        if let Err(e) = sent {
+            tracing::warn!(error = %e, "could not settle a delivery with the broker");
+        }
+    }
+    window.abandoned(&abandoned);
+    let mut acks: Vec<Ack> = window.settled(&settled).into_iter().collect();
+    acks.extend(window.decided(&decided, Instant::now()));
+    for ack in acks {
+        match ack {
+            Ack::One(tag) => ack_alone(kind, &[tag], unsettled).await,
+            Ack::UpTo { tag, n } => {
+                crate::crash::point("before-multi-ack");
+                let covered: Vec<Unsettled> = {
+                    let mut tags: Vec<u64> =
+                        unsettled.keys().copied().filter(|&t| t <= tag).collect();
+                    tags.sort_unstable();
+                    tags.into_iter()
+                        .filter_map(|t| unsettled.remove(&t))
+                        .collect()
+                };
+                debug_assert_eq!(covered.len(), n);
+                let Some(top) = covered.iter().find(|u| u.delivery.delivery_tag == tag) else {
+                    continue;
+                };
+                let sent_at = micros_now();
+                let sent = top
+                    .delivery
+                    .acker
+                    .ack(BasicAckOptions { multiple: true })
+                    .await;
+                log_acks(kind, &covered, sent, sent_at);
+            }
+        }
+    }
+}
+
+/// Acks each of `tags` on its own.
+async fn ack_alone(kind: Kind, tags: &[u64], unsettled: &mut HashMap<u64, Unsettled>) {
+    for tag in tags {
+        let Some(u) = unsettled.remove(tag) else {
+            continue;
+        };
+        let sent_at = micros_now();
+        let sent = u.delivery.ack(BasicAckOptions::default()).await;
+        log_acks(kind, std::slice::from_ref(&u), sent, sent_at);
+    }
+}
+
+/// When an ack left, in microseconds since the epoch: the ack log lets each ack be compared
+/// with the commit that decided it.
+fn micros_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The ack log: one line per delivery an ack covered, each following the commit that decided
+/// it, so each can be checked against the database.
+fn log_acks(kind: Kind, covered: &[Unsettled], sent: lapin::Result<bool>, sent_at: u64) {
+    match sent {
+        Ok(_) => {
+            for u in covered {
+                let delivery_id = u
+                    .delivery
+                    .properties
+                    .message_id()
+                    .as_ref()
+                    .map_or("", |s| s.as_str());
+                tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id, claim = u.claim, end = u.end.unwrap_or("none"), sent_at, multiple = covered.len() > 1, "acked");
+            }
+        }
+        // The decision is committed; the broker redelivers and the claim sees it.
+        Err(e) => {
+            tracing::warn!(error = %e, deliveries = covered.len(), "could not ack with the broker")
+        }
+    }
+}
 
 /// Consumes one kind's queue on `channel` until shutdown or until the channel fails.
 pub async fn consume(
@@ -37,49 +169,57 @@ pub async fn consume(
             FieldTable::default(),
         )
         .await?;
-    let mut running = JoinSet::new();
+    let mut running: JoinSet<Vec<(Delivery, Handled)>> = JoinSet::new();
+    let mut window = Window::default();
+    let mut unsettled: HashMap<u64, Unsettled> = HashMap::new();
+    let batch_max = usize::from(engine.cfg.batch_max.max(1));
     let result = loop {
+        let flush_at = window.flush_at();
         tokio::select! {
             () = shutdown.cancelled() => break Ok(()),
             Some(done) = running.join_next(), if !running.is_empty() => {
-                if let Err(e) = done {
-                    tracing::error!(error = %e, "delivery task panicked");
+                match done {
+                    Ok(handled) => settle(kind, handled, &mut window, &mut unsettled).await,
+                    Err(e) => tracing::error!(error = %e, "delivery task panicked"),
                 }
             }
+            () = sleep_until(flush_at), if flush_at.is_some() => {
+                let due = window.flush(Instant::now(), false);
+                ack_alone(kind, &due, &mut unsettled).await;
+            }
             next = consumer.next() => {
-                let delivery = match next {
+                let first = match next {
                     Some(Ok(d)) => d,
                     Some(Err(e)) => break Err(e),
                     None => break Ok(()),
                 };
+                // Whatever else has arrived joins it; nothing waits for more.
+                let mut batch = vec![first];
+                let mut failed = None;
+                while batch.len() < batch_max {
+                    match consumer.next().now_or_never() {
+                        Some(Some(Ok(d))) => batch.push(d),
+                        Some(Some(Err(e))) => {
+                            failed = Some(e);
+                            break;
+                        }
+                        _ => break,
+                    }
+                }
+                for d in &batch {
+                    window.received(d.delivery_tag);
+                }
                 let engine = engine.clone();
                 let shutdown = shutdown.clone();
                 running.spawn(async move {
-                    let handled = engine.process(kind, &delivery.properties, &delivery.data, &shutdown).await;
-                    let sent = match &handled {
-                        Handled::Ack { claim, end } => {
-                            // When the ack left, in microseconds since the epoch: the ack log
-                            // lets each ack be compared with the commit that decided it.
-                            let sent_at = std::time::SystemTime::now()
-                                .duration_since(std::time::UNIX_EPOCH)
-                                .map_or(0, |d| d.as_micros());
-                            let sent = delivery.ack(BasicAckOptions::default()).await;
-                            if sent.is_ok() {
-                                // The ack log: every line follows the commit that decided the
-                                // delivery, so each can be checked against the database.
-                                tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id = delivery.properties.message_id().as_ref().map_or("", |s| s.as_str()), claim, end = end.unwrap_or("none"), sent_at = sent_at as u64, "acked");
-                            }
-                            sent
-                        }
-                        Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
-                        Handled::GiveBack => delivery.reject(BasicRejectOptions { requeue: true }).await,
-                        Handled::Abandon => Ok(true),
-                    };
-                    if let Err(e) = sent {
-                        // The decision is committed; the broker redelivers and the claim sees it.
-                        tracing::warn!(error = %e, "could not settle a delivery with the broker");
-                    }
+                    let items: Vec<(&lapin::BasicProperties, &[u8])> =
+                        batch.iter().map(|d| (&d.properties, d.data.as_slice())).collect();
+                    let handled = engine.process_many(kind, &items, &shutdown).await;
+                    batch.into_iter().zip(handled).collect()
                 });
+                if let Some(e) = failed {
+                    break Err(e);
+                }
             }
         }
     };
@@ -95,9 +235,16 @@ pub async fn consume(
     .await;
     let grace = engine.cfg.shutdown_grace;
     let drained = tokio::time::timeout(grace, async {
-        while running.join_next().await.is_some() {}
+        while let Some(done) = running.join_next().await {
+            if let Ok(handled) = done {
+                settle(kind, handled, &mut window, &mut unsettled).await;
+            }
+        }
     })
     .await;
+    // Decided deliveries a lower, unsettled one still holds are acked one by one.
+    let held = window.flush(Instant::now(), true);
+    ack_alone(kind, &held, &mut unsettled).await;
     if drained.is_err() {
         tracing::warn!(kind = %kind, "slices still running after the shutdown grace period; leaving them to redelivery");
         running.abort_all();

@@ -4,6 +4,8 @@
 //! it names one, and no delivery of that row can ever be used) is settled `dead` (see
 //! [`crate::engine::settle`]); while Postgres cannot be reached nothing is acked.
 
+mod acks;
+mod batch;
 mod consume;
 mod runner;
 mod supervise;
@@ -75,6 +77,9 @@ impl Counters {
 pub struct ConsumerConfig {
     /// Unacked deliveries per kind; also how many run at once.
     pub prefetch: u16,
+    /// The most deliveries handled as one batch (one claim, one group). A batch is what has
+    /// arrived, so at low rates it is one delivery.
+    pub batch_max: u16,
     pub budget: Budget,
     pub policies: HashMap<Kind, Policy>,
     /// How long shutdown waits for running slices to end.
@@ -89,6 +94,7 @@ impl Default for ConsumerConfig {
     fn default() -> Self {
         Self {
             prefetch: 16,
+            batch_max: 8,
             budget: Budget::default(),
             policies: Kind::all()
                 .into_iter()
@@ -235,6 +241,18 @@ impl Engine {
 
     /// Handles one decoded delivery: claim, then run a slice if the job is ours.
     pub async fn process_ref(&self, d: &DeliveryRef, shutdown: &CancellationToken) -> Handled {
+        self.process_ref_as(d, uuid::Uuid::new_v4(), shutdown).await
+    }
+
+    /// [`Engine::process_ref`] under the lease token `token`: a delivery whose batched claim
+    /// may have committed unseen claims again under the token it had there, and recognises
+    /// that claim as its own.
+    async fn process_ref_as(
+        &self,
+        d: &DeliveryRef,
+        token: uuid::Uuid,
+        shutdown: &CancellationToken,
+    ) -> Handled {
         let st = &self.statements[&d.kind];
         let hook = self.handlers[&d.kind].as_ref();
         let policy = self.policy(d.kind);
@@ -242,7 +260,6 @@ impl Engine {
         let mut conn: Slot = None;
         // One token for every try of this claim: a retry after a claim that committed but whose
         // reply was lost then recognises the lease as its own.
-        let token = uuid::Uuid::new_v4();
         let claiming = Instant::now();
         let mut tries = 0u32;
         let claim = loop {

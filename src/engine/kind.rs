@@ -319,6 +319,31 @@ pub trait Handler: Send + Sync + 'static {
     /// cancel) that was waiting on the job row gets it before the next step can. The default
     /// does nothing.
     async fn after_step_commit(&self, _job: &JobCtx) {}
+
+    /// The steps of several jobs that share one transaction (see
+    /// [`Handler::shares_transaction`]), in the order given: what calling [`Handler::step`] on
+    /// each in turn would do, and the default does just that. A kind may write them in fewer
+    /// statements. Any error means the group's transaction is rolled back and each job is
+    /// stepped alone.
+    async fn step_many(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[JobCtx],
+    ) -> Result<Vec<Step>, JobError> {
+        let mut steps = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            steps.push(self.step(tx, job).await?);
+        }
+        Ok(steps)
+    }
+
+    /// Whether the steps of several jobs of this kind may share one transaction (see
+    /// [`crate::engine::group`]): only for short steps that touch nothing but the database. A
+    /// step that calls an object store or a model keeps a transaction of its own. The default
+    /// is `false`.
+    fn shares_transaction(&self) -> bool {
+        false
+    }
 }
 
 /// Records a job's failure beyond its job and outbox rows: the one function every way a job

@@ -4,9 +4,14 @@
 //! changed means the lease is lost. Locks are always taken job row first, then outbox row, so
 //! that claims, steps and heartbeats never deadlock each other.
 
+mod batched;
 mod claims;
 mod delivered;
 mod fenced;
+
+pub use batched::{
+    advance_many, claim_many, end_many, fence_many, heartbeat_many, Batched, GroupEnd,
+};
 
 pub(crate) use claims::log_settled;
 pub use claims::{claim, claim_as, settle_named};
@@ -38,6 +43,7 @@ pub struct Statements {
     rearm_at_retry: String,
     rearm_at_lease: String,
     settle: super::settle::Statements,
+    batched: Batched,
     spec: &'static KindSpec,
 }
 
@@ -250,6 +256,17 @@ impl Statements {
                    AND o.status IN ('dispatching', 'dispatched', 'leased') AND j.retry_at IS NOT NULL",
             ),
             settle: super::settle::Statements::new(spec),
+            batched: Batched::new(
+                spec,
+                &batched::Fragments {
+                    claimable,
+                    running_set,
+                    live,
+                    succeed: &succeed,
+                    cont: &cont,
+                    silent_for,
+                },
+            ),
             spec,
         }
     }

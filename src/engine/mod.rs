@@ -1,5 +1,6 @@
 //! The protocol, with no AMQP and no HTTP in it: the vocabulary of a job kind ([`kind`]), the
-//! one slice runner ([`runner`]) and the fenced transitions of a job (claim, fence, advance,
+//! one slice runner ([`runner`]), the group runner that steps several claimed jobs of a kind in
+//! one transaction ([`group`]), and the fenced transitions of a job (claim, fence, advance,
 //! heartbeat, end, release), written once per table shape: the outbox kinds' in [`lease`], the
 //! leased kinds' in [`leased`]. It imports nothing above it: no intake, no kind, no registry.
 //! Invariant: every write to a claimed job compares its lease token and row version against an
@@ -10,6 +11,7 @@
 //! relay's reconnects.
 
 pub(crate) mod backoff;
+pub mod group;
 pub mod kind;
 pub mod lease;
 pub mod leased;

@@ -381,7 +381,8 @@ fn lease_lost(name: &'static str, job: &JobCtx) -> &'static str {
     LEASE_LOST
 }
 
-async fn resync(tr: &dyn Transitions, env: Env<'_>, job: &JobCtx) -> Resync {
+/// Reads the job row back until the database answers (see [`Transitions::resync`]).
+pub(crate) async fn resync(tr: &dyn Transitions, env: Env<'_>, job: &JobCtx) -> Resync {
     let mut tries = 0u32;
     loop {
         let row = async {
@@ -434,7 +435,7 @@ enum StepError {
     Uncertain(sqlx::Error),
 }
 
-enum Resync {
+pub(crate) enum Resync {
     Ours {
         row_version: i32,
         checkpoint: String,

@@ -50,7 +50,14 @@ const DB: &str = "kfs_chaos";
 const LEASE: &str = "probe=4s,compile=4s,deletion=4s,research=4s";
 /// Every kind the workers run: the engine's probe and the platform's three.
 const KINDS: [Kind; 4] = [Kind::Probe, Kind::Compile, Kind::Deletion, Kind::Research];
-const CONSUMER_POINTS: [&str; 3] = ["after-claim-commit", "after-step-commit", "before-ack"];
+const CONSUMER_POINTS: [&str; 6] = [
+    "after-claim-commit",
+    "after-step-commit",
+    "before-ack",
+    "after-group-claim-commit",
+    "after-group-step-commit",
+    "before-multi-ack",
+];
 const RELAY_POINTS: [&str; 2] = [
     "after-publish-before-mark",
     "after-mark-before-confirm-wait",

@@ -454,6 +454,21 @@ async fn crash_before_ack() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_a_group_claim_commit() {
+    kill_point("after-group-claim-commit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_after_a_group_step_commit() {
+    kill_point("after-group-step-commit").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_before_a_multiple_ack() {
+    kill_point("before-multi-ack").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_after_publish_before_mark() {
     kill_point("after-publish-before-mark").await;
 }

@@ -16,6 +16,7 @@
 
 mod support;
 
+mod batch;
 mod bench;
 #[cfg(feature = "crash-points")]
 mod chaos;

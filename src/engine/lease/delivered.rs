@@ -7,7 +7,10 @@ use std::sync::Arc;
 
 use sqlx::PgConnection;
 
-use super::{End, Statements};
+use uuid::Uuid;
+
+use super::{End, GroupEnd, Statements};
+use crate::engine::group::{GroupHeartbeat, GroupTransitions};
 use crate::engine::kind::{failed, Handler, JobCtx, JobError, Policy, Step};
 use crate::engine::runner::{Heartbeat, Transitions};
 
@@ -102,6 +105,49 @@ impl Transitions for Delivered {
     }
 }
 
+#[async_trait::async_trait]
+impl GroupTransitions for Delivered {
+    async fn step_many(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[JobCtx],
+    ) -> Result<Vec<Step>, JobError> {
+        self.handler.step_many(tx, jobs).await
+    }
+
+    async fn fence_many(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[&JobCtx],
+    ) -> Result<Vec<(Uuid, i32)>, sqlx::Error> {
+        super::fence_many(tx, &self.statements, jobs, self.policy.lease).await
+    }
+
+    async fn advance_many(
+        &self,
+        tx: &mut PgConnection,
+        moves: &[(&JobCtx, &str)],
+    ) -> Result<Vec<(Uuid, i32)>, sqlx::Error> {
+        super::advance_many(tx, &self.statements, moves).await
+    }
+
+    async fn end_many(
+        &self,
+        tx: &mut PgConnection,
+        how: GroupEnd,
+        ends: &[(&JobCtx, &str)],
+    ) -> Result<Vec<Uuid>, sqlx::Error> {
+        super::end_many(tx, &self.statements, how, ends).await
+    }
+
+    fn group_heartbeat(&self) -> Arc<dyn GroupHeartbeat> {
+        Arc::new(Beat {
+            statements: self.statements.clone(),
+            lease: self.policy.lease,
+        })
+    }
+}
+
 /// Extends the job's lease and its outbox row's visibility together.
 struct Beat {
     statements: Arc<Statements>,
@@ -112,5 +158,16 @@ struct Beat {
 impl Heartbeat for Beat {
     async fn extend(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<bool, sqlx::Error> {
         super::heartbeat(conn, &self.statements, job, self.lease).await
+    }
+}
+
+#[async_trait::async_trait]
+impl GroupHeartbeat for Beat {
+    async fn extend_many(
+        &self,
+        conn: &mut PgConnection,
+        jobs: &[JobCtx],
+    ) -> Result<Vec<Uuid>, sqlx::Error> {
+        super::heartbeat_many(conn, &self.statements, jobs, self.lease).await
     }
 }

@@ -122,17 +122,16 @@ impl Handler for ProbeHandler {
         KIND
     }
 
+    /// A probe step is one statement on the database (or a sleep the test asked for).
+    fn shares_transaction(&self) -> bool {
+        true
+    }
+
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
-        let done = step_of(&job.checkpoint).ok_or_else(|| {
-            JobError::fatal(
-                "bad_checkpoint",
-                format!("unknown checkpoint '{}'", job.checkpoint),
-            )
-        })?;
-        let step = done + 1;
+        let step = next_step(job)?;
         // One round trip for the common case: the statement that reads the job's spec also
         // writes the effect when the spec lets the step run straight through (no failure to
-        // play, no sleep). Otherwise the effect is written below, after the sleep.
+        // play, no sleep). Otherwise the effect is written by `slow_step`, after the sleep.
         let (steps_total, sleep_ms, fail_mode, written): (i32, i32, String, bool) = sqlx::query_as(
             "WITH spec AS ( \
                SELECT steps_total, step_sleep_ms, fail_mode FROM kfs_probe_jobs WHERE id = $1 \
@@ -152,42 +151,122 @@ impl Handler for ProbeHandler {
         .fetch_one(&mut *tx)
         .await?;
         if !written {
-            match fail_mode.as_str() {
-                "fatal" => {
-                    return Err(JobError::fatal("probe_fatal", "the probe was told to fail"))
-                }
-                "retry_always" => {
-                    return Err(JobError::retryable(
-                        "probe_retry",
-                        "the probe was told to retry",
-                    ))
-                }
-                "retry_once" if job.execution_attempts == 1 => {
-                    return Err(JobError::retryable(
-                        "probe_retry",
-                        "the probe fails its first attempt",
-                    ))
-                }
-                _ => {}
-            }
-            if sleep_ms > 0 {
-                tokio::time::sleep(Duration::from_millis(u64::try_from(sleep_ms).unwrap_or(0)))
-                    .await;
-            }
-            sqlx::query("INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) VALUES ($1, $2, $3, $4)")
-                .bind(job.job_id)
-                .bind(step)
-                .bind(&job.worker_id)
-                .bind(job.lease_token)
-                .execute(&mut *tx)
-                .await?;
+            slow_step(tx, job, step, sleep_ms, &fail_mode).await?;
         }
-        if step >= steps_total {
-            Ok(Step::Succeed("done".into()))
-        } else {
-            Ok(Step::Advance(format!("step-{step}")))
-        }
+        Ok(outcome(step, steps_total))
     }
+
+    /// The same as stepping each job in turn, with the straight-through steps of all of them
+    /// written by one statement.
+    async fn step_many(
+        &self,
+        tx: &mut PgConnection,
+        jobs: &[JobCtx],
+    ) -> Result<Vec<Step>, JobError> {
+        let steps = jobs
+            .iter()
+            .map(next_step)
+            .collect::<Result<Vec<i32>, _>>()?;
+        let ids: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
+        let tokens: Vec<Uuid> = jobs.iter().map(|j| j.lease_token).collect();
+        let workers: Vec<&str> = jobs.iter().map(|j| j.worker_id.as_str()).collect();
+        let attempts: Vec<i32> = jobs.iter().map(|j| j.execution_attempts).collect();
+        let rows: Vec<(Uuid, i32, i32, String, bool)> = sqlx::query_as(
+            "WITH m AS ( \
+               SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[], $4::uuid[], $5::int[]) \
+                 AS m(id, step, worker_id, token, attempts) \
+             ), spec AS ( \
+               SELECT m.*, j.steps_total, j.step_sleep_ms, j.fail_mode FROM m JOIN kfs_probe_jobs j ON j.id = m.id \
+             ), effect AS ( \
+               INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) \
+               SELECT id, step, worker_id, token FROM spec \
+               WHERE step_sleep_ms = 0 AND (fail_mode = 'none' OR (fail_mode = 'retry_once' AND attempts > 1)) \
+               RETURNING job_id \
+             ) \
+             SELECT spec.id, spec.steps_total, spec.step_sleep_ms, spec.fail_mode, \
+               EXISTS (SELECT 1 FROM effect WHERE effect.job_id = spec.id) FROM spec",
+        )
+        .bind(&ids)
+        .bind(&steps)
+        .bind(&workers)
+        .bind(&tokens)
+        .bind(&attempts)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut out = Vec::with_capacity(jobs.len());
+        for (job, step) in jobs.iter().zip(steps) {
+            let Some((_, steps_total, sleep_ms, fail_mode, written)) =
+                rows.iter().find(|r| r.0 == job.job_id)
+            else {
+                return Err(JobError::fatal(
+                    "no_such_job",
+                    format!("probe job {} is gone", job.job_id),
+                ));
+            };
+            if !written {
+                slow_step(tx, job, step, *sleep_ms, fail_mode).await?;
+            }
+            out.push(outcome(step, *steps_total));
+        }
+        Ok(out)
+    }
+}
+
+/// The step a job at its checkpoint runs next.
+fn next_step(job: &JobCtx) -> Result<i32, JobError> {
+    let done = step_of(&job.checkpoint).ok_or_else(|| {
+        JobError::fatal(
+            "bad_checkpoint",
+            format!("unknown checkpoint '{}'", job.checkpoint),
+        )
+    })?;
+    Ok(done + 1)
+}
+
+fn outcome(step: i32, steps_total: i32) -> Step {
+    if step >= steps_total {
+        Step::Succeed("done".into())
+    } else {
+        Step::Advance(format!("step-{step}"))
+    }
+}
+
+/// A step that does not run straight through: the failure it was told to play, or its sleep
+/// and then its effect.
+async fn slow_step(
+    tx: &mut PgConnection,
+    job: &JobCtx,
+    step: i32,
+    sleep_ms: i32,
+    fail_mode: &str,
+) -> Result<(), JobError> {
+    match fail_mode {
+        "fatal" => return Err(JobError::fatal("probe_fatal", "the probe was told to fail")),
+        "retry_always" => {
+            return Err(JobError::retryable(
+                "probe_retry",
+                "the probe was told to retry",
+            ))
+        }
+        "retry_once" if job.execution_attempts == 1 => {
+            return Err(JobError::retryable(
+                "probe_retry",
+                "the probe fails its first attempt",
+            ))
+        }
+        _ => {}
+    }
+    if sleep_ms > 0 {
+        tokio::time::sleep(Duration::from_millis(u64::try_from(sleep_ms).unwrap_or(0))).await;
+    }
+    sqlx::query("INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) VALUES ($1, $2, $3, $4)")
+        .bind(job.job_id)
+        .bind(step)
+        .bind(&job.worker_id)
+        .bind(job.lease_token)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

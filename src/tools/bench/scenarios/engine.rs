@@ -47,8 +47,8 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
 
 /// 3b. The engine's Postgres work alone, as a ceiling for the engine in this run. The same `n`
 ///     one-step probe jobs are published by the real relay (its messages are then purged), and
-///     each is claimed and run through `Engine::process_ref`, the consumer's own code on its own
-///     connection, `inflight` at a time, with no broker in the loop. The engine does all of this
+///     the jobs are claimed and run through `Engine::process_refs`, the consumer's own code, in
+///     batches as the consumer forms them, `inflight` at a time, with no broker in the loop. The engine does all of this
 ///     plus the relay's statements and the broker's publish, delivery and ack on the same cores,
 ///     so it cannot go faster than this; its ratio to `limit` bounds the engine's.
 pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Report, String> {
@@ -83,6 +83,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
         vec![Arc::new(probe::ProbeHandler)],
         ConsumerConfig {
             prefetch: p.inflight,
+            batch_max: cfg_batch(p.inflight),
             ..ConsumerConfig::default()
         },
     );
@@ -91,24 +92,31 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     let handled = AtomicU64::new(0);
     let cpu = CpuMeter::start();
     let started = Instant::now();
-    futures_util::stream::iter(refs)
-        .for_each_concurrent(
-            usize::from(p.inflight),
-            |(job_id, outbox_id, delivery_id)| {
-                let (engine, shutdown, handled, progress) =
-                    (&engine, &shutdown, &handled, &progress);
-                async move {
-                    let d = DeliveryRef {
-                        kind: Kind::Probe,
-                        job_id,
-                        outbox_id,
-                        delivery_id,
-                    };
-                    engine.process_ref(&d, shutdown).await;
-                    progress.set(handled.fetch_add(1, Ordering::Relaxed) + 1);
-                }
-            },
-        )
+    // As the consumer takes them: batches of up to `batch_max`, `inflight` deliveries at once.
+    let batch = usize::from(cfg_batch(p.inflight));
+    let batches: Vec<Vec<DeliveryRef>> = refs
+        .chunks(batch)
+        .map(|c| {
+            c.iter()
+                .map(|(job_id, outbox_id, delivery_id)| DeliveryRef {
+                    kind: Kind::Probe,
+                    job_id: *job_id,
+                    outbox_id: *outbox_id,
+                    delivery_id: delivery_id.clone(),
+                })
+                .collect()
+        })
+        .collect();
+    futures_util::stream::iter(batches)
+        .for_each_concurrent((usize::from(p.inflight) / batch).max(1), |refs| {
+            let (engine, shutdown, handled, progress) = (&engine, &shutdown, &handled, &progress);
+            async move {
+                engine.process_refs(&refs, shutdown).await;
+                progress.set(
+                    handled.fetch_add(refs.len() as u64, Ordering::Relaxed) + refs.len() as u64,
+                );
+            }
+        })
         .await;
     let secs = started.elapsed().as_secs_f64();
     let busy = cpu.busy();
@@ -123,6 +131,11 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     );
     r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
+}
+
+/// The batch bound a consumer at `prefetch` runs with, as `kfs-worker run` sets it.
+fn cfg_batch(prefetch: u16) -> u16 {
+    ConsumerConfig::default().batch_max.min(prefetch).max(1)
 }
 
 /// 4. Jobs created one per commit at a steady rate; latency from the creating transaction to

@@ -1,0 +1,288 @@
+//! The batched engine against the real Postgres: deliveries claimed in one statement, a group of
+//! jobs stepped in one transaction per step, and a member that fails or is fenced out going its
+//! own way while the others commit once.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
+use kfs_worker::engine::group;
+use kfs_worker::engine::lease::{self, Delivered, DeliveryRef, Statements};
+use kfs_worker::engine::runner::{CrashPoints, Env, LEASE_LOST};
+use kfs_worker::jobs::probe::{ProbeHandler, ProbeSpec};
+use kfs_worker::jobs::Kind;
+use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::support::{self, dispatch, enqueue_one, TestEnv};
+
+/// A bound on calls that must not block; never a timing assertion.
+const HANG: Duration = Duration::from_secs(60);
+
+fn engine(env: &TestEnv) -> Engine {
+    Engine::new(
+        env.pool.clone(),
+        "batch-worker",
+        vec![Arc::new(ProbeHandler)],
+        ConsumerConfig::default(),
+    )
+}
+
+/// `n` probe jobs of `spec`, each put out for delivery as the relay leaves it.
+async fn dispatched(env: &TestEnv, n: usize, spec: &ProbeSpec) -> Vec<DeliveryRef> {
+    let mut refs = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (_, outbox) = enqueue_one(&env.pool, spec).await;
+        refs.push(dispatch(&env.pool, Kind::Probe, outbox).await);
+    }
+    refs
+}
+
+async fn process_refs(engine: &Engine, refs: &[DeliveryRef]) -> Vec<Handled> {
+    tokio::time::timeout(HANG, engine.process_refs(refs, &CancellationToken::new()))
+        .await
+        .expect("process_refs hung")
+}
+
+fn ack(claim: &'static str, end: &'static str) -> Handled {
+    Handled::Ack {
+        claim,
+        end: Some(end),
+    }
+}
+
+/// How many distinct transactions wrote the effects of `jobs`.
+async fn effect_transactions(pool: &PgPool, jobs: &[Uuid]) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(DISTINCT xmin::text) FROM kfs_probe_effects WHERE job_id = ANY($1)",
+    )
+    .bind(jobs)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn effects_of(pool: &PgPool, job: Uuid) -> Vec<(i32, i64)> {
+    sqlx::query_as(
+        "SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+async fn state(pool: &PgPool, job: Uuid) -> (String, String) {
+    sqlx::query_as("SELECT j.run_state, o.status FROM kfs_probe_jobs j JOIN kfs_probe_outbox o ON o.probe_job_id = j.id WHERE j.id = $1")
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_that_arrive_together_are_stepped_in_one_transaction_per_step_and_each_effect_is_written_once(
+) {
+    let env = TestEnv::new().await;
+    let spec = ProbeSpec {
+        steps: 3,
+        ..ProbeSpec::default()
+    };
+    let refs = dispatched(&env, 12, &spec).await;
+    let engine = engine(&env);
+    let handled = process_refs(&engine, &refs).await;
+    assert_eq!(handled, vec![ack("claimed", "succeeded"); 12]);
+    support::assert_probe_invariants(&env.pool).await;
+    let jobs: Vec<Uuid> = refs.iter().map(|d| d.job_id).collect();
+    // Three steps of twelve jobs, each step of all of them in one commit: three transactions,
+    // where twelve slices of their own would have taken thirty-six.
+    assert_eq!(effect_transactions(&env.pool, &jobs).await, 3);
+    // Every checkpoint still moved once per step: the row version counts claim + 2 advances +
+    // the end.
+    let versions: Vec<i32> =
+        sqlx::query_scalar("SELECT row_version FROM kfs_probe_jobs WHERE id = ANY($1)")
+            .bind(&jobs)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert!(versions.iter().all(|&v| v == 5), "{versions:?}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_member_fails_or_retries_alone_and_the_others_commit_once() {
+    let env = TestEnv::new().await;
+    let good = ProbeSpec {
+        steps: 2,
+        ..ProbeSpec::default()
+    };
+    let mut refs = dispatched(&env, 6, &good).await;
+    let fatal = dispatched(
+        &env,
+        1,
+        &ProbeSpec {
+            fail_mode: "fatal",
+            ..good.clone()
+        },
+    )
+    .await;
+    let retry = dispatched(
+        &env,
+        1,
+        &ProbeSpec {
+            fail_mode: "retry_once",
+            ..good.clone()
+        },
+    )
+    .await;
+    refs.insert(2, fatal[0].clone());
+    refs.insert(5, retry[0].clone());
+    let engine = engine(&env);
+    let handled = process_refs(&engine, &refs).await;
+    for (i, (d, h)) in refs.iter().zip(&handled).enumerate() {
+        let want = if d.job_id == fatal[0].job_id {
+            ack("claimed", "failed")
+        } else if d.job_id == retry[0].job_id {
+            ack("claimed", "wait")
+        } else {
+            ack("claimed", "succeeded")
+        };
+        assert_eq!(h, &want, "delivery {i}");
+    }
+    for d in &refs {
+        let effects = effects_of(&env.pool, d.job_id).await;
+        let st = state(&env.pool, d.job_id).await;
+        if d.job_id == fatal[0].job_id {
+            assert_eq!(effects, vec![], "the failed member wrote nothing");
+            assert_eq!(st, ("failed".into(), "dead".into()));
+        } else if d.job_id == retry[0].job_id {
+            assert_eq!(
+                effects,
+                vec![],
+                "the retrying member's step was rolled back"
+            );
+            assert_eq!(st, ("retry_wait".into(), "pending".into()));
+        } else {
+            assert_eq!(effects, vec![(1, 1), (2, 1)], "{}", d.job_id);
+            assert_eq!(st, ("succeeded".into(), "completed".into()));
+        }
+    }
+    env.cleanup().await;
+}
+
+/// The crash points a test group passes through: none of them is armed in this binary.
+static POINTS: CrashPoints = CrashPoints {
+    after_step: "after-step-commit",
+    after_end: None,
+    before_end: None,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others_commit_once() {
+    let env = TestEnv::new().await;
+    let spec = ProbeSpec {
+        steps: 2,
+        ..ProbeSpec::default()
+    };
+    let refs = dispatched(&env, 5, &spec).await;
+    let st = Arc::new(Statements::new(Kind::Probe.spec()));
+    let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
+    let mut conn = env.pool.acquire().await.unwrap();
+    let jobs = lease::claim_many(
+        &mut conn,
+        &st,
+        &pairs,
+        "batch-worker",
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    assert_eq!(jobs.len(), 5, "the batched claim takes every job");
+    drop(conn);
+    // Between the claim and the group's first fence, another writer (a pause, a takeover)
+    // moves one member's row on.
+    let fenced_out = refs[3].job_id;
+    sqlx::query("UPDATE kfs_probe_jobs SET row_version = row_version + 1 WHERE id = $1")
+        .bind(fenced_out)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let tr = Delivered {
+        statements: st,
+        handler: Arc::new(ProbeHandler),
+        policy: Kind::Probe.spec().policy,
+    };
+    let shutdown = CancellationToken::new();
+    let env_ = Env {
+        pool: &env.pool,
+        heartbeat_pool: &env.pool,
+        budget: Default::default(),
+        shutdown: &shutdown,
+        points: &POINTS,
+        keep_connection: true,
+    };
+    let ends = tokio::time::timeout(HANG, group::run_group(&tr, jobs, None, env_))
+        .await
+        .expect("the group hung");
+    assert_eq!(ends.len(), 5);
+    for (id, end) in ends {
+        let effects = effects_of(&env.pool, id).await;
+        if id == fenced_out {
+            assert_eq!(end, Some(LEASE_LOST));
+            assert_eq!(effects, vec![], "the fenced-out member wrote nothing");
+        } else {
+            assert_eq!(end, Some("succeeded"), "{id}");
+            assert_eq!(effects, vec![(1, 1), (2, 1)], "{id}");
+        }
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_claims_each_job_once_and_judges_stale_and_repeated_deliveries_alone() {
+    let env = TestEnv::new().await;
+    let refs = dispatched(&env, 4, &ProbeSpec::default()).await;
+    // A delivery the relay has since replaced, and the same delivery twice.
+    let mut stale = refs[1].clone();
+    stale.delivery_id = "an-older-delivery".into();
+    let batch = vec![
+        refs[0].clone(),
+        stale,
+        refs[1].clone(),
+        refs[2].clone(),
+        refs[2].clone(),
+        refs[3].clone(),
+    ];
+    // The worker is alive, as a running one is: a repeat of its live lease is no takeover.
+    let _alive = kfs_worker::liveness::acquire(&env.services().database_url, "batch-worker")
+        .await
+        .unwrap();
+    let engine = engine(&env);
+    let handled = process_refs(&engine, &batch).await;
+    assert_eq!(handled[0], ack("claimed", "succeeded"));
+    assert_eq!(
+        handled[1],
+        Handled::Ack {
+            claim: "stale",
+            end: None
+        }
+    );
+    assert_eq!(handled[2], ack("claimed", "succeeded"));
+    assert_eq!(handled[3], ack("claimed", "succeeded"));
+    // The repeat is judged while its job runs (a duplicate of a live lease) or after it ended.
+    assert!(
+        matches!(
+            handled[4],
+            Handled::Ack {
+                claim: "terminal" | "duplicate" | "stale",
+                end: None
+            }
+        ),
+        "{:?}",
+        handled[4]
+    );
+    assert_eq!(handled[5], ack("claimed", "succeeded"));
+    support::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
