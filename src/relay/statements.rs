@@ -1,7 +1,8 @@
 //! The relay's statement texts of one kind, rendered once. Invariant: a claim takes rows with
 //! `SKIP LOCKED`, at most 1.5 × `batch` + 3 of them; every later write to a claimed row
 //! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a job row
-//! another transaction holds is skipped, never waited for.
+//! another transaction holds is skipped, never waited for; outbox rows a statement waits for are
+//! taken in id order, as the consumer's batched statements take them, so none of them deadlock.
 
 use crate::engine::lease::LEASE_CLEAR;
 use crate::jobs::{KindSpec, States};
@@ -74,11 +75,14 @@ impl Statements {
                  RETURNING o.id, o.{{fk}}, o.payload, o.queue_job_id, o.dispatch_attempts, {revision}, o.schema_version"
             )),
             mark: spec.sql(&format!(
-                "WITH marked AS ( \
+                "WITH lk AS ( \
+                   SELECT o.id FROM {{outbox}} o \
+                   WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $2 AND o.status = 'dispatching' \
+                   ORDER BY o.id FOR UPDATE OF o \
+                 ), marked AS ( \
                    UPDATE {{outbox}} o SET status = 'dispatched', lock_token = NULL, locked_by = NULL, \
                      locked_until = NULL, available_at = {{now+$3}}, last_error = NULL, updated_at = {{now}} \
-                   FROM unnest($1::uuid[]) AS m(id) \
-                   WHERE o.id = m.id AND o.lock_token = $2 AND o.status = 'dispatching' \
+                   FROM lk WHERE o.id = lk.id AND o.lock_token = $2 AND o.status = 'dispatching' \
                    RETURNING o.{{fk}} AS job_id \
                  ), {mark_job} \
                  SELECT (SELECT count(*) FROM marked), (SELECT count(*) FROM moved)"
@@ -86,11 +90,16 @@ impl Statements {
             // `refund`: the message never left (the channel was already broken), so this claim
             // does not count as a dispatch attempt.
             release: spec.sql(
-                "UPDATE {outbox} o SET status = 'pending', available_at = {now+m.delay_ms}, lock_token = NULL, \
+                "WITH m AS ( \
+                   SELECT * FROM unnest($1::uuid[], $4::bigint[], $5::int[]) AS m(id, delay_ms, refund) \
+                 ), lk AS ( \
+                   SELECT o.id, m.delay_ms, m.refund FROM {outbox} o JOIN m ON o.id = m.id \
+                   WHERE o.lock_token = $2 AND o.status = 'dispatching' ORDER BY o.id FOR UPDATE OF o \
+                 ) \
+                 UPDATE {outbox} o SET status = 'pending', available_at = {now+lk.delay_ms}, lock_token = NULL, \
                    locked_by = NULL, locked_until = NULL, last_error = $3, \
-                   dispatch_attempts = o.dispatch_attempts - m.refund, updated_at = {now} \
-                 FROM unnest($1::uuid[], $4::bigint[], $5::int[]) AS m(id, delay_ms, refund) \
-                 WHERE o.id = m.id AND o.lock_token = $2 AND o.status = 'dispatching'",
+                   dispatch_attempts = o.dispatch_attempts - lk.refund, updated_at = {now} \
+                 FROM lk WHERE o.id = lk.id AND o.lock_token = $2 AND o.status = 'dispatching'",
             ),
             // Job rows locked by someone else (a worker mid-step) are skipped, never waited for:
             // their outbox rows stay `dispatching` under our token and are released instead.

@@ -286,3 +286,105 @@ async fn a_batch_claims_each_job_once_and_judges_stale_and_repeated_deliveries_a
     support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_end_takes_its_outbox_rows_in_id_order_so_it_cannot_deadlock_with_the_relays_mark()
+{
+    let env = TestEnv::new().await;
+    let st = Statements::new(Kind::Probe.spec());
+    // Two members whose job ids and outbox ids sort in opposite orders.
+    let mut refs = dispatched(&env, 2, &ProbeSpec::default()).await;
+    while !(refs.len() >= 2 && {
+        let (a, b) = (&refs[refs.len() - 2], &refs[refs.len() - 1]);
+        (a.job_id < b.job_id) != (a.outbox_id < b.outbox_id)
+    }) {
+        refs.extend(dispatched(&env, 1, &ProbeSpec::default()).await);
+    }
+    let pair = refs.split_off(refs.len() - 2);
+    let pairs: Vec<(&DeliveryRef, Uuid)> = pair.iter().map(|d| (d, Uuid::new_v4())).collect();
+    let mut conn = env.pool.acquire().await.unwrap();
+    let mut jobs = lease::claim_many(&mut conn, &st, &pairs, "w", Duration::from_secs(60))
+        .await
+        .unwrap();
+    drop(conn);
+    assert_eq!(jobs.len(), 2);
+    jobs.sort_by_key(|j| j.job_id);
+    let (high, low) = if jobs[0].outbox_id > jobs[1].outbox_id {
+        (jobs[0].outbox_id, jobs[1].outbox_id)
+    } else {
+        (jobs[1].outbox_id, jobs[0].outbox_id)
+    };
+    // Another writer (a relay's mark, say) holds the higher outbox row.
+    let mut holder = env.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM kfs_probe_outbox WHERE id = $1 FOR UPDATE")
+        .bind(high)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let mut ender = env.pool.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *ender)
+        .await
+        .unwrap();
+    let ending = tokio::spawn(async move {
+        let mut tx = sqlx::Connection::begin(&mut *ender).await.unwrap();
+        let refs: Vec<&kfs_worker::jobs::JobCtx> = jobs.iter().collect();
+        let fenced = lease::fence_many(&mut tx, &st, &refs, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(fenced.len(), 2);
+        // Given the higher outbox row first: the order of the input decides nothing.
+        let mut by_outbox: Vec<&kfs_worker::jobs::JobCtx> = jobs.iter().collect();
+        by_outbox.sort_by_key(|j| std::cmp::Reverse(j.outbox_id));
+        let ends: Vec<(&kfs_worker::jobs::JobCtx, &str)> =
+            by_outbox.into_iter().map(|j| (j, "done")).collect();
+        let ended = lease::end_many(&mut tx, &st, lease::GroupEnd::Succeed, &ends)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        ended.len()
+    });
+    // Wait until the group's end waits for the held row.
+    let waiting = env
+        .wait_until(HANG, || {
+            let pool = env.pool.clone();
+            async move {
+                sqlx::query_scalar::<_, Option<String>>(
+                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+                )
+                .bind(pid)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+                .as_deref()
+                    == Some("Lock")
+            }
+        })
+        .await;
+    assert!(
+        waiting,
+        "the group's end never waited for the held outbox row"
+    );
+    // Waiting for the higher row, it already holds the lower one: it took them in id order,
+    // as the relay's mark does, so the two can never each hold what the other waits for.
+    let mut probe = env.pool.begin().await.unwrap();
+    let lower = sqlx::query("SELECT 1 FROM kfs_probe_outbox WHERE id = $1 FOR UPDATE NOWAIT")
+        .bind(low)
+        .execute(&mut *probe)
+        .await;
+    let code = lower
+        .as_ref()
+        .err()
+        .and_then(|e| e.as_database_error())
+        .and_then(|d| d.code().map(|c| c.into_owned()));
+    assert_eq!(
+        code.as_deref(),
+        Some("55P03"),
+        "the lower outbox row must be locked by the waiting end: {lower:?}"
+    );
+    probe.rollback().await.unwrap();
+    holder.rollback().await.unwrap();
+    let ended = tokio::time::timeout(HANG, ending).await.unwrap().unwrap();
+    assert_eq!(ended, 2);
+    env.cleanup().await;
+}

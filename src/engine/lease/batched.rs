@@ -2,8 +2,10 @@
 //! (succeed or continue) and heartbeat over `unnest` of the members' ids, tokens and row
 //! versions. Invariant: each statement applies to every member exactly the comparison the
 //! one-job statement of the same name applies (lease token, row version, an unexpired lease by
-//! the wall clock, a live job), locks job rows in id order before any outbox row, and returns
-//! the ids it changed, so a caller sees precisely which members matched.
+//! the wall clock, a live job), takes job row locks before outbox row locks, each in id order
+//! (or skips locked rows), and returns the ids it changed, so a caller sees precisely which
+//! members matched. Every statement that waits for several outbox rows (these, and the relay's
+//! mark and release) takes them in id order, so two of them never deadlock.
 
 use std::time::Duration;
 
@@ -56,10 +58,13 @@ impl Batched {
                    FROM e WHERE j.id = e.id AND j.lease_token = e.token AND j.row_version = e.rv \
                      AND j.lease_expires_at > {{clock}} AND {live} \
                    RETURNING j.id, e.outbox_id \
+                 ), ol AS ( \
+                   SELECT o.id, j.id AS job_id FROM {{outbox}} o JOIN j ON o.id = j.outbox_id \
+                   ORDER BY o.id FOR UPDATE OF o \
                  ) \
                  UPDATE {{outbox}} AS o SET {outbox_set}, lock_token = NULL, locked_by = NULL, locked_until = NULL, \
                    updated_at = {{now}} \
-                 FROM j WHERE o.id = j.outbox_id RETURNING j.id"
+                 FROM ol WHERE o.id = ol.id RETURNING ol.job_id"
             ))
         };
         Batched {
@@ -118,13 +123,20 @@ impl Batched {
                 "WITH h AS ( \
                    SELECT * FROM unnest($1::uuid[], $2::uuid[], $4::uuid[], $5::text[]) \
                      AS h(id, token, outbox_id, delivery_id) \
+                 ), jl AS ( \
+                   SELECT j.id FROM {{job}} j JOIN h ON j.id = h.id \
+                   WHERE j.lease_token = h.token AND j.lease_expires_at > {{clock}} AND {live} \
+                   ORDER BY j.id FOR NO KEY UPDATE OF j \
                  ), j AS ( \
-                   UPDATE {{job}} AS j SET lease_expires_at = {{clock+$3}}, heartbeat_at = {{clock}} FROM h \
-                   WHERE j.id = h.id AND j.lease_token = h.token AND j.lease_expires_at > {{clock}} AND {live} \
+                   UPDATE {{job}} AS j SET lease_expires_at = {{clock+$3}}, heartbeat_at = {{clock}} FROM jl, h \
+                   WHERE j.id = jl.id AND h.id = jl.id AND j.lease_token = h.token AND j.lease_expires_at > {{clock}} AND {live} \
                    RETURNING j.id, j.lease_expires_at, h.outbox_id, h.delivery_id \
+                 ), ol AS ( \
+                   SELECT o.id, j.lease_expires_at FROM {{outbox}} o JOIN j ON o.id = j.outbox_id \
+                   WHERE o.status = 'leased' AND o.queue_job_id = j.delivery_id \
+                   ORDER BY o.id FOR UPDATE OF o \
                  ), o AS ( \
-                   UPDATE {{outbox}} AS o SET available_at = j.lease_expires_at FROM j \
-                   WHERE o.id = j.outbox_id AND o.status = 'leased' AND o.queue_job_id = j.delivery_id \
+                   UPDATE {{outbox}} AS o SET available_at = ol.lease_expires_at FROM ol WHERE o.id = ol.id \
                    RETURNING 1 \
                  ) SELECT id FROM j"
             )),

@@ -24,9 +24,14 @@ pub struct BenchArgs {
     /// Most worker processes in the scale-out scenario (it runs 1, 2, 4, … up to this)
     #[arg(long, default_value_t = 4)]
     pub workers: u32,
-    /// Deliveries in flight per consumer (the prefetch); the bare loop gets the same
-    #[arg(long, default_value_t = 16)]
+    /// Deliveries in flight per consumer (the prefetch); the bare loop gets the same. Deep
+    /// enough that batches overlap the broker's round trips (`kfs-worker run --prefetch`)
+    #[arg(long, default_value_t = 64)]
     pub inflight: u16,
+    /// Most deliveries the engine claims and steps as one batch (`kfs-worker run
+    /// --batch-max`; at most --inflight)
+    #[arg(long, default_value_t = 16)]
+    pub batch_max: u16,
     /// One JSON object per line (the machine, then each scenario) instead of the table
     #[arg(long)]
     pub json: bool,
@@ -121,6 +126,9 @@ impl BenchArgs {
         if self.inflight == 0 {
             return Err(ConfigError::new("--inflight", "must be at least 1"));
         }
+        if self.batch_max == 0 {
+            return Err(ConfigError::new("--batch-max", "must be at least 1"));
+        }
         if !(1..=3600).contains(&self.latency_secs) {
             return Err(ConfigError::new(
                 "--latency-secs",
@@ -145,6 +153,7 @@ impl BenchArgs {
                 jobs: self.jobs,
                 workers: self.workers,
                 inflight: self.inflight,
+                batch_max: self.batch_max.min(self.inflight),
                 latency_secs: self.latency_secs,
                 latency_rate: self.latency_rate,
                 kind_jobs: self.kind_jobs,
@@ -180,7 +189,7 @@ pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
     if args.json {
         println!(
             "{}",
-            serde_json::json!({ "machine": machine, "jobs": params.jobs, "inflight": params.inflight })
+            serde_json::json!({ "machine": machine, "jobs": params.jobs, "inflight": params.inflight, "batch_max": params.batch_max })
         );
     } else {
         println!(

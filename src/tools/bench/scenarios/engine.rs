@@ -28,7 +28,7 @@ use crate::tools::bench::stats;
 
 /// 3. `n` one-step probe jobs through the whole protocol in one `run` runtime in this process.
 pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Report, String> {
-    let opts = run_options(env, vec![Kind::Probe], p.inflight, "memory://")?;
+    let opts = run_options(env, vec![Kind::Probe], p, "memory://")?;
     let queue = env.topology.queue(Kind::Probe);
     let run = with_runtime(opts, async {
         env.wait_consumers(&queue, 1, Duration::from_secs(60))
@@ -39,7 +39,7 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
     let mut r = Report::single(
         "engine",
         run,
-        json!({"inflight": p.inflight, "pool": engine_pool_size(p.inflight, 1), "relay_batch": RelayConfig::default().batch}),
+        json!({"inflight": p.inflight, "batch_max": p.batch_max, "pool": engine_pool_size(p.inflight, 1), "relay_batch": RelayConfig::default().batch}),
     );
     r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
@@ -83,7 +83,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
         vec![Arc::new(probe::ProbeHandler)],
         ConsumerConfig {
             prefetch: p.inflight,
-            batch_max: cfg_batch(p.inflight),
+            batch_max: p.batch_max,
             ..ConsumerConfig::default()
         },
     );
@@ -93,7 +93,7 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     let cpu = CpuMeter::start();
     let started = Instant::now();
     // As the consumer takes them: batches of up to `batch_max`, `inflight` deliveries at once.
-    let batch = usize::from(cfg_batch(p.inflight));
+    let batch = usize::from(p.batch_max.max(1));
     let batches: Vec<Vec<DeliveryRef>> = refs
         .chunks(batch)
         .map(|c| {
@@ -127,22 +127,17 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     let mut r = Report::single(
         "statements",
         Run::new("statements", n, done, secs, "jobs/s").with_cpu(busy),
-        json!({"inflight": p.inflight, "pool": size}),
+        json!({"inflight": p.inflight, "batch_max": p.batch_max, "pool": size}),
     );
     r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
-}
-
-/// The batch bound a consumer at `prefetch` runs with, as `kfs-worker run` sets it.
-fn cfg_batch(prefetch: u16) -> u16 {
-    ConsumerConfig::default().batch_max.min(prefetch).max(1)
 }
 
 /// 4. Jobs created one per commit at a steady rate; latency from the creating transaction to
 ///    the claim and to completion, from the job rows' own timestamps.
 pub async fn latency(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let total = p.latency_secs * u64::from(p.latency_rate);
-    let opts = run_options(env, vec![Kind::Probe], p.inflight, "memory://")?;
+    let opts = run_options(env, vec![Kind::Probe], p, "memory://")?;
     let queue = env.topology.queue(Kind::Probe);
     let (offered_secs, finished) = with_runtime(opts, async {
         env.wait_consumers(&queue, 1, Duration::from_secs(60))

@@ -61,7 +61,7 @@ pub async fn kinds(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let store = Store::open(&config::object_store(&store_url).map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
     let kinds = Kind::platform();
-    let opts = run_options(env, kinds.clone(), p.inflight, &store_url)?;
+    let opts = run_options(env, kinds.clone(), p, &store_url)?;
     let queues: Vec<String> = kinds.iter().map(|k| env.topology.queue(*k)).collect();
 
     let (space, snapshot, docs) = {

@@ -44,6 +44,8 @@ pub struct Params {
     pub jobs: u64,
     pub workers: u32,
     pub inflight: u16,
+    /// The engine's batch bound (at most `inflight`).
+    pub batch_max: u16,
     pub latency_secs: u64,
     pub latency_rate: u32,
     pub kind_jobs: u32,
@@ -136,7 +138,7 @@ where
 fn run_options(
     env: &BenchEnv,
     kinds: Vec<Kind>,
-    inflight: u16,
+    p: &Params,
     object_store: &str,
 ) -> Result<RunOptions, String> {
     Ok(RunOptions {
@@ -150,7 +152,8 @@ fn run_options(
         leased: None,
         relay_cfg: RelayConfig::default(),
         consumer_cfg: ConsumerConfig {
-            prefetch: inflight,
+            prefetch: p.inflight,
+            batch_max: p.batch_max,
             ..ConsumerConfig::default()
         },
         maintenance_cfg: MaintenanceConfig::default(),

@@ -31,7 +31,12 @@ struct WorkerProcess {
 }
 
 impl WorkerProcess {
-    fn spawn(services: &Services, id: &str, inflight: u16) -> Result<WorkerProcess, String> {
+    fn spawn(
+        services: &Services,
+        id: &str,
+        inflight: u16,
+        batch_max: u16,
+    ) -> Result<WorkerProcess, String> {
         let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
         let log = std::env::temp_dir().join(format!("{id}.log"));
         let file = std::fs::File::create(&log).map_err(|e| format!("log file: {e}"))?;
@@ -42,6 +47,7 @@ impl WorkerProcess {
             .env("KFS_QUEUE_PREFIX", &services.queue_prefix)
             .env("KFS_WORKER_ID", id)
             .env("KFS_PREFETCH", inflight.to_string())
+            .env("KFS_BATCH_MAX", batch_max.to_string())
             .env("KFS_HTTP_ADDR", "off")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -89,6 +95,7 @@ pub async fn scaleout(base: &Services, p: &Params) -> Result<Report, String> {
                     &env.services,
                     &format!("kfs-bench-{}-w{i}", env.tag),
                     p.inflight,
+                    p.batch_max,
                 )?);
             }
             let queue = env.topology.queue(Kind::Probe);
@@ -115,7 +122,7 @@ pub async fn scaleout(base: &Services, p: &Params) -> Result<Report, String> {
     let mut r = Report::single(
         "scaleout",
         Run::new("scaleout", last.n, last.done, last.secs, "jobs/s"),
-        json!({"inflight_per_worker": p.inflight, "workers": worker_counts(p.workers)}),
+        json!({"inflight_per_worker": p.inflight, "batch_max": p.batch_max, "workers": worker_counts(p.workers)}),
     );
     if runs.len() > 1 {
         r.against(first, "1 worker");
