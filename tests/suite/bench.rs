@@ -74,6 +74,12 @@ async fn every_scenario_reports_all_its_work_done() {
         "4",
         "--workers",
         "2",
+        // The tests beside this one share Postgres' connections: the bench's default depth
+        // (64 in flight, a pool of 64 per scenario) is for a machine of its own.
+        "--inflight",
+        "16",
+        "--batch-max",
+        "8",
         "--json",
     ]);
     let out = String::from_utf8_lossy(&o.stdout).into_owned();

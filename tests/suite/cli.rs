@@ -173,6 +173,7 @@ fn bad_run_settings_are_refused_before_connecting() {
         ),
         ("KFS_WORKER_ID", " ", "KFS_WORKER_ID: must be"),
         ("KFS_PREFETCH", "0", "KFS_PREFETCH: must be at least 1"),
+        ("KFS_BATCH_MAX", "0", "KFS_BATCH_MAX: must be at least 1"),
         (
             "KFS_SLICE_STEPS",
             "0",
