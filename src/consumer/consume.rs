@@ -28,6 +28,22 @@ struct Unsettled {
     end: Option<&'static str>,
 }
 
+/// How long one ack, reject or give-back may take to leave. They are settled in the delivery
+/// loop, in order (a multiple ack must never precede an ack of a tag it covers); a connection
+/// that died without closing its channel may never answer, and the loop must not wait for it.
+const SEND: Duration = Duration::from_secs(5);
+
+/// The broker did not take a settlement within [`SEND`]: the channel is gone.
+#[derive(Debug)]
+struct Stuck;
+
+/// Sends one settlement, waiting at most [`SEND`].
+async fn sent(
+    f: impl std::future::Future<Output = lapin::Result<bool>>,
+) -> Result<lapin::Result<bool>, Stuck> {
+    tokio::time::timeout(SEND, f).await.map_err(|_| Stuck)
+}
+
 /// Sleeps until `at`; never returns without one (the branch is disabled then).
 async fn sleep_until(at: Option<Instant>) {
     match at {
@@ -43,7 +59,7 @@ async fn settle(
     handled: Vec<(Delivery, Handled)>,
     window: &mut Window,
     unsettled: &mut HashMap<u64, Unsettled>,
-) {
+) -> Result<(), Stuck> {
     let mut decided = Vec::new();
     let mut settled = Vec::new();
     let mut abandoned = Vec::new();
@@ -79,7 +95,7 @@ async fn settle(
     acks.extend(window.decided(&decided, Instant::now()));
     for ack in acks {
         match ack {
-            Ack::One(tag) => ack_alone(kind, &[tag], unsettled).await,
+            Ack::One(tag) => ack_alone(kind, &[tag], unsettled).await?,
             Ack::UpTo { tag, n } => {
                 crate::crash::point("before-multi-ack");
                 let covered: Vec<Unsettled> = {
@@ -95,27 +111,30 @@ async fn settle(
                     continue;
                 };
                 let sent_at = micros_now();
-                let sent = top
-                    .delivery
-                    .acker
-                    .ack(BasicAckOptions { multiple: true })
-                    .await;
-                log_acks(kind, &covered, sent, sent_at);
+                let result =
+                    sent(top.delivery.acker.ack(BasicAckOptions { multiple: true })).await?;
+                log_acks(kind, &covered, result, sent_at);
             }
         }
     }
+    Ok(())
 }
 
 /// Acks each of `tags` on its own.
-async fn ack_alone(kind: Kind, tags: &[u64], unsettled: &mut HashMap<u64, Unsettled>) {
+async fn ack_alone(
+    kind: Kind,
+    tags: &[u64],
+    unsettled: &mut HashMap<u64, Unsettled>,
+) -> Result<(), Stuck> {
     for tag in tags {
         let Some(u) = unsettled.remove(tag) else {
             continue;
         };
         let sent_at = micros_now();
-        let sent = u.delivery.ack(BasicAckOptions::default()).await;
-        log_acks(kind, std::slice::from_ref(&u), sent, sent_at);
+        let result = sent(u.delivery.ack(BasicAckOptions::default())).await?;
+        log_acks(kind, std::slice::from_ref(&u), result, sent_at);
     }
+    Ok(())
 }
 
 /// When an ack left, in microseconds since the epoch: the ack log lets each ack be compared
@@ -173,19 +192,31 @@ pub async fn consume(
     let mut window = Window::default();
     let mut unsettled: HashMap<u64, Unsettled> = HashMap::new();
     let batch_max = usize::from(engine.cfg.batch_max.max(1));
+    // Set when the broker stopped taking settlements: the session is rebuilt.
+    let mut stuck = false;
     let result = loop {
         let flush_at = window.flush_at();
         tokio::select! {
             () = shutdown.cancelled() => break Ok(()),
             Some(done) = running.join_next(), if !running.is_empty() => {
-                match done {
+                let settled = match done {
                     Ok(handled) => settle(kind, handled, &mut window, &mut unsettled).await,
-                    Err(e) => tracing::error!(error = %e, "delivery task panicked"),
+                    Err(e) => {
+                        tracing::error!(error = %e, "delivery task panicked");
+                        Ok(())
+                    }
+                };
+                if settled.is_err() {
+                    stuck = true;
+                    break Ok(());
                 }
             }
             () = sleep_until(flush_at), if flush_at.is_some() => {
                 let due = window.flush(Instant::now(), false);
-                ack_alone(kind, &due, &mut unsettled).await;
+                if ack_alone(kind, &due, &mut unsettled).await.is_err() {
+                    stuck = true;
+                    break Ok(());
+                }
             }
             next = consumer.next() => {
                 let first = match next {
@@ -237,14 +268,26 @@ pub async fn consume(
     let drained = tokio::time::timeout(grace, async {
         while let Some(done) = running.join_next().await {
             if let Ok(handled) = done {
-                settle(kind, handled, &mut window, &mut unsettled).await;
+                if !stuck
+                    && settle(kind, handled, &mut window, &mut unsettled)
+                        .await
+                        .is_err()
+                {
+                    stuck = true;
+                }
             }
         }
     })
     .await;
     // Decided deliveries a lower, unsettled one still holds are acked one by one.
     let held = window.flush(Instant::now(), true);
-    ack_alone(kind, &held, &mut unsettled).await;
+    if !stuck && ack_alone(kind, &held, &mut unsettled).await.is_err() {
+        stuck = true;
+    }
+    if stuck {
+        // Their decisions are committed: the broker redelivers them and each claim sees it.
+        tracing::warn!(kind = %kind, "the broker stopped taking acks; the deliveries left unsettled are redelivered");
+    }
     if drained.is_err() {
         tracing::warn!(kind = %kind, "slices still running after the shutdown grace period; leaving them to redelivery");
         running.abort_all();
