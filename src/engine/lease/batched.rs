@@ -12,6 +12,7 @@ use std::time::Duration;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use super::claims::{leased, record_claim};
 use super::{millis, DeliveryRef, Statements, LEASE_CLEAR};
 use crate::engine::kind::{JobCtx, KindSpec};
 
@@ -177,25 +178,13 @@ pub async fn claim_many(
         let Some(&(d, token)) = deliveries.iter().find(|(d, _)| d.job_id == job_id) else {
             continue;
         };
-        crate::metrics::attempt(d.kind.name(), attempts);
-        if taken_over {
-            crate::metrics::takeover(
-                d.kind.name(),
-                silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            );
-        }
-        claimed.push(JobCtx {
-            kind: d.kind,
-            job_id,
-            outbox_id: d.outbox_id,
-            delivery_id: d.delivery_id.clone(),
-            lease_token: token,
-            row_version,
-            checkpoint,
-            execution_attempts: attempts,
-            max_execution_attempts: max_attempts,
-            worker_id: worker_id.to_owned(),
-        });
+        record_claim(d, attempts, taken_over, silent_for);
+        claimed.push(leased(
+            d,
+            token,
+            worker_id,
+            (checkpoint, row_version, attempts, max_attempts),
+        ));
     }
     Ok(claimed)
 }

@@ -51,25 +51,13 @@ pub async fn claim_as(
         .fetch_optional(&mut *conn)
         .await?;
     if let Some((checkpoint, row_version, attempts, max_attempts, taken_over, silent_for)) = row {
-        crate::metrics::attempt(d.kind.name(), attempts);
-        if taken_over {
-            crate::metrics::takeover(
-                d.kind.name(),
-                silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
-            );
-        }
-        return Ok(Claim::Claimed(JobCtx {
-            kind: d.kind,
-            job_id: d.job_id,
-            outbox_id: d.outbox_id,
-            delivery_id: d.delivery_id.clone(),
-            lease_token: token,
-            row_version,
-            checkpoint,
-            execution_attempts: attempts,
-            max_execution_attempts: max_attempts,
-            worker_id: worker_id.to_owned(),
-        }));
+        record_claim(d, attempts, taken_over, silent_for);
+        return Ok(Claim::Claimed(leased(
+            d,
+            token,
+            worker_id,
+            (checkpoint, row_version, attempts, max_attempts),
+        )));
     }
     let ours: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.ours)
         .bind(d.job_id)
@@ -79,24 +67,51 @@ pub async fn claim_as(
         .bind(&d.delivery_id)
         .fetch_optional(&mut *conn)
         .await?;
-    if let Some((checkpoint, row_version, attempts, max_attempts)) = ours {
-        return Ok(Claim::Claimed(JobCtx {
-            kind: d.kind,
-            job_id: d.job_id,
-            outbox_id: d.outbox_id,
-            delivery_id: d.delivery_id.clone(),
-            lease_token: token,
-            row_version,
-            checkpoint,
-            execution_attempts: attempts,
-            max_execution_attempts: max_attempts,
-            worker_id: worker_id.to_owned(),
-        }));
+    if let Some(row) = ours {
+        return Ok(Claim::Claimed(leased(d, token, worker_id, row)));
     }
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let verdict = diagnose(&mut tx, st, d, hook).await?;
     tx.commit().await?;
     Ok(verdict)
+}
+
+/// The job a claim leased under `token`, from its `(checkpoint, row version, attempts, max
+/// attempts)` as the claim returned them.
+pub(super) fn leased(
+    d: &DeliveryRef,
+    token: Uuid,
+    worker_id: &str,
+    (checkpoint, row_version, attempts, max_attempts): (String, i32, i32, i32),
+) -> JobCtx {
+    JobCtx {
+        kind: d.kind,
+        job_id: d.job_id,
+        outbox_id: d.outbox_id,
+        delivery_id: d.delivery_id.clone(),
+        lease_token: token,
+        row_version,
+        checkpoint,
+        execution_attempts: attempts,
+        max_execution_attempts: max_attempts,
+        worker_id: worker_id.to_owned(),
+    }
+}
+
+/// Counts a claim's attempt and, when the lease had a holder who never ended it, the takeover.
+pub(super) fn record_claim(
+    d: &DeliveryRef,
+    attempts: i32,
+    taken_over: bool,
+    silent_for: Option<f64>,
+) {
+    crate::metrics::attempt(d.kind.name(), attempts);
+    if taken_over {
+        crate::metrics::takeover(
+            d.kind.name(),
+            silent_for.map(|s| Duration::from_secs_f64(s.max(0.0))),
+        );
+    }
 }
 
 /// Settles the outbox row an unusable message names (see [`crate::engine::settle`]), in a
