@@ -1,10 +1,12 @@
 //! Kill and stall points for crash tests. Invariant: without the `crash-points` feature this
 //! compiles to nothing; with it, `KFS_CRASH_AT=<point>[:<n>]` aborts the process at the n-th
 //! (default first) pass through that point, the way SIGKILL would: no destructor, no flush, no
-//! ack; `KFS_STALL_AT=<point>` makes every pass through a stall point wait forever, the way
-//! a connect to a host that never answers does; and `KFS_DELAY_AT=<point>@<worker>=<ms>` makes
-//! that worker's passes through a delay point wait that long, the way a slow start does;
-//! `KFS_LOSE_REPLY_AT=<statement>` makes the first reply of that statement look lost.
+//! ack; `KFS_STALL_AT=<point>[:<n>]` makes the first n (default: every) passes through a stall
+//! point wait forever and lets the later ones through, the way a connect to a host that never
+//! answers, or a broker connection that never answers a settlement, does;
+//! `KFS_DELAY_AT=<point>@<worker>=<ms>` makes that worker's passes through a delay point wait
+//! that long, the way a slow start does; and `KFS_LOSE_REPLY_AT=<statement>` makes the first
+//! reply of that statement look lost.
 
 /// The points the engine passes through.
 pub const POINTS: [&str; 8] = [
@@ -52,8 +54,9 @@ pub fn point(name: &'static str) {
 #[inline(always)]
 pub fn point(_name: &'static str) {}
 
-/// The points that may stall.
-pub const STALL_POINTS: [&str; 1] = ["relay-listen"];
+/// The points that may stall: the relay's listener setup, and a delivery's settlement (ack,
+/// multiple ack) with the broker.
+pub const STALL_POINTS: [&str; 2] = ["relay-listen", "settle"];
 
 /// The statements whose reply can be lost once after their commit.
 pub const LOST_REPLY_POINTS: [&str; 1] = ["claim"];
@@ -103,10 +106,30 @@ pub async fn delay(name: &'static str, worker: &str) {
 #[inline(always)]
 pub async fn delay(_name: &'static str, _worker: &str) {}
 
+/// Whether `spec` (`<point>[:<n>]`, as in `KFS_STALL_AT`) stalls the `pass`-th (from 1) pass
+/// through `name`: every pass when no n is given, the first n otherwise.
+#[cfg(feature = "crash-points")]
+fn stalls(spec: &str, name: &str, pass: u64) -> bool {
+    match spec.split_once(':') {
+        None => spec == name,
+        Some((p, n)) => p == name && n.parse::<u64>().is_ok_and(|n| pass <= n),
+    }
+}
+
 #[cfg(feature = "crash-points")]
 pub async fn stall(name: &'static str) {
-    if std::env::var("KFS_STALL_AT").is_ok_and(|p| p == name) {
-        eprintln!("kfs-worker: stall point {name} reached, waiting forever");
+    use std::sync::atomic::{AtomicU64, Ordering};
+    // Passes through the one point `KFS_STALL_AT` names.
+    static PASSES: AtomicU64 = AtomicU64::new(0);
+    let Ok(spec) = std::env::var("KFS_STALL_AT") else {
+        return;
+    };
+    if spec.split_once(':').map_or(spec.as_str(), |(p, _)| p) != name {
+        return;
+    }
+    let pass = PASSES.fetch_add(1, Ordering::SeqCst) + 1;
+    if stalls(&spec, name, pass) {
+        eprintln!("kfs-worker: stall point {name} reached (pass {pass}), waiting forever");
         std::future::pending::<()>().await;
     }
 }
@@ -114,3 +137,27 @@ pub async fn stall(name: &'static str) {
 #[cfg(not(feature = "crash-points"))]
 #[inline(always)]
 pub async fn stall(_name: &'static str) {}
+
+#[cfg(all(test, feature = "crash-points"))]
+mod tests {
+    use super::stalls;
+
+    #[test]
+    fn a_stall_without_a_count_stalls_every_pass_of_its_point_only() {
+        for pass in [1, 2, 1000] {
+            assert!(stalls("relay-listen", "relay-listen", pass));
+            assert!(!stalls("relay-listen", "settle", pass));
+        }
+    }
+
+    #[test]
+    fn a_stall_with_a_count_stalls_the_first_n_passes_only() {
+        assert!(stalls("settle:1", "settle", 1));
+        assert!(!stalls("settle:1", "settle", 2));
+        assert!(stalls("settle:3", "settle", 3));
+        assert!(!stalls("settle:3", "settle", 4));
+        assert!(!stalls("settle:3", "relay-listen", 1));
+        assert!(!stalls("settle:0", "settle", 1));
+        assert!(!stalls("settle:x", "settle", 1));
+    }
+}

@@ -37,10 +37,16 @@ const SEND: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 struct Stuck;
 
-/// Sends one settlement, waiting at most [`SEND`].
+/// Sends one settlement, waiting at most [`SEND`]. The `settle` stall point (crash tests only)
+/// plays a connection that never answers it, inside the bound.
 async fn sent(
     f: impl std::future::Future<Output = lapin::Result<bool>>,
 ) -> Result<lapin::Result<bool>, Stuck> {
+    #[cfg(feature = "crash-points")]
+    let f = async {
+        crate::crash::stall("settle").await;
+        f.await
+    };
     tokio::time::timeout(SEND, f).await.map_err(|_| Stuck)
 }
 
@@ -78,8 +84,12 @@ async fn settle(
                 );
                 continue;
             }
-            Handled::Reject(_) => delivery.reject(BasicRejectOptions { requeue: false }).await,
-            Handled::GiveBack => delivery.reject(BasicRejectOptions { requeue: true }).await,
+            Handled::Reject(_) => {
+                sent(delivery.reject(BasicRejectOptions { requeue: false })).await?
+            }
+            Handled::GiveBack => {
+                sent(delivery.reject(BasicRejectOptions { requeue: true })).await?
+            }
             Handled::Abandon => {
                 abandoned.push(tag);
                 continue;
