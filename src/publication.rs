@@ -116,16 +116,7 @@ pub async fn lock_head_within(
     space: Uuid,
     wait: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
-    let before: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
-        .fetch_one(&mut *conn)
-        .await?;
-    sqlx::query("SAVEPOINT kfs_head_lock")
-        .execute(&mut *conn)
-        .await?;
-    sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-        .bind(format!("{}ms", wait.as_millis().max(1)))
-        .execute(&mut *conn)
-        .await?;
+    let wait = crate::db::LockWait::begin(conn, wait).await?;
     let locked = sqlx::query_scalar::<_, i32>(
         "SELECT head_revision FROM projection_set_publication_heads \
          WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
@@ -134,28 +125,10 @@ pub async fn lock_head_within(
     .bind(space)
     .fetch_optional(&mut *conn)
     .await;
-    match locked {
-        Ok(found) => {
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-                .bind(&before)
-                .execute(&mut *conn)
-                .await?;
-            sqlx::query("RELEASE SAVEPOINT kfs_head_lock")
-                .execute(&mut *conn)
-                .await?;
-            Ok(Locked::Held(match found {
-                Some(_) => head(conn, tenant, space, false).await?,
-                None => None,
-            }))
-        }
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => {
-            // Rolling back to the savepoint also undoes the set_config.
-            sqlx::query("ROLLBACK TO SAVEPOINT kfs_head_lock")
-                .execute(&mut *conn)
-                .await?;
-            Ok(Locked::Busy)
-        }
-        Err(e) => Err(e),
+    match wait.end(conn, locked).await? {
+        Some(Some(_)) => Ok(Locked::Held(head(conn, tenant, space, false).await?)),
+        Some(None) => Ok(Locked::Held(None)),
+        None => Ok(Locked::Busy),
     }
 }
 

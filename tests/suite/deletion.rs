@@ -24,7 +24,7 @@ use kfs_worker::jobs::compile::{self, RequestOptions, Requester};
 use kfs_worker::jobs::deletion::{
     request_deletion, retry_deletion, CachePage, DeletionConfig, DeletionHandler, DeletionRequest,
     ObjectEraser, PortError, RequestError, RetrievalCache, RetryAuthority, RetryRequest, SecretRef,
-    SecretStore, SourceMode, Target,
+    SecretStore, SourceMode, Target, SPACE_LOCK_CLASS,
 };
 use kfs_worker::jobs::{Deps, Handler, JobCtx, JobError, Kind, Step};
 use kfs_worker::publication::{self, Member};
@@ -1695,6 +1695,100 @@ async fn a_document_deletion_without_a_seeded_raw_object_item_still_erases_the_r
         "found in the first pass"
     );
     assert_documents_gone(&fx, &cat, &s, &[doc], &needles).await;
+    fx.cleanup().await;
+}
+
+/// Another deletion's space-wide step in the same space holds the space's lock (taken here
+/// the way that step takes it).
+async fn hold_space_lock(pool: &PgPool, space: Uuid) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+        .bind(SPACE_LOCK_CLASS)
+        .bind(space.to_string())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_space_wide_step_queues_behind_another_deletions_step_then_runs_or_gives_its_slice_back()
+{
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 0).await;
+    let pool = fx.pool();
+    let doc = fx
+        .add("queued.md", "text/markdown", note(1, "queued").as_bytes())
+        .await;
+    fx.compile(doc).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: doc }, "queued"),
+    )
+    .await
+    .unwrap();
+    let patient = |wait: Duration| {
+        Arc::new(handler(&fx).with_config(DeletionConfig {
+            space_lock_wait: wait,
+            ..fast_config()
+        }))
+    };
+
+    // Held for longer than the step waits: the slice ends with a cooperative wait, using no
+    // attempt, and its transaction (rolled back to before the lock) writes nothing else.
+    let holder = hold_space_lock(pool, s.id).await;
+    let short = Driver::new(&fx, patient(Duration::from_millis(300)), Budget::default()).await;
+    for _ in 0..20 {
+        short.turn().await;
+        if job_state(pool, job).await.0 == "retry_wait" {
+            break;
+        }
+    }
+    let (state, cp, code, message, attempts): (String, String, Option<String>, Option<String>, i32) =
+        sqlx::query_as(
+            "SELECT run_state, checkpoint, last_error_code, last_error_message, execution_attempts              FROM deletion_jobs WHERE id = $1",
+        )
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!((state.as_str(), cp.as_str()), ("retry_wait", "quiescing"));
+    assert_eq!(code.as_deref(), Some("waiting"));
+    assert!(
+        message
+            .unwrap_or_default()
+            .contains("another deletion in the space"),
+        "the wait names why"
+    );
+    assert_eq!(attempts, 0, "a planned wait gives its attempt back");
+    assert!(
+        served(pool, &s).await.contains(&doc),
+        "nothing of the quiescing step committed"
+    );
+
+    // Released while the next step queues for it: that step gets the lock and goes on.
+    skip_wait(pool, job).await;
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        holder.commit().await.unwrap();
+    });
+    let queued = Driver::new(&fx, patient(Duration::from_secs(60)), Budget::default()).await;
+    assert_eq!(queued.finish(job, true).await.0, "succeeded");
+    release.await.unwrap();
+    let (attempts, code): (i32, Option<String>) = sqlx::query_as(
+        "SELECT execution_attempts, last_error_code FROM deletion_jobs WHERE id = $1",
+    )
+    .bind(job)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (attempts, code),
+        (1, None),
+        "one slice queued for the lock and ran to the end"
+    );
+    assert_finished_clean(pool, job).await;
+    assert!(!served(pool, &s).await.contains(&doc));
     fx.cleanup().await;
 }
 

@@ -184,6 +184,9 @@ pub struct DeletionConfig {
     pub max_wait: Duration,
     /// Inventory passes (residue restarts + 1) before the job fails as `residue_persists`.
     pub max_passes: i32,
+    /// How long a space-wide step queues behind another deletion's step in the same space
+    /// before it gives its slice back (a cooperative wait: no attempt used).
+    pub space_lock_wait: Duration,
 }
 
 impl Default for DeletionConfig {
@@ -197,6 +200,7 @@ impl Default for DeletionConfig {
             item_retry_max: Duration::from_secs(300),
             max_wait: Duration::from_secs(5),
             max_passes: 20,
+            space_lock_wait: Duration::from_secs(10),
         }
     }
 }
@@ -383,7 +387,9 @@ impl Handler for DeletionHandler {
 
     async fn step(&self, tx: &mut PgConnection, ctx: &JobCtx) -> Result<Step, JobError> {
         let job = JobRow::load(tx, ctx.job_id).await?;
-        if space_wide(job.checkpoint) && !lock_space(tx, job.space).await? {
+        if space_wide(job.checkpoint)
+            && !lock_space(tx, job.space, self.cfg.space_lock_wait).await?
+        {
             return Ok(Step::Wait {
                 delay: SPACE_LOCK_RETRY,
                 reason: "another deletion in the space is taking a step".into(),
@@ -410,10 +416,7 @@ impl Handler for DeletionHandler {
 }
 
 /// The advisory-lock class of the space-wide steps of deletions (the liveness locks use 7038579).
-const SPACE_LOCK_CLASS: i32 = 7_038_580;
-/// How long a space-wide step waits for another deletion's step in the same space before it
-/// gives its slice back.
-const SPACE_LOCK_PATIENCE: Duration = Duration::from_secs(10);
+pub const SPACE_LOCK_CLASS: i32 = 7_038_580;
 const SPACE_LOCK_RETRY: Duration = Duration::from_millis(500);
 
 /// Steps that read and write rows of the whole space (its leases, research residue, head,
@@ -426,26 +429,25 @@ fn space_wide(cp: Checkpoint) -> bool {
     )
 }
 
-/// Takes the space's deletion lock for the rest of the transaction, waiting up to
-/// [`SPACE_LOCK_PATIENCE`]. `false`: another deletion held it all that time.
-async fn lock_space(tx: &mut PgConnection, space: uuid::Uuid) -> Result<bool, sqlx::Error> {
-    let start = std::time::Instant::now();
-    let mut nap = Duration::from_millis(5);
-    loop {
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, hashtext($2))")
-            .bind(SPACE_LOCK_CLASS)
-            .bind(space.to_string())
-            .fetch_one(&mut *tx)
-            .await?;
-        if got {
-            return Ok(true);
-        }
-        if start.elapsed() >= SPACE_LOCK_PATIENCE {
-            return Ok(false);
-        }
-        tokio::time::sleep(nap).await;
-        nap = (nap * 2).min(Duration::from_millis(100));
-    }
+/// Takes the space's deletion lock for the rest of the transaction, queueing for it up to
+/// `wait`. `false`: another deletion held it all that time (the transaction is as it was).
+///
+/// The wait is Postgres' own lock queue (`lock_timeout` for this statement alone), not a
+/// polling loop: waiters get the lock in the order they asked, the moment its holder commits.
+/// With polling, every hand-over lost a nap of up to 100 ms while the lock stood free, and the
+/// space-wide steps of a space's deletions run only one at a time.
+async fn lock_space(
+    tx: &mut PgConnection,
+    space: uuid::Uuid,
+    wait: Duration,
+) -> Result<bool, sqlx::Error> {
+    let lock_wait = crate::db::LockWait::begin(tx, wait).await?;
+    let locked = sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+        .bind(SPACE_LOCK_CLASS)
+        .bind(space.to_string())
+        .execute(&mut *tx)
+        .await;
+    Ok(lock_wait.end(tx, locked).await?.is_some())
 }
 
 /// Milliseconds as a wait, clamped to `[min, max]`.

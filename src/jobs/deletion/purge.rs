@@ -43,8 +43,51 @@ fn of_td(t: &str) -> String {
 }
 
 /// A row of a child table (`t.{col}`) whose parent in `parent` (alias `q`) matches `filter`.
+///
+/// The parents are an uncorrelated set: the job's parameters are read from `p` by scalar
+/// subqueries, not from the outer row's `p`. Correlated on the outer `p`, Postgres runs the
+/// parent lookup once per candidate child row (a page of a document's page-index terms then
+/// scanned every term of the space: 158 ms against 1.3 ms for 5,200 terms), and the
+/// space-wide steps of a space's deletions run one at a time, so that cost is paid in series.
 fn child_of(t: &str, col: &str, parent: &str, filter: &str) -> String {
-    format!("{t}.{col} IN (SELECT q.id FROM {parent} q WHERE {filter})")
+    format!(
+        "{t}.{col} IN (SELECT q.id FROM {parent} q WHERE {})",
+        uncorrelated(filter)
+    )
+}
+
+/// `filter` with every job parameter (`p.space`, `p.tenant`, `p.target`, `p.job`) read from
+/// the `p` CTE by a scalar subquery.
+fn uncorrelated(filter: &str) -> String {
+    let mut out = String::with_capacity(filter.len() + 64);
+    let mut rest = filter;
+    while let Some(i) = rest.find("p.") {
+        let boundary = i == 0 || {
+            let c = rest.as_bytes()[i - 1];
+            !(c.is_ascii_alphanumeric() || c == b'_' || c == b'.')
+        };
+        let after = &rest[i + 2..];
+        let field = ["space", "tenant", "target", "job"].into_iter().find(|f| {
+            after.starts_with(f)
+                && !after[f.len()..]
+                    .bytes()
+                    .next()
+                    .is_some_and(|c| c.is_ascii_alphanumeric() || c == b'_')
+        });
+        match field {
+            Some(f) if boundary => {
+                out.push_str(&rest[..i]);
+                out.push_str(&format!("(SELECT {f} FROM p)"));
+                rest = &after[f.len()..];
+            }
+            _ => {
+                out.push_str(&rest[..i + 2]);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// The space's cascade residue tables, in the platform's explicit order (0018 subset), and
@@ -603,5 +646,27 @@ mod tests {
         assert!(pos("knowledge_space_access_policies") < pos("knowledge_space_members"));
         assert!(pos("projection_set_publication_heads") < pos("projection_set_publications"));
         assert!(pos("document_compilation_attempts") < pos("projection_set_publications"));
+    }
+
+    #[test]
+    fn a_child_page_reads_its_parents_as_an_uncorrelated_set() {
+        let cases = [
+            (
+                "q.knowledge_space_id = p.space AND q.tenant_id = p.tenant",
+                "q.knowledge_space_id = (SELECT space FROM p) AND q.tenant_id = (SELECT tenant FROM p)",
+            ),
+            ("q.id = p.target OR q.job_id = p.job", "q.id = (SELECT target FROM p) OR q.job_id = (SELECT job FROM p)"),
+            // Other aliases, other columns and longer names are left alone.
+            ("ip.space = 1 AND p.spaces = 2 AND p.lim = 3", "ip.space = 1 AND p.spaces = 2 AND p.lim = 3"),
+            ("x.p.space", "x.p.space"),
+        ];
+        for (filter, want) in cases {
+            assert_eq!(uncorrelated(filter), want, "{filter}");
+        }
+        for (_, filter) in document_children() {
+            if let Some((_, parents)) = filter.split_once("IN (SELECT q.id") {
+                assert!(!parents.contains("= p."), "{filter}");
+            }
+        }
     }
 }
