@@ -61,6 +61,13 @@ pub trait Embedder: Send + Sync + fmt::Debug {
     /// The provider name recorded in a projection's metadata.
     fn name(&self) -> &'static str;
 
+    /// Whether an embedding is computed in this process, with no call to another service, so
+    /// a step that embeds stays short and may share a transaction with other jobs' steps.
+    /// `false` unless an adapter says so.
+    fn in_process(&self) -> bool {
+        false
+    }
+
     async fn embed(
         &self,
         profile: &Profile,
@@ -128,6 +135,10 @@ impl Offline {
 impl Embedder for Offline {
     fn name(&self) -> &'static str {
         "offline"
+    }
+
+    fn in_process(&self) -> bool {
+        true
     }
 
     async fn embed(

@@ -324,9 +324,8 @@ fn extractive() -> Arc<dyn Handler> {
     )))
 }
 
-/// One real relay round; the published message taken off the queue and handed to the engine.
-/// `None`: nothing was due.
-async fn deliver(fx: &SpaceFx, engine: &Engine) -> Option<Handled> {
+/// One real relay round: how many messages it published.
+async fn relay_round(fx: &SpaceFx) -> usize {
     let env = &fx.env;
     let relay = Relay::new(
         env.pool.clone(),
@@ -335,11 +334,18 @@ async fn deliver(fx: &SpaceFx, engine: &Engine) -> Option<Handled> {
         RelayConfig::default(),
         &[Kind::Research],
     );
-    let round = relay
+    relay
         .relay_once(&env.confirm_channel().await, Kind::Research)
         .await
-        .expect("relay round");
-    if round.dispatched == 0 {
+        .expect("relay round")
+        .dispatched
+}
+
+/// One real relay round; the published message taken off the queue and handed to the engine.
+/// `None`: nothing was due.
+async fn deliver(fx: &SpaceFx, engine: &Engine) -> Option<Handled> {
+    let env = &fx.env;
+    if relay_round(fx).await == 0 {
         return None;
     }
     let ch = env.channel().await;
@@ -655,6 +661,96 @@ async fn the_whole_walk_answers_from_published_knowledge_with_the_platforms_payl
     assert_eq!(events(&pool, id).await.len(), evs.len());
     assert_eq!(partials(&pool, id).await.len(), 1);
     s.fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn tasks_claimed_together_take_each_stage_in_one_transaction_and_answer_as_alone() {
+    let s = seed("group").await;
+    let pool = s.pool().clone();
+    let env = &s.env;
+    // One task alone: the walk every member of the group must also have.
+    let solo = request(&pool, &req(&s, QUESTION)).await;
+    let alone = engine(&pool, "research-solo", extractive());
+    assert_eq!(run_until_settled(&s, &alone, solo).await.stage, "completed");
+
+    let ids = [
+        request(&pool, &req(&s, QUESTION)).await,
+        request(
+            &pool,
+            &req(&s, "When does a lease expire without a heartbeat?"),
+        )
+        .await,
+        request(&pool, &req(&s, "What does fencing refuse?")).await,
+    ];
+    assert_eq!(relay_round(&s).await, 3);
+    let ch = env.channel().await;
+    let mut got = Vec::new();
+    while let Some(m) = ch
+        .basic_get(
+            env.topology.queue(Kind::Research).as_str().into(),
+            BasicGetOptions { no_ack: true },
+        )
+        .await
+        .unwrap()
+    {
+        got.push(m.delivery);
+    }
+    assert_eq!(got.len(), 3);
+    let items: Vec<(&lapin::BasicProperties, &[u8])> = got
+        .iter()
+        .map(|d| (&d.properties, d.data.as_slice()))
+        .collect();
+    let together = engine(&pool, "research-group", extractive());
+    let handled = tokio::time::timeout(
+        HANG,
+        together.process_many(Kind::Research, &items, &CancellationToken::new()),
+    )
+    .await
+    .expect("process_many hung");
+    assert!(
+        handled.iter().all(|h| matches!(
+            h,
+            Handled::Ack {
+                end: Some("succeeded"),
+                ..
+            }
+        )),
+        "{handled:?}"
+    );
+
+    // The group's last step wrote every member's row in one transaction.
+    let ends: i64 = sqlx::query_scalar(
+        "SELECT count(DISTINCT xmin::text) FROM research_task_jobs WHERE id = ANY($1)",
+    )
+    .bind(&ids[..])
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(ends, 1, "the members ended in one commit");
+    // And each member's own record is the one a task run alone leaves.
+    let walk = types(&events(&pool, solo).await);
+    for id in ids {
+        let j = job(&pool, id).await;
+        assert_eq!((j.stage.as_str(), j.lease_token), ("completed", None));
+        let evs = events(&pool, id).await;
+        assert_contiguous(id, &evs);
+        assert_eq!(types(&evs), walk, "task {id}");
+        assert_eq!(
+            partials(&pool, id).await.len(),
+            1,
+            "task {id}: one final bundle"
+        );
+    }
+    s.fx.cleanup().await;
+}
+
+#[test]
+fn tasks_that_call_a_model_keep_a_transaction_per_step() {
+    assert!(
+        ResearchHandler::with_generator(Arc::new(ExtractiveGenerator::new())).shares_transaction()
+    );
+    let with_model = ResearchHandler::with_generator(openai("http://127.0.0.1:9/v1", 0.0, 0.0));
+    assert!(!with_model.shares_transaction());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -246,6 +246,14 @@ impl Handler for ResearchHandler {
         KIND
     }
 
+    /// A task's steps read and write only the database when its answers and query embeddings
+    /// are made in this process (the extractive generator, the offline embedder): tasks
+    /// claimed together then take each stage in one transaction. With a model or embedding
+    /// service, each step keeps its own transaction.
+    fn shares_transaction(&self) -> bool {
+        self.generator.in_process() && self.embedder.in_process()
+    }
+
     /// A scheduled retry gets its `stage_changed {"error", "retryAt", "retryScheduled": true}`
     /// at the job's stage, in the same transaction.
     async fn on_retry(

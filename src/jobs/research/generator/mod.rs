@@ -82,6 +82,13 @@ pub struct Generation {
 pub trait Generator: Send + Sync + 'static {
     fn name(&self) -> &'static str;
 
+    /// Whether an answer is made in this process, with no call to a model service, so the
+    /// answering step stays short and may share a transaction with other tasks' steps.
+    /// `false` unless a generator says so.
+    fn in_process(&self) -> bool {
+        false
+    }
+
     /// The most a call for `req` may cost (its estimated prompt tokens, its largest answer, at
     /// the generator's prices), reserved against the budget before the call. Free by default.
     fn estimate(&self, _req: &GenerationRequest<'_>) -> Estimate {
@@ -190,6 +197,10 @@ pub fn extract(
 impl Generator for ExtractiveGenerator {
     fn name(&self) -> &'static str {
         "extractive"
+    }
+
+    fn in_process(&self) -> bool {
+        true
     }
 
     async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
