@@ -302,6 +302,11 @@ async fn kill_point(point: &'static str) {
 
     let mut crash_env = base_env(LONG_LEASE);
     crash_env.push(("KFS_CRASH_AT", point));
+    // These points are on the one-delivery path; batches of one keep every delivery on it
+    // (the group path has its own points).
+    if matches!(point, "after-claim-commit" | "before-ack") {
+        crash_env.push(("KFS_BATCH_MAX", "1"));
+    }
     let mut others: Vec<Worker> = Vec::new();
     let mut a = if relay_point {
         others.push(spawn(&env, "c", &["--consumer"], &base_env(LONG_LEASE)));
