@@ -55,7 +55,7 @@ pub fn point(name: &'static str) {
 pub fn point(_name: &'static str) {}
 
 /// The points that may stall: the relay's listener setup, and a delivery's settlement (ack,
-/// multiple ack) with the broker.
+/// multiple ack, reject, give-back) with the broker.
 pub const STALL_POINTS: [&str; 2] = ["relay-listen", "settle"];
 
 /// The statements whose reply can be lost once after their commit.
