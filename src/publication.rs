@@ -99,7 +99,8 @@ pub async fn head(
 /// What a bounded wait for the head lock found.
 #[derive(Debug)]
 pub enum Locked {
-    /// The head row is locked by this transaction (or the space has no head yet).
+    /// The head row is locked by this transaction; or the space has no head yet, and this
+    /// transaction holds [`HEAD_CREATE_LOCK_CLASS`], so no other publisher can create one first.
     Held(Option<Head>),
     /// Another transaction held the head row for longer than the wait.
     Busy,
@@ -117,19 +118,49 @@ pub async fn lock_head_within(
     wait: std::time::Duration,
 ) -> Result<Locked, sqlx::Error> {
     let wait = crate::db::LockWait::begin(conn, wait).await?;
-    let locked = sqlx::query_scalar::<_, i32>(
-        "SELECT head_revision FROM projection_set_publication_heads \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
-    )
-    .bind(tenant)
-    .bind(space)
-    .fetch_optional(&mut *conn)
-    .await;
+    let locked = lock_or_queue_to_create(conn, tenant, space).await;
     match wait.end(conn, locked).await? {
         Some(Some(_)) => Ok(Locked::Held(head(conn, tenant, space, false).await?)),
         Some(None) => Ok(Locked::Held(None)),
         None => Ok(Locked::Busy),
     }
+}
+
+/// The advisory-lock class (with `hashtext(space id)`) that the publishers of a space without a
+/// head queue on, so that one of them creates the first head and the others then find it.
+pub const HEAD_CREATE_LOCK_CLASS: i32 = 7_038_581;
+
+/// Locks the head row. A space without a head has no row to lock, so its first publishers would
+/// all compose against revision 0 and all but one would lose the compare-and-swap, each losing
+/// an attempt and a retry's backoff (the whole tail of a bulk upload into a new space). They
+/// queue on [`HEAD_CREATE_LOCK_CLASS`] instead and read again once they hold it. Publishers of
+/// a space with a head never take that lock, so the two locks are never waited on in opposite
+/// orders.
+async fn lock_or_queue_to_create(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+) -> Result<Option<i32>, sqlx::Error> {
+    const LOCK_HEAD: &str = "SELECT head_revision FROM projection_set_publication_heads \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE";
+    let locked = sqlx::query_scalar::<_, i32>(LOCK_HEAD)
+        .bind(tenant)
+        .bind(space)
+        .fetch_optional(&mut *conn)
+        .await?;
+    if locked.is_some() {
+        return Ok(locked);
+    }
+    sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+        .bind(HEAD_CREATE_LOCK_CLASS)
+        .bind(space.to_string())
+        .execute(&mut *conn)
+        .await?;
+    sqlx::query_scalar::<_, i32>(LOCK_HEAD)
+        .bind(tenant)
+        .bind(space)
+        .fetch_optional(&mut *conn)
+        .await
 }
 
 /// The members of a publication, in the platform's order (component type, then key).

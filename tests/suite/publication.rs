@@ -1,5 +1,6 @@
 //! The publication head's compare-and-swap against a real Postgres: concurrent writers of one
-//! space's head each either move it or learn that it moved, never fail on a unique key.
+//! space's head each either move it or learn that it moved, never fail on a unique key; and the
+//! first publishers of a space queue to create its head rather than race for it.
 
 use std::sync::Arc;
 
@@ -89,5 +90,56 @@ async fn racing_first_heads_of_a_space_give_one_head_and_one_moved_never_an_erro
             "round {round}: one head, one moved"
         );
     }
+    env.cleanup().await;
+}
+
+/// The first publishers of a space without a head (a bulk upload into a new space) queue for it
+/// instead of all composing against revision 0: while one holds the right to create the head,
+/// another's bounded wait ends `Busy`, and once the first has created it and committed, the
+/// other locks that head and rebases onto it. Without the queue every publisher but one lost
+/// the compare-and-swap and spent an attempt and a retry's backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn first_publishers_of_a_space_queue_to_create_its_head_and_the_next_finds_it() {
+    use std::time::Duration;
+    let env = TestEnv::new().await;
+    let space = {
+        let mut c = env.pool.acquire().await.unwrap();
+        platform::create_space(&mut c, TENANT, "queue", "Queue", "owner-1")
+            .await
+            .unwrap()
+    };
+    let first_pub = candidate(&env.pool, space).await;
+    let mut first = env.pool.begin().await.unwrap();
+    let held = publication::lock_head_within(&mut first, TENANT, space, Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert!(matches!(held, publication::Locked::Held(None)), "{held:?}");
+
+    let mut second = env.pool.begin().await.unwrap();
+    let queued =
+        publication::lock_head_within(&mut second, TENANT, space, Duration::from_millis(300))
+            .await
+            .unwrap();
+    assert!(
+        matches!(queued, publication::Locked::Busy),
+        "a second first publisher must queue behind the first, got {queued:?}"
+    );
+
+    let swapped = publication::swap_head(&mut first, TENANT, space, 0, first_pub)
+        .await
+        .unwrap();
+    assert_eq!(swapped, Ok(1));
+    first.commit().await.unwrap();
+
+    let found = publication::lock_head_within(&mut second, TENANT, space, Duration::from_secs(5))
+        .await
+        .unwrap();
+    match found {
+        publication::Locked::Held(Some(h)) => {
+            assert_eq!((h.revision, h.publication_id), (1, first_pub))
+        }
+        other => panic!("the second publisher should find the first's head, got {other:?}"),
+    }
+    second.rollback().await.unwrap();
     env.cleanup().await;
 }
