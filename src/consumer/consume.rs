@@ -1,6 +1,7 @@
 //! The delivery loop of one kind's queue: deliveries that have arrived together (up to the
 //! batch bound, never waiting for more) are handled as one batch by [`Engine::process_many`],
-//! and acked through the channel's ack window ([`super::acks`]). Invariant: a delivery is
+//! taken when [`super::pace`] says so, and acked through the channel's ack window
+//! ([`super::acks`]). Invariant: a delivery is
 //! settled with the broker (ack, reject or give back) only after its verdict came back, and
 //! acked (alone or by a multiple ack) only after the commit that decided it; an abandoned
 //! delivery is left unacked for redelivery and no multiple ack covers it; on shutdown the loop
@@ -18,6 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use super::acks::{Ack, Window};
+use super::pace::Pace;
 use super::{Engine, Handled};
 use crate::jobs::Kind;
 
@@ -198,19 +200,29 @@ pub async fn consume(
             FieldTable::default(),
         )
         .await?;
-    let mut running: JoinSet<Vec<(Delivery, Handled)>> = JoinSet::new();
+    let mut running: JoinSet<(Instant, Vec<(Delivery, Handled)>)> = JoinSet::new();
     let mut window = Window::default();
     let mut unsettled: HashMap<u64, Unsettled> = HashMap::new();
     let batch_max = usize::from(engine.cfg.batch_max.max(1));
+    let mut pace = Pace::new(
+        engine.groups(kind),
+        (usize::from(prefetch.max(1)) / batch_max).max(2),
+    );
     // Set when the broker stopped taking settlements: the session is rebuilt.
     let mut stuck = false;
     let result = loop {
         let flush_at = window.flush_at();
+        let now = Instant::now();
+        let take = pace.may_take(now);
+        let look_again = pace.look_again_at(now);
         tokio::select! {
             () = shutdown.cancelled() => break Ok(()),
             Some(done) = running.join_next(), if !running.is_empty() => {
                 let settled = match done {
-                    Ok(handled) => settle(kind, handled, &mut window, &mut unsettled).await,
+                    Ok((started, handled)) => {
+                        pace.finished(started, Instant::now());
+                        settle(kind, handled, &mut window, &mut unsettled).await
+                    }
                     Err(e) => {
                         tracing::error!(error = %e, "delivery task panicked");
                         Ok(())
@@ -228,7 +240,8 @@ pub async fn consume(
                     break Ok(());
                 }
             }
-            next = consumer.next() => {
+            () = sleep_until(look_again), if look_again.is_some() => {}
+            next = consumer.next(), if take => {
                 let first = match next {
                     Some(Ok(d)) => d,
                     Some(Err(e)) => break Err(e),
@@ -252,11 +265,13 @@ pub async fn consume(
                 }
                 let engine = engine.clone();
                 let shutdown = shutdown.clone();
+                let started = Instant::now();
+                pace.started(started);
                 running.spawn(async move {
                     let items: Vec<(&lapin::BasicProperties, &[u8])> =
                         batch.iter().map(|d| (&d.properties, d.data.as_slice())).collect();
                     let handled = engine.process_many(kind, &items, &shutdown).await;
-                    batch.into_iter().zip(handled).collect()
+                    (started, batch.into_iter().zip(handled).collect())
                 });
                 if let Some(e) = failed {
                     break Err(e);
@@ -277,7 +292,7 @@ pub async fn consume(
     let grace = engine.cfg.shutdown_grace;
     let drained = tokio::time::timeout(grace, async {
         while let Some(done) = running.join_next().await {
-            if let Ok(handled) = done {
+            if let Ok((_, handled)) = done {
                 if !stuck
                     && settle(kind, handled, &mut window, &mut unsettled)
                         .await

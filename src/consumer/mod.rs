@@ -7,6 +7,7 @@
 mod acks;
 mod batch;
 mod consume;
+mod pace;
 mod runner;
 mod supervise;
 
@@ -159,6 +160,13 @@ impl Engine {
 
     pub fn worker_id(&self) -> &str {
         &self.worker_id
+    }
+
+    /// Whether `kind`'s claimed jobs step together in one transaction.
+    pub fn groups(&self, kind: Kind) -> bool {
+        self.handlers
+            .get(&kind)
+            .is_some_and(|h| h.shares_transaction())
     }
 
     fn policy(&self, kind: Kind) -> Policy {
