@@ -192,8 +192,8 @@ impl Statements {
                  WHERE id = $1 AND lease_token = $2 AND lease_expires_at > {{now}} AND {live}"
             )),
             fence: spec.sql(&format!(
-                "SELECT row_version, set_config('idle_in_transaction_session_timeout', $4, true) \
-                 FROM {{job}} WHERE {fence} FOR NO KEY UPDATE"
+                "SELECT row_version, {} FROM {{job}} WHERE {fence} FOR NO KEY UPDATE",
+                spec.step_settings()
             )),
             advance: spec.sql(
                 "UPDATE {job} SET {cp} = $2, row_version = row_version + 1, updated_at = {now} \

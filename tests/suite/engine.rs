@@ -726,6 +726,8 @@ mod note {
             failed_keeps_slot: false,
         },
         superseded_state: false,
+        // As research and deletion: each step transaction plans its statements once.
+        generic_plans: true,
         revisions: true,
         policy: Policy {
             lease: Duration::from_secs(30),
@@ -746,7 +748,8 @@ mod note {
         prepare: Some(|pool| Box::pin(migrate(pool))),
     };
 
-    /// Two steps, each recording its effect in the step's transaction.
+    /// Two steps, each recording its effect in the step's transaction, with the plan mode that
+    /// transaction runs under.
     struct NoteHandler;
 
     #[async_trait::async_trait]
@@ -756,11 +759,14 @@ mod note {
         }
 
         async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
-            sqlx::query("INSERT INTO kfs_note_effects (job_id, checkpoint) VALUES ($1, $2)")
-                .bind(job.job_id)
-                .bind(&job.checkpoint)
-                .execute(tx)
-                .await?;
+            sqlx::query(
+                "INSERT INTO kfs_note_effects (job_id, checkpoint, plans) \
+                 VALUES ($1, $2, current_setting('plan_cache_mode'))",
+            )
+            .bind(job.job_id)
+            .bind(&job.checkpoint)
+            .execute(tx)
+            .await?;
             Ok(match job.checkpoint.as_str() {
                 "queued" => Step::Advance("written".into()),
                 _ => Step::Succeed("done".into()),
@@ -777,7 +783,7 @@ mod note {
             "CREATE TABLE IF NOT EXISTS kfs_note_outbox (LIKE kfs_probe_outbox INCLUDING DEFAULTS INCLUDING INDEXES)",
             "DO $$ BEGIN ALTER TABLE kfs_note_outbox RENAME COLUMN probe_job_id TO note_job_id; \
              EXCEPTION WHEN undefined_column THEN NULL; END $$",
-            "CREATE TABLE IF NOT EXISTS kfs_note_effects (job_id UUID NOT NULL, checkpoint TEXT NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS kfs_note_effects (job_id UUID NOT NULL, checkpoint TEXT NOT NULL, plans TEXT NOT NULL)",
         ] {
             sqlx::query(ddl).execute(&mut *tx).await?;
         }
@@ -859,6 +865,17 @@ async fn a_kind_registered_from_outside_runs_through_relay_and_consumer_like_a_b
             .await
             .unwrap();
     assert_eq!(effects, vec!["queued", "written"], "each step once");
+    let plans: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT plans FROM kfs_note_effects WHERE job_id = $1")
+            .bind(job)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        plans,
+        vec!["force_generic_plan"],
+        "the steps ran under the plan mode the kind's spec asks for"
+    );
     let outbox: String =
         sqlx::query_scalar("SELECT status FROM kfs_note_outbox WHERE note_job_id = $1")
             .bind(job)

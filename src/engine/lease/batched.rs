@@ -104,10 +104,11 @@ impl Batched {
                  FROM claimed JOIN prev ON prev.id = claimed.id"
             )),
             fence: spec.sql(&format!(
-                "SELECT j.id, j.row_version, set_config('idle_in_transaction_session_timeout', $4, true) \
+                "SELECT j.id, j.row_version, {} \
                  FROM {{job}} j JOIN unnest($1::uuid[], $2::uuid[], $3::int[]) AS f(id, token, rv) ON j.id = f.id \
                  WHERE j.lease_token = f.token AND j.row_version = f.rv AND j.lease_expires_at > {{clock}} AND {live} \
-                 ORDER BY j.id FOR NO KEY UPDATE OF j"
+                 ORDER BY j.id FOR NO KEY UPDATE OF j",
+                spec.step_settings()
             )),
             advance: spec.sql(
                 "UPDATE {job} AS j SET {cp} = a.cp, row_version = j.row_version + 1, updated_at = {now} \

@@ -169,6 +169,7 @@ pub static COMPILE: KindSpec = KindSpec {
         failed_keeps_slot: false,
     },
     superseded_state: true,
+    generic_plans: false,
     revisions: false,
     policy: Policy {
         lease: Duration::from_secs(60),

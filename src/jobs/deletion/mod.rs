@@ -476,6 +476,7 @@ pub static DELETION: KindSpec = KindSpec {
         failed_keeps_slot: true,
     },
     superseded_state: false,
+    generic_plans: true,
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),

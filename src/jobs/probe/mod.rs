@@ -287,6 +287,7 @@ pub static PROBE: KindSpec = KindSpec {
         failed_keeps_slot: false,
     },
     superseded_state: false,
+    generic_plans: false,
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),

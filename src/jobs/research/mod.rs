@@ -358,6 +358,7 @@ pub static RESEARCH: KindSpec = KindSpec {
     clock: Clock::EpochMillis,
     states: States::Stage,
     superseded_state: false,
+    generic_plans: true,
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),
