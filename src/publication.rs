@@ -61,18 +61,8 @@ pub async fn head(
     space: Uuid,
     for_update: bool,
 ) -> Result<Option<Head>, sqlx::Error> {
-    if for_update {
-        let locked: Option<i32> = sqlx::query_scalar(
-            "SELECT head_revision FROM projection_set_publication_heads \
-             WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
-        )
-        .bind(tenant)
-        .bind(space)
-        .fetch_optional(&mut *conn)
-        .await?;
-        if locked.is_none() {
-            return Ok(None);
-        }
+    if for_update && lock_head_row(conn, tenant, space).await?.is_none() {
+        return Ok(None);
     }
     let row: Option<(Uuid, i32, String, String, i32)> = sqlx::query_as(
         "SELECT h.publication_id, h.head_revision, p.fingerprint::text, p.status::text, p.projection_version \
@@ -141,13 +131,7 @@ async fn lock_or_queue_to_create(
     tenant: &str,
     space: Uuid,
 ) -> Result<Option<i32>, sqlx::Error> {
-    const LOCK_HEAD: &str = "SELECT head_revision FROM projection_set_publication_heads \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE";
-    let locked = sqlx::query_scalar::<_, i32>(LOCK_HEAD)
-        .bind(tenant)
-        .bind(space)
-        .fetch_optional(&mut *conn)
-        .await?;
+    let locked = lock_head_row(conn, tenant, space).await?;
     if locked.is_some() {
         return Ok(locked);
     }
@@ -156,11 +140,23 @@ async fn lock_or_queue_to_create(
         .bind(space.to_string())
         .execute(&mut *conn)
         .await?;
-    sqlx::query_scalar::<_, i32>(LOCK_HEAD)
-        .bind(tenant)
-        .bind(space)
-        .fetch_optional(&mut *conn)
-        .await
+    lock_head_row(conn, tenant, space).await
+}
+
+/// Locks the space's head row; its revision, or `None` when the space has no head.
+async fn lock_head_row(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+) -> Result<Option<i32>, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT head_revision FROM projection_set_publication_heads \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
+    )
+    .bind(tenant)
+    .bind(space)
+    .fetch_optional(conn)
+    .await
 }
 
 /// The members of a publication, in the platform's order (component type, then key).

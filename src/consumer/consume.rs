@@ -1,11 +1,11 @@
 //! The delivery loop of one kind's queue: deliveries that have arrived together (up to the
 //! batch bound, never waiting for more) are handled as one batch by [`Engine::process_many`],
 //! taken when [`super::pace`] says so, and acked through the channel's ack window
-//! ([`super::acks`]). Invariant: a delivery is
-//! settled with the broker (ack, reject or give back) only after its verdict came back, and
-//! acked (alone or by a multiple ack) only after the commit that decided it; an abandoned
-//! delivery is left unacked for redelivery and no multiple ack covers it; on shutdown the loop
-//! stops taking deliveries and gives the running ones the grace period to end.
+//! ([`super::acks`]). Invariant: a delivery is settled with the broker (ack, reject or give
+//! back) only after its verdict came back, and acked (alone or by a multiple ack) only after
+//! the commit that decided it; an abandoned delivery is left unacked for redelivery and no
+//! multiple ack covers it; on shutdown the loop stops taking deliveries and gives the running
+//! ones the grace period to end.
 
 use std::collections::HashMap;
 use std::sync::Arc;
