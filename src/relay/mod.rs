@@ -10,6 +10,7 @@ mod rounds;
 pub mod schedule;
 mod session;
 mod statements;
+pub mod watch;
 
 pub use rounds::{Rounds, Settled};
 pub(crate) use session::relay_loop;
@@ -313,7 +314,7 @@ impl Relay {
         let mut total = Round::default();
         rounds.start();
         while let Some(settled) = rounds.settle().await {
-            let Settled::Round(r) = settled else {
+            let (_, Settled::Round(r)) = settled else {
                 continue;
             };
             total.claimed += r.claimed;

@@ -62,21 +62,29 @@ impl<'a> Rounds<'a> {
         }
     }
 
-    /// Waits for the next round in flight to end. `None`: none is in flight. A failed round is
-    /// kept for [`Rounds::failed`].
-    pub async fn settle(&mut self) -> Option<Settled> {
+    /// Waits for the next round in flight to end, and says of which kind. `None`: none is in
+    /// flight. A failed round is kept for [`Rounds::failed`].
+    pub async fn settle(&mut self) -> Option<(Kind, Settled)> {
         let (kind, round) = self.in_flight.next().await?;
-        Some(match round {
-            Ok(r) => {
-                self.schedule.finished(kind, r.claimed >= self.batch);
-                Settled::Round(r)
-            }
-            Err(e) => {
-                self.schedule.finished(kind, false);
-                self.failed.get_or_insert(e);
-                Settled::Failed
-            }
-        })
+        Some((
+            kind,
+            match round {
+                Ok(r) => {
+                    self.schedule.finished(kind, r.claimed >= self.batch);
+                    Settled::Round(r)
+                }
+                Err(e) => {
+                    self.schedule.finished(kind, false);
+                    self.failed.get_or_insert(e);
+                    Settled::Failed
+                }
+            },
+        ))
+    }
+
+    /// `kind` has no round in flight and none to start.
+    pub fn quiet(&self, kind: Kind) -> bool {
+        self.schedule.quiet(kind)
     }
 
     pub fn in_flight(&self) -> bool {

@@ -68,6 +68,11 @@ impl Schedule {
         out
     }
 
+    /// `kind` has no round in flight and none wanted.
+    pub fn quiet(&self, kind: Kind) -> bool {
+        self.in_flight.get(&kind).is_none_or(|&n| n == 0) && !self.wanted.contains(&kind)
+    }
+
     pub fn idle(&self) -> bool {
         self.in_flight.values().all(|&n| n == 0)
     }
@@ -145,6 +150,25 @@ mod tests {
             }
             assert_eq!(&s.start(), want, "{name}");
         }
+    }
+
+    #[test]
+    fn a_kind_is_quiet_only_with_no_round_in_flight_and_none_wanted() {
+        let mut s = Schedule::new(&[Kind::Probe], 2);
+        assert!(!s.quiet(Kind::Probe), "wanted from the start");
+        s.start();
+        assert!(!s.quiet(Kind::Probe), "in flight");
+        s.finished(Kind::Probe, true);
+        assert!(!s.quiet(Kind::Probe), "a full batch wants another round");
+        s.start();
+        s.finished(Kind::Probe, false);
+        s.finished(Kind::Probe, false);
+        assert!(
+            s.quiet(Kind::Probe),
+            "partial batches and nothing in flight"
+        );
+        s.wake([Kind::Probe]);
+        assert!(!s.quiet(Kind::Probe), "woken");
     }
 
     #[test]

@@ -10,6 +10,7 @@ use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use super::watch::{Call, Watcher, Watches};
 use super::{Relay, Rounds, Settled};
 use crate::broker::{self, Topology};
 use crate::config::Services;
@@ -52,6 +53,9 @@ pub(crate) async fn relay_loop(
             let mut setup = Some(Box::pin(listen(relay_pool(&relay), Duration::ZERO)));
             ready(true);
             let mut rounds = Rounds::new(&relay, &ch, &kinds);
+            // While this relay watches a kind, its writers do not notify (migration 0102).
+            let mut watches = Watches::default();
+            let mut watcher = Watcher::new(relay_pool(&relay));
             // The polling fallback: a fixed interval that wakes every kind whatever else
             // happens. Rows that come due with time (retries, re-arms, visibility republishes,
             // future `available_at`) never notify; a timer restarted by each notification or
@@ -69,15 +73,41 @@ pub(crate) async fn relay_loop(
                     break;
                 }
                 tokio::select! {
-                    Some(settled) = rounds.settle(), if rounds.in_flight() => {
+                    Some((kind, settled)) = rounds.settle(), if rounds.in_flight() => {
                         // Only a whole round proves both services back: resetting the backoff
                         // on the broker connection alone made a Postgres outage a reconnect
                         // loop. After a failed round the others settle what they claimed, then
                         // the session reconnects.
-                        if let Settled::Round(_) = settled {
+                        if let Settled::Round(r) = settled {
                             backoff = reconnect_backoff();
+                            watches.claimed(kind, r.claimed);
+                            if rounds.quiet(kind) {
+                                watcher.ask(watches.quiet(kind));
+                            }
                         }
                     },
+                    answer = watcher.answer() => {
+                        match answer {
+                            Ok((Call::Watch(k), got)) => {
+                                if watches.watched(k, got) {
+                                    rounds.wake([k]);
+                                }
+                            }
+                            Ok((Call::Unwatch(k), let_go)) => {
+                                if watches.unwatched(k, let_go, tokio::time::Instant::now()) {
+                                    rounds.wake([k]);
+                                }
+                            }
+                            Err(e) => {
+                                // Every watch ended with the session: writers notify again.
+                                tracing::warn!(error = %e, "relay lost its watch session; woken by every notification from now on");
+                                rounds.wake(watches.lost());
+                            }
+                        }
+                    }
+                    () = look_again(watches.next_look()) => {
+                        rounds.wake(watches.due(tokio::time::Instant::now()));
+                    }
                     () = shutdown.cancelled(), if rounds.in_flight() || !rounds.has_failed() => {
                         // Rounds in flight still settle; no new one starts.
                         if !rounds.in_flight() {
@@ -109,7 +139,14 @@ pub(crate) async fn relay_loop(
                     }
                     woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
                         match woken {
-                            Ok(notified) => rounds.wake(notified),
+                            Ok(notified) => {
+                                let served: Vec<Kind> =
+                                    notified.into_iter().filter(|k| kinds.contains(k)).collect();
+                                if !watcher.is_off() {
+                                    watcher.ask(watches.notified(&served));
+                                }
+                                rounds.wake(served);
+                            }
                             Err(e) => {
                                 // Listen again after a pause; polling publishes meanwhile, and
                                 // what was notified while no one listened is looked for.
@@ -123,6 +160,9 @@ pub(crate) async fn relay_loop(
                     }
                 }
             }
+            // Writers that skipped their notification while this relay watched are looked for
+            // by another relay, which the watcher's last notifications wake.
+            watcher.close(watches.held(), Duration::from_secs(1)).await;
             if let Some(e) = rounds.failed() {
                 return Err(e.to_string());
             }
@@ -156,6 +196,14 @@ async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen("kfs_outbox").await?;
     Ok(listener)
+}
+
+/// Waits until `at`; never returns without one.
+async fn look_again(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Returns the kinds notified; never returns while there is no listener (the poll interval
