@@ -196,16 +196,7 @@ impl Watcher {
                         // must not outlive the relay in someone else's hands.
                         None => pool.acquire().await?.detach(),
                     };
-                    let (sql, table) = match call {
-                        Call::Watch(k) => ("SELECT kfs_outbox_watch($1)", k.spec().outbox_table),
-                        Call::Unwatch(k) => {
-                            ("SELECT kfs_outbox_unwatch($1)", k.spec().outbox_table)
-                        }
-                    };
-                    let got: bool = sqlx::query_scalar(sql)
-                        .bind(table)
-                        .fetch_one(&mut conn)
-                        .await?;
+                    let got = make(&mut conn, call).await?;
                     Ok::<_, sqlx::Error>((got, conn))
                 };
                 match tokio::time::timeout(CALL_TIMEOUT, work).await {
@@ -264,11 +255,7 @@ impl Watcher {
         let _ = tokio::time::timeout(within, async {
             for &k in &held {
                 loop {
-                    let unwatched: Result<bool, _> =
-                        sqlx::query_scalar("SELECT kfs_outbox_unwatch($1)")
-                            .bind(k.spec().outbox_table)
-                            .fetch_one(&mut conn)
-                            .await;
+                    let unwatched = make(&mut conn, Call::Unwatch(k)).await;
                     match unwatched {
                         Ok(true) => break,
                         Ok(false) => tokio::time::sleep(LOOK_AGAIN_MIN).await,
@@ -287,6 +274,19 @@ impl Watcher {
         .await;
         let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
     }
+}
+
+/// Makes one call on the watch session: the answer of `kfs_outbox_watch` or
+/// `kfs_outbox_unwatch` for the kind's outbox table.
+async fn make(conn: &mut PgConnection, call: Call) -> Result<bool, sqlx::Error> {
+    let (sql, kind) = match call {
+        Call::Watch(k) => ("SELECT kfs_outbox_watch($1)", k),
+        Call::Unwatch(k) => ("SELECT kfs_outbox_unwatch($1)", k),
+    };
+    sqlx::query_scalar(sql)
+        .bind(kind.spec().outbox_table)
+        .fetch_one(conn)
+        .await
 }
 
 #[cfg(test)]

@@ -1642,7 +1642,6 @@ async fn writers_skip_their_notification_only_while_a_relay_watches_and_it_lets_
         .await
         .unwrap();
     listener.listen("kfs_outbox").await.unwrap();
-    let table = Kind::Probe.spec().outbox_table;
     let mut relay_a = PgConnection::connect(&env.url).await.unwrap();
     let mut relay_b = PgConnection::connect(&env.url).await.unwrap();
 
@@ -1696,12 +1695,7 @@ async fn writers_skip_their_notification_only_while_a_relay_watches_and_it_lets_
             let url = env.url.clone();
             async move {
                 let mut c = PgConnection::connect(&url).await.unwrap();
-                let got: bool = sqlx::query_scalar("SELECT kfs_outbox_watch($1)")
-                    .bind(table)
-                    .fetch_one(&mut c)
-                    .await
-                    .unwrap();
-                got
+                watch(&mut c, "kfs_outbox_watch").await
             }
         })
         .await,
