@@ -80,7 +80,7 @@ pub(crate) async fn relay_loop(
                         // the session reconnects.
                         if let Settled::Round(r) = settled {
                             backoff = reconnect_backoff();
-                            watches.claimed(kind, r.claimed);
+                            watcher.ask(watches.claimed(kind, r.claimed));
                             if rounds.quiet(kind) {
                                 watcher.ask(watches.quiet(kind));
                             }
@@ -140,12 +140,7 @@ pub(crate) async fn relay_loop(
                     woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
                         match woken {
                             Ok(notified) => {
-                                let served: Vec<Kind> =
-                                    notified.into_iter().filter(|k| kinds.contains(k)).collect();
-                                if !watcher.is_off() {
-                                    watcher.ask(watches.notified(&served));
-                                }
-                                rounds.wake(served);
+                                rounds.wake(notified.into_iter().filter(|k| kinds.contains(k)));
                             }
                             Err(e) => {
                                 // Listen again after a pause; polling publishes meanwhile, and

@@ -3,7 +3,9 @@
 //! itself: it lets go only after a round found less than a batch and no round of the kind is
 //! in flight, only through `kfs_outbox_unwatch` (which refuses while a writer that may have
 //! skipped its notification has not ended), and after letting go it looks once more. When a
-//! writer is still in flight it looks again after a short, growing pause.
+//! writer is still in flight it looks again after a short, growing pause. A kind is watched
+//! only in a burst: when one round claimed [`BURST`] rows or more, so rows were committed
+//! faster than rounds ran; a lone job pays no watch calls.
 //!
 //! Why: a transaction that notifies holds a database-wide lock through its commit's flush, so
 //! notifying commits run one at a time. With a watcher, a burst of requests costs one
@@ -24,6 +26,10 @@ use crate::jobs::Kind;
 pub const LOOK_AGAIN_MIN: Duration = Duration::from_millis(1);
 pub const LOOK_AGAIN_MAX: Duration = Duration::from_millis(8);
 
+/// The rows one round must claim for its kind to be watched: more than one means they were
+/// committed faster than rounds ran. Rounds of lone jobs claim one each and cost no watch call.
+pub const BURST: usize = 2;
+
 /// A call to make on the watch session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Call {
@@ -43,17 +49,6 @@ pub struct Watches {
 }
 
 impl Watches {
-    /// A notification woke `kinds`: try to watch those not watched yet.
-    pub fn notified(&mut self, kinds: &[Kind]) -> Vec<Call> {
-        let mut calls = Vec::new();
-        for &k in kinds {
-            if !self.held.contains_key(&k) && self.asked.insert(k) {
-                calls.push(Call::Watch(k));
-            }
-        }
-        calls
-    }
-
     /// The answer to [`Call::Watch`]. Returns whether to look now: once the watch is held,
     /// writers stop notifying, and what they commit from then on may be newer than the last
     /// round; a look also lets a quiet kind let go again.
@@ -65,12 +60,18 @@ impl Watches {
         got
     }
 
-    /// A round of `kind` claimed `claimed` rows.
-    pub fn claimed(&mut self, kind: Kind, claimed: usize) {
-        if claimed > 0 {
-            if let Some(misses) = self.held.get_mut(&kind) {
-                *misses = 0;
+    /// A round of `kind` claimed `claimed` rows. Held: rows that keep coming start the pause
+    /// over. Not held: a burst (at least [`BURST`] rows in one round) asks for the watch.
+    pub fn claimed(&mut self, kind: Kind, claimed: usize) -> Option<Call> {
+        match self.held.get_mut(&kind) {
+            Some(misses) => {
+                if claimed > 0 {
+                    *misses = 0;
+                }
+                None
             }
+            None if claimed >= BURST && self.asked.insert(kind) => Some(Call::Watch(kind)),
+            None => None,
         }
     }
 
@@ -295,7 +296,6 @@ mod tests {
 
     #[derive(Clone, Copy, Debug)]
     enum Ev {
-        Notified(Kind),
         Watched(Kind, bool),
         Claimed(Kind, usize),
         Quiet(Kind),
@@ -311,13 +311,12 @@ mod tests {
         let (mut calls, mut look) = (Vec::new(), Vec::new());
         for e in events {
             match *e {
-                Ev::Notified(k) => calls.extend(w.notified(&[k])),
                 Ev::Watched(k, got) => {
                     if w.watched(k, got) {
                         look.push(k);
                     }
                 }
-                Ev::Claimed(k, n) => w.claimed(k, n),
+                Ev::Claimed(k, n) => calls.extend(w.claimed(k, n)),
                 Ev::Quiet(k) => calls.extend(w.quiet(k)),
                 Ev::Unwatched(k, let_go) => {
                     if w.unwatched(k, let_go, now) {
@@ -342,29 +341,36 @@ mod tests {
         type Case<'a> = (&'a str, &'a [Ev], &'a [Call], &'a [Kind], Option<Duration>);
         let cases: &[Case] = &[
             (
-                "a notification asks for the watch",
-                &[Notified(C)],
+                "a round of one row (a lone job) asks nothing",
+                &[Claimed(C, 1), Claimed(C, 0), Claimed(C, 1)],
+                &[],
+                &[],
+                None,
+            ),
+            (
+                "a round that claimed a burst asks for the watch",
+                &[Claimed(C, 2)],
                 &[Watch(C)],
                 &[],
                 None,
             ),
             (
-                "a second notification before the answer asks nothing more",
-                &[Notified(C), Notified(C)],
+                "a second burst before the answer asks nothing more",
+                &[Claimed(C, 2), Claimed(C, 7)],
                 &[Watch(C)],
                 &[],
                 None,
             ),
             (
                 "a held kind is not asked for again",
-                &[Notified(C), Watched(C, true), Notified(C)],
+                &[Claimed(C, 2), Watched(C, true), Claimed(C, 2)],
                 &[Watch(C)],
                 &[C],
                 None,
             ),
             (
-                "refused (another relay watches): asked again at the next notification",
-                &[Notified(C), Watched(C, false), Notified(C)],
+                "refused (another relay watches): asked again at the next burst",
+                &[Claimed(C, 2), Watched(C, false), Claimed(C, 2)],
                 &[Watch(C), Watch(C)],
                 &[],
                 None,
@@ -378,26 +384,31 @@ mod tests {
             ),
             (
                 "a held kind going quiet lets go",
-                &[Notified(C), Watched(C, true), Quiet(C)],
+                &[Claimed(C, 2), Watched(C, true), Quiet(C)],
                 &[Watch(C), Unwatch(C)],
                 &[C],
                 None,
             ),
             (
                 "let go: look once more at once",
-                &[Notified(C), Watched(C, true), Quiet(C), Unwatched(C, true)],
+                &[
+                    Claimed(C, 2),
+                    Watched(C, true),
+                    Quiet(C),
+                    Unwatched(C, true),
+                ],
                 &[Watch(C), Unwatch(C)],
                 &[C, C],
                 None,
             ),
             (
-                "after letting go a notification asks for the watch again",
+                "after letting go a burst asks for the watch again",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Quiet(C),
                     Unwatched(C, true),
-                    Notified(C),
+                    Claimed(C, 2),
                 ],
                 &[Watch(C), Unwatch(C), Watch(C)],
                 &[C, C],
@@ -405,7 +416,12 @@ mod tests {
             ),
             (
                 "refused (a writer in flight): still held, look again after the first pause",
-                &[Notified(C), Watched(C, true), Quiet(C), Unwatched(C, false)],
+                &[
+                    Claimed(C, 2),
+                    Watched(C, true),
+                    Quiet(C),
+                    Unwatched(C, false),
+                ],
                 &[Watch(C), Unwatch(C)],
                 &[C],
                 Some(ms(1)),
@@ -413,7 +429,7 @@ mod tests {
             (
                 "quiet again while waiting to look: no second unwatch",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Quiet(C),
                     Unwatched(C, false),
@@ -426,7 +442,7 @@ mod tests {
             (
                 "the pause doubles with each refusal",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Unwatched(C, false),
                     Unwatched(C, false),
@@ -439,7 +455,7 @@ mod tests {
             (
                 "the pause stops growing at its bound",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Unwatched(C, false),
                     Unwatched(C, false),
@@ -455,7 +471,7 @@ mod tests {
             (
                 "a round that claimed rows starts the pause over",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Unwatched(C, false),
                     Unwatched(C, false),
@@ -469,7 +485,7 @@ mod tests {
             (
                 "an empty round does not",
                 &[
-                    Notified(C),
+                    Claimed(C, 2),
                     Watched(C, true),
                     Unwatched(C, false),
                     Claimed(C, 0),
@@ -482,8 +498,8 @@ mod tests {
             (
                 "kinds are watched each on its own",
                 &[
-                    Notified(C),
-                    Notified(R),
+                    Claimed(C, 2),
+                    Claimed(R, 5),
                     Watched(C, true),
                     Quiet(R),
                     Quiet(C),
@@ -495,8 +511,8 @@ mod tests {
             (
                 "the session lost: every held kind looks once more",
                 &[
-                    Notified(C),
-                    Notified(R),
+                    Claimed(C, 2),
+                    Claimed(R, 5),
                     Watched(C, true),
                     Watched(R, true),
                     Unwatched(R, false),
@@ -519,7 +535,7 @@ mod tests {
     fn due_returns_each_kind_once_its_pause_is_over() {
         let now = Instant::now();
         let mut w = Watches::default();
-        w.notified(&[Kind::Compile]);
+        w.claimed(Kind::Compile, BURST);
         w.watched(Kind::Compile, true);
         w.unwatched(Kind::Compile, false, now);
         assert!(w.due(now).is_empty(), "the pause is not over");

@@ -1710,6 +1710,74 @@ async fn writers_skip_their_notification_only_while_a_relay_watches_and_it_lets_
     env.cleanup().await;
 }
 
+/// Samples `pg_locks` of the test's database until `stop`: whether any session held the probe
+/// outbox's watch (migration 0102) meanwhile.
+fn sample_watch(pool: PgPool, stop: CancellationToken) -> tokio::task::JoinHandle<bool> {
+    tokio::spawn(async move {
+        let mut conn = pool.acquire().await.unwrap();
+        while !stop.is_cancelled() {
+            let held: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+                   AND mode = 'ExclusiveLock' AND granted AND classid = 7038583 \
+                   AND objid = hashtext('kfs_probe_outbox')::oid AND objsubid = 2 \
+                   AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+            )
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+            if held {
+                return true;
+            }
+        }
+        false
+    })
+}
+
+/// A relay takes the watch only in a burst: lone jobs, each committed after the last was
+/// published, are published on their notifications and never make it watch (which would cost
+/// each of them two more calls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lone_jobs_are_published_on_their_notifications_without_a_watch() {
+    let env = TestEnv::new().await;
+    let mut relay = env.spawn_worker(
+        "relay-lone",
+        &["run", "--relay"],
+        &[("KFS_KINDS", "probe"), ("KFS_RELAY_POLL", "60m")],
+    );
+    let dispatched = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM kfs_probe_outbox WHERE status = 'dispatched'",
+        )
+        .fetch_one(&env.pool)
+        .await
+        .unwrap()
+    };
+    enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    assert!(
+        env.wait_until(HANG, || async { dispatched().await == 1 })
+            .await,
+        "the relay never published a first row\n{}",
+        relay.tail(30)
+    );
+    let stop = CancellationToken::new();
+    let sampler = sample_watch(env.pool.clone(), stop.clone());
+    for n in 2..=30 {
+        enqueue_one(&env.pool, &ProbeSpec::default()).await;
+        assert!(
+            env.wait_until(HANG, || async { dispatched().await == n })
+                .await,
+            "lone job {n} was not published on its notification\n{}",
+            relay.tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    stop.cancel();
+    let watched = sampler.await.unwrap();
+    relay.kill();
+    assert!(!watched, "a lone job made the relay watch");
+    env.cleanup().await;
+}
+
 /// With the poll out of the way (an hour away), every row is published on wake-ups and the relay's
 /// own looks alone: writers in bursts, some keeping their transaction open after the insert,
 /// while the relay watches and lets go again and again.
@@ -1739,6 +1807,8 @@ async fn no_row_waits_for_the_poll_while_writers_come_and_go_around_the_watch() 
     );
     const WRITERS: usize = 8;
     const EACH: usize = 40;
+    let stop = CancellationToken::new();
+    let sampler = sample_watch(env.pool.clone(), stop.clone());
     let mut writers = tokio::task::JoinSet::new();
     for w in 0..WRITERS {
         let pool = env.pool.clone();
@@ -1772,11 +1842,14 @@ async fn no_row_waits_for_the_poll_while_writers_come_and_go_around_the_watch() 
             .fetch_one(&env.pool)
             .await
             .unwrap();
+    stop.cancel();
+    let watched = sampler.await.unwrap();
     relay.kill();
     assert!(
         all_out,
         "{left} of {total} rows still pending with the poll an hour away: a wake-up was lost\n{}",
         relay.tail(30)
     );
+    assert!(watched, "the writers' bursts never made the relay watch");
     env.cleanup().await;
 }
