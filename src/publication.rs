@@ -159,22 +159,23 @@ async fn lock_head_row(
     .await
 }
 
-/// The members of a publication, in the platform's order (component type, then key).
+/// The members of a publication, in the platform's order (component type, then key). Looked up
+/// by publication, which names one space, not by tenant first: two of the platform's indexes
+/// lead with (tenant, space), and without statistics (a new database, a first bulk upload) the
+/// planner may take either and scan every member of the space.
 pub async fn members(
     conn: &mut PgConnection,
-    tenant: &str,
     space: Uuid,
     publication: Uuid,
 ) -> Result<Vec<Member>, sqlx::Error> {
     let rows: Vec<(String, Uuid, Uuid, Option<Uuid>)> = sqlx::query_as(
         "SELECT component_type::text, component_key, generation_id, document_asset_id \
          FROM projection_set_publication_members \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
+         WHERE publication_id = $1 AND knowledge_space_id = $2 \
          ORDER BY component_type, component_key",
     )
-    .bind(tenant)
-    .bind(space)
     .bind(publication)
+    .bind(space)
     .fetch_all(conn)
     .await?;
     Ok(rows

@@ -37,9 +37,7 @@ pub async fn publish_excluding(
         return Ok(None);
     };
     let affected = match excluded {
-        None => !members(conn, tenant, space, h.publication_id)
-            .await?
-            .is_empty(),
+        None => !members(conn, space, h.publication_id).await?.is_empty(),
         Some(docs) => serves_any(conn, tenant, space, h.publication_id, docs).await?,
     };
     if !affected {
@@ -123,7 +121,8 @@ pub async fn insert(
 
 /// Sets a publication's members: its old members go, then the members of `inherit` (another
 /// publication of the space) are copied except those of `except_document`, then `own` is added.
-/// Returns how many members the publication has.
+/// Returns how many members the publication has. Members are found by publication, not by
+/// tenant first (see [`crate::publication::members`]).
 pub async fn set_members(
     conn: &mut PgConnection,
     tenant: &str,
@@ -135,11 +134,10 @@ pub async fn set_members(
 ) -> Result<u64, sqlx::Error> {
     sqlx::query(
         "DELETE FROM projection_set_publication_members \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3",
+         WHERE publication_id = $1 AND knowledge_space_id = $2",
     )
-    .bind(tenant)
-    .bind(space)
     .bind(publication)
+    .bind(space)
     .execute(&mut *conn)
     .await?;
     let mut total = 0;
@@ -147,14 +145,13 @@ pub async fn set_members(
         total += sqlx::query(
             "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
                component_type, component_key, generation_id, document_asset_id, created_at) \
-             SELECT s.tenant_id, s.knowledge_space_id, $3, s.component_type, s.component_key, s.generation_id, \
+             SELECT s.tenant_id, s.knowledge_space_id, $2, s.component_type, s.component_key, s.generation_id, \
                s.document_asset_id, now() \
              FROM projection_set_publication_members s \
-             WHERE s.tenant_id = $1 AND s.knowledge_space_id = $2 AND s.publication_id = $4 \
-               AND (s.document_asset_id IS NULL OR s.document_asset_id IS DISTINCT FROM $5) \
+             WHERE s.publication_id = $3 AND s.knowledge_space_id = $1 \
+               AND (s.document_asset_id IS NULL OR s.document_asset_id IS DISTINCT FROM $4) \
              ON CONFLICT (publication_id, component_type, component_key) DO NOTHING",
         )
-        .bind(tenant)
         .bind(space)
         .bind(publication)
         .bind(from)

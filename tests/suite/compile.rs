@@ -354,10 +354,13 @@ async fn bad_input_fails_with_a_clear_code_frees_the_slot_and_publishes_nothing(
     fx.cleanup().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_head_that_moved_during_publish_is_rebased_onto_a_new_candidate() {
-    let fx = Fx::new().await;
-    let engine = fx.engine("w-interleave", 1);
+/// Two documents whose candidates both passed their smoke evaluation over the empty head, and
+/// the first of them published: the second now finds the head moved. Returns the documents and
+/// the attempts.
+async fn second_candidate_over_a_moved_head(
+    fx: &Fx,
+    engine: &kfs_worker::consumer::Engine,
+) -> (Uuid, Uuid, Uuid, Uuid) {
     let a_doc = fx
         .add(
             "a.md",
@@ -383,7 +386,7 @@ async fn a_head_that_moved_during_publish_is_rebased_onto_a_new_candidate() {
         for (x, s) in [(a, sa), (b, sb)] {
             if s.checkpoint != "smoke_eval_passed" {
                 assert_eq!(
-                    fx.slice(&engine, x).await,
+                    fx.slice(engine, x).await,
                     Handled::Ack {
                         claim: "claimed",
                         end: Some("continue")
@@ -394,22 +397,90 @@ async fn a_head_that_moved_during_publish_is_rebased_onto_a_new_candidate() {
     }
     let (sa, sb) = (fx.status(a).await, fx.status(b).await);
     assert_eq!((sa.base_head_revision, sb.base_head_revision), (0, 0));
-    let b_first = sb.candidate_publication_id.unwrap();
-
     // A publishes first; B then finds the head moved from 0 to 1.
-    assert_succeeded(&fx.drive(&engine, a).await);
+    assert_succeeded(&fx.drive(engine, a).await);
     assert_eq!(fx.head().await.unwrap().revision, 1);
+    (a_doc, b_doc, a, b)
+}
+
+/// The members of a publication, as (type, key, document).
+async fn members_of(fx: &Fx, publication: Uuid) -> Vec<(String, Uuid, Option<Uuid>)> {
+    sqlx::query_as(
+        "SELECT component_type::text, component_key, document_asset_id FROM projection_set_publication_members \
+         WHERE publication_id = $1 ORDER BY 1, 2",
+    )
+    .bind(publication)
+    .fetch_all(fx.pool())
+    .await
+    .unwrap()
+}
+
+/// The statuses of the space's publications: id → (status, superseded by).
+async fn publication_states(fx: &Fx) -> Vec<(Uuid, String, Option<String>)> {
+    sqlx::query_as(
+        "SELECT id, status::text, superseded_by_fingerprint::text FROM projection_set_publications \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .fetch_all(fx.pool())
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_head_that_moved_during_publish_is_taken_into_the_candidate_in_place() {
+    let fx = Fx::new().await;
+    let engine = fx.engine("w-interleave", 1);
+    let (a_doc, b_doc, a, b) = second_candidate_over_a_moved_head(&fx, &engine).await;
+    let sa = fx.status(a).await;
+    let before = fx.status(b).await;
+    let b_first = before.candidate_publication_id.unwrap();
+    let b_own = members_of(&fx, b_first).await;
+    assert!(
+        b_own.iter().all(|m| m.2 == Some(b_doc)),
+        "over the empty head B's candidate is its own"
+    );
+    let a_members = members_of(&fx, sa.candidate_publication_id.unwrap()).await;
+
     let sb = fx.drive(&engine, b).await;
     assert_succeeded(&sb);
     assert_eq!(sb.base_head_revision, 1, "rebased on the moved head");
-    let b_rebased = sb.candidate_publication_id.unwrap();
-    assert_ne!(b_rebased, b_first, "bound to the rebased candidate");
+    assert_eq!(
+        sb.candidate_publication_id,
+        Some(b_first),
+        "the candidate moved in place, no new one"
+    );
+    assert_ne!(
+        sb.candidate_fingerprint, before.candidate_fingerprint,
+        "the fingerprint follows the members"
+    );
     let head = fx.head().await.unwrap();
-    assert_eq!(head.revision, 2);
-    assert_eq!(head.publication_id, b_rebased);
+    assert_eq!((head.revision, head.publication_id), (2, b_first));
     assert_eq!(
         sb.candidate_fingerprint.as_deref(),
         Some(head.fingerprint.as_str())
+    );
+    let mut expected: Vec<_> = a_members.into_iter().chain(b_own).collect();
+    expected.sort();
+    assert_eq!(
+        members_of(&fx, b_first).await,
+        expected,
+        "A's published members and B's own, nothing else"
+    );
+    let (base, material): (Option<String>, String) = sqlx::query_as(
+        "SELECT metadata -> 'documentCompilationCandidate' ->> 'baseHeadRevision', \
+           (metadata -> 'projectionSetFingerprintMaterial')::text \
+         FROM projection_set_publications WHERE id = $1",
+    )
+    .bind(b_first)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(base.as_deref(), Some("1"));
+    assert!(
+        material.contains(&a_doc.to_string()) && material.contains(&b_doc.to_string()),
+        "the fingerprint material covers both documents: {material}"
     );
     let mut served: Vec<Uuid> = fx.served().await.keys().copied().collect();
     served.sort();
@@ -418,27 +489,57 @@ async fn a_head_that_moved_during_publish_is_rebased_onto_a_new_candidate() {
     assert_eq!(served, both, "the rebased publication keeps A and adds B");
     assert_eq!(fx.search("albatross").await.len(), 1);
     assert_eq!(fx.search("buffalo").await.len(), 1);
-    let states: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(
-        "SELECT id, status::text, superseded_by_fingerprint::text FROM projection_set_publications \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2",
-    )
-    .bind(TENANT)
-    .bind(fx.space)
-    .fetch_all(fx.pool())
-    .await
-    .unwrap();
+    let states = publication_states(&fx).await;
     let status_of = |id: Uuid| states.iter().find(|s| s.0 == id).unwrap().clone();
-    assert_eq!(
-        status_of(b_first).1,
-        "inactive",
-        "B's first candidate was given up"
-    );
-    assert_eq!(status_of(b_rebased).1, "published");
+    assert_eq!(status_of(b_first).1, "published");
     let a_pub = status_of(sa.candidate_publication_id.unwrap());
     assert_eq!(
         (a_pub.1.as_str(), a_pub.2.as_deref()),
         ("superseded", Some(head.fingerprint.as_str())),
         "A's publication is superseded by B's fingerprint"
+    );
+    assert_eq!(states.len(), 2);
+    fx.cleanup().await;
+}
+
+/// A candidate that can no longer move in place (here: given up meanwhile) is replaced by a new
+/// one composed over the moved head, and the attempt is bound to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_candidate_that_cannot_move_in_place_is_replaced_by_one_composed_over_the_moved_head() {
+    let fx = Fx::new().await;
+    let engine = fx.engine("w-interleave", 1);
+    let (a_doc, b_doc, a, b) = second_candidate_over_a_moved_head(&fx, &engine).await;
+    let sa = fx.status(a).await;
+    let b_first = fx.status(b).await.candidate_publication_id.unwrap();
+    sqlx::query("UPDATE projection_set_publications SET status = 'inactive' WHERE id = $1")
+        .bind(b_first)
+        .execute(fx.pool())
+        .await
+        .unwrap();
+
+    let sb = fx.drive(&engine, b).await;
+    assert_succeeded(&sb);
+    assert_eq!(sb.base_head_revision, 1, "rebased on the moved head");
+    let b_rebased = sb.candidate_publication_id.unwrap();
+    assert_ne!(b_rebased, b_first, "bound to a new candidate");
+    let head = fx.head().await.unwrap();
+    assert_eq!((head.revision, head.publication_id), (2, b_rebased));
+    assert_eq!(
+        sb.candidate_fingerprint.as_deref(),
+        Some(head.fingerprint.as_str())
+    );
+    let mut served: Vec<Uuid> = fx.served().await.keys().copied().collect();
+    served.sort();
+    let mut both = vec![a_doc, b_doc];
+    both.sort();
+    assert_eq!(served, both, "the new candidate keeps A and adds B");
+    let states = publication_states(&fx).await;
+    let status_of = |id: Uuid| states.iter().find(|s| s.0 == id).unwrap().clone();
+    assert_eq!(status_of(b_first).1, "inactive");
+    assert_eq!(status_of(b_rebased).1, "published");
+    assert_eq!(
+        status_of(sa.candidate_publication_id.unwrap()).1,
+        "superseded"
     );
     assert_eq!(states.len(), 3);
     fx.cleanup().await;

@@ -454,7 +454,7 @@ async fn head_members(pool: &PgPool, s: &Space) -> Vec<Member> {
     else {
         return Vec::new();
     };
-    publication::members(&mut c, &s.tenant, s.id, h.publication_id)
+    publication::members(&mut c, s.id, h.publication_id)
         .await
         .unwrap()
 }
@@ -2858,9 +2858,7 @@ async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_f
         .await;
     let candidate = fx.status(attempt).await.candidate_publication_id.unwrap();
     let mut c = conn(pool).await;
-    let inherited = publication::members(&mut c, &s.tenant, s.id, candidate)
-        .await
-        .unwrap();
+    let inherited = publication::members(&mut c, s.id, candidate).await.unwrap();
     drop(c);
     assert!(inherited.iter().any(|m| m.document_asset_id == Some(doc)));
 

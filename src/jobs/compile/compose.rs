@@ -1,9 +1,12 @@
 //! A document's candidate publication: its members (the head's members of every other document,
 //! inherited, and this document's own components of the attempt's generation), its fingerprint
 //! (the platform's, over exactly those members), and its binding on the attempt. Invariant: a
-//! candidate is composed over one head and is never given members of a head it was not composed
-//! over; a candidate of identical content that an ended
-//! attempt left is taken over rather than duplicated (fingerprints are unique in a space).
+//! candidate's members are those of one head (its metadata's `baseHeadRevision`) for every
+//! other document, plus this document's own; rebased over a newer head in place, it takes the
+//! difference of the two heads and the fingerprint of the result, or is left for a new
+//! candidate when that fingerprint belongs to another publication. A candidate of identical
+//! content that an ended attempt left is taken over rather than duplicated (fingerprints are
+//! unique in a space).
 
 use serde_json::json;
 use sqlx::PgConnection;
@@ -84,7 +87,7 @@ pub(crate) async fn compose(
     }
     let mut members = own.clone();
     if let Some(h) = head {
-        let inherited = publication::members(conn, &a.tenant, a.space, h.publication_id).await?;
+        let inherited = publication::members(conn, a.space, h.publication_id).await?;
         members.extend(
             inherited
                 .into_iter()
@@ -135,26 +138,19 @@ pub(crate) async fn compose(
             },
         )
         .collect();
-    let material = candidate::material(a.space, &configs, &snapshots);
-    let fingerprint = candidate::fingerprint(&material);
     let base = head.map_or(0, |h| h.revision);
-    let mut meta_candidate = json!({
-        "attemptId": a.id, "baseHeadRevision": base, "ownerDocumentAssetId": a.document,
-        "ownerDocumentVersion": a.version, "publicationGenerationId": a.generation, "schemaVersion": 1,
-    });
-    if let Some((p, digest)) = embedding_profile(conn, &a.tenant, a.space).await? {
-        meta_candidate["embeddingProfile"] = json!({ "kind": "embedding", "revision": p.revision,
-            "revisionId": p.revision_id, "snapshotDigest": digest });
-    }
-    let metadata = json!({ "documentCompilationCandidate": meta_candidate,
-                           "projectionSetFingerprintMaterial": material });
+    let Described {
+        fingerprint,
+        metadata,
+        projection_version,
+    } = describe(conn, a, base, &configs, &snapshots).await?;
     publication::insert(
         conn,
         id,
         &a.tenant,
         a.space,
         &fingerprint,
-        candidate::projection_version(&configs),
+        projection_version,
         "candidate",
         &metadata,
     )
@@ -186,7 +182,7 @@ pub(crate) async fn compose(
             .bind(a.space)
             .bind(h)
             .bind(&metadata)
-            .bind(candidate::projection_version(&configs))
+            .bind(projection_version)
             .execute(&mut *conn)
             .await?;
             h
@@ -217,6 +213,180 @@ pub(crate) async fn compose(
     )
     .await?;
     Ok(Compose::Made(Composed { id, fingerprint }))
+}
+
+/// A candidate's fingerprint and row, from the configs and snapshots of its members.
+struct Described {
+    fingerprint: String,
+    metadata: serde_json::Value,
+    projection_version: i32,
+}
+
+async fn describe(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    base: i32,
+    configs: &[ProjectionConfig],
+    snapshots: &[SourceSnapshot],
+) -> Result<Described, JobError> {
+    let material = candidate::material(a.space, configs, snapshots);
+    let fingerprint = candidate::fingerprint(&material);
+    let mut meta_candidate = json!({
+        "attemptId": a.id, "baseHeadRevision": base, "ownerDocumentAssetId": a.document,
+        "ownerDocumentVersion": a.version, "publicationGenerationId": a.generation, "schemaVersion": 1,
+    });
+    if let Some((p, digest)) = embedding_profile(conn, &a.tenant, a.space).await? {
+        meta_candidate["embeddingProfile"] = json!({ "kind": "embedding", "revision": p.revision,
+            "revisionId": p.revision_id, "snapshotDigest": digest });
+    }
+    Ok(Described {
+        fingerprint,
+        metadata: json!({ "documentCompilationCandidate": meta_candidate,
+                          "projectionSetFingerprintMaterial": material }),
+        projection_version: candidate::projection_version(configs),
+    })
+}
+
+/// What became of rebasing a candidate in place.
+pub(crate) enum Rebased {
+    /// The candidate now stands over the head, under this fingerprint, and the attempt is bound
+    /// to it there.
+    Moved(Composed),
+    /// The head already serves exactly this content.
+    Served,
+    /// Another publication holds the fingerprint, another attempt names the candidate, or it is
+    /// no longer a candidate: compose a new one instead.
+    Apart,
+}
+
+/// Moves the attempt's candidate `candidate` over `head`, in place: only the members that
+/// differ between the head it stood on and this one are deleted or copied (the document's own
+/// members stay as the smoke evaluation found them), then its fingerprint and metadata follow.
+/// A publish rebasing under the head lock writes the few members of the documents published
+/// meanwhile, not every member of the space again.
+pub(crate) async fn rebase(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    head: &Head,
+    candidate: Uuid,
+) -> Result<Rebased, JobError> {
+    // The members are looked up by publication alone: it names one space, and the unique index
+    // it leads serves the lookups whatever the table's statistics say. The deletions (a data-
+    // modifying `WITH` runs whether read or not) and the copies touch disjoint members.
+    sqlx::query(
+        "WITH gone AS ( \
+           DELETE FROM projection_set_publication_members c \
+           WHERE c.publication_id = $1 AND c.document_asset_id IS DISTINCT FROM $3 \
+             AND NOT EXISTS (SELECT 1 FROM projection_set_publication_members h \
+               WHERE h.publication_id = $2 AND h.component_type = c.component_type \
+                 AND h.component_key = c.component_key) \
+           RETURNING 1) \
+         INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+           component_type, component_key, generation_id, document_asset_id, created_at) \
+         SELECT h.tenant_id, h.knowledge_space_id, $1, h.component_type, h.component_key, h.generation_id, \
+           h.document_asset_id, now() \
+         FROM projection_set_publication_members h \
+         WHERE h.publication_id = $2 AND h.document_asset_id IS DISTINCT FROM $3 \
+           AND NOT EXISTS (SELECT 1 FROM projection_set_publication_members c \
+             WHERE c.publication_id = $1 AND c.component_type = h.component_type \
+               AND c.component_key = h.component_key)",
+    )
+    .bind(candidate)
+    .bind(head.publication_id)
+    .bind(a.document)
+    .execute(&mut *conn)
+    .await?;
+    let configs: Vec<(String, Option<String>, i32)> = sqlx::query_as(
+        "SELECT DISTINCT p.type::text, p.model::text, p.projection_version \
+         FROM projection_set_publication_members m \
+         JOIN index_projections p ON p.id = m.component_key AND p.knowledge_space_id = $2 \
+         WHERE m.publication_id = $1 AND m.component_type = $3",
+    )
+    .bind(candidate)
+    .bind(a.space)
+    .bind(INDEX_PROJECTION)
+    .fetch_all(&mut *conn)
+    .await?;
+    let configs: Vec<ProjectionConfig> = configs
+        .into_iter()
+        .map(|(kind, model, projection_version)| ProjectionConfig {
+            kind,
+            model,
+            projection_version,
+        })
+        .collect();
+    let snapshots: Vec<(Uuid, i32, String, Option<String>)> = sqlx::query_as(
+        "SELECT o.document_asset_id, o.version, d.sha256, pa.artifact_hash \
+         FROM projection_set_publication_members m \
+         JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = $2 \
+         JOIN document_assets d ON d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id \
+         LEFT JOIN parse_artifacts pa ON pa.document_asset_id = o.document_asset_id AND pa.version = o.version \
+         WHERE m.publication_id = $1 AND m.component_type = $3",
+    )
+    .bind(candidate)
+    .bind(a.space)
+    .bind(DOCUMENT_OUTLINE)
+    .fetch_all(&mut *conn)
+    .await?;
+    let snapshots: Vec<SourceSnapshot> = snapshots
+        .into_iter()
+        .map(
+            |(document, version, sha256, artifact_hash)| SourceSnapshot {
+                document,
+                version,
+                sha256,
+                artifact_hash,
+            },
+        )
+        .collect();
+    let Described {
+        fingerprint,
+        metadata,
+        projection_version,
+    } = describe(conn, a, head.revision, &configs, &snapshots).await?;
+    // The fingerprint is unique in a space: the row moves only when no other publication holds
+    // it, and only while no other attempt (one that ended and left it) names it. The attempt's
+    // binding moves in the same statement: its reference names the fingerprint, and the
+    // constraint is checked once the statement has written both.
+    let rows: Vec<(Uuid, bool)> = sqlx::query_as(
+        "WITH other AS ( \
+           SELECT id FROM projection_set_publications \
+           WHERE tenant_id = $1 AND knowledge_space_id = $2 AND fingerprint = $4 AND id <> $3), \
+         moved AS ( \
+           UPDATE projection_set_publications SET fingerprint = $4, metadata = $5, projection_version = $6, \
+             updated_at = now() \
+           WHERE id = $3 AND tenant_id = $1 AND knowledge_space_id = $2 \
+             AND status IN ('candidate', 'validating') AND NOT EXISTS (SELECT 1 FROM other) \
+             AND NOT EXISTS (SELECT 1 FROM document_compilation_attempts x \
+               WHERE x.tenant_id = $1 AND x.knowledge_space_id = $2 AND x.candidate_publication_id = $3 \
+                 AND x.id <> $7) \
+           RETURNING id), \
+         bound AS ( \
+           UPDATE document_compilation_attempts SET candidate_fingerprint = $4, base_head_revision = $8, \
+             updated_at = now() \
+           WHERE id = $7 AND tenant_id = $1 AND knowledge_space_id = $2 AND candidate_publication_id = $3 \
+             AND EXISTS (SELECT 1 FROM moved) \
+           RETURNING id) \
+         SELECT m.id, true FROM moved m JOIN bound b ON true UNION ALL SELECT id, false FROM other",
+    )
+    .bind(&a.tenant)
+    .bind(a.space)
+    .bind(candidate)
+    .bind(&fingerprint)
+    .bind(&metadata)
+    .bind(projection_version)
+    .bind(a.id)
+    .bind(head.revision)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(match rows.first() {
+        Some(&(_, true)) => Rebased::Moved(Composed {
+            id: candidate,
+            fingerprint,
+        }),
+        Some(&(other, false)) if other == head.publication_id => Rebased::Served,
+        _ => Rebased::Apart,
+    })
 }
 
 /// Binds (or, after a rebase, re-binds) the attempt to its candidate.

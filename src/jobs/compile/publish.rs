@@ -6,13 +6,16 @@
 //!
 //! One deliberate difference from the platform's runtime: when another document's publication
 //! moved the head after this attempt's base, the platform fails the attempt; here the candidate
-//! is composed again over the moved head (the old candidate becomes `inactive`, the attempt is
-//! bound to the new one), so that documents compiled side by side in one space all publish.
+//! is rebased over the moved head, so that documents compiled side by side in one space all
+//! publish. It moves in place (the members that differ between the two heads, then its
+//! fingerprint, metadata and the attempt's binding), which keeps the publishes of a space,
+//! serialized on its head, short; where it cannot, a new candidate is composed over the head
+//! (the old one becomes `inactive`, the attempt is bound to the new one).
 
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::compose::{already_served, bind, compose, Compose};
+use super::compose::{already_served, bind, compose, rebase, Compose, Rebased};
 use super::page_index::TOKENIZER_VERSION;
 use super::steps::{self, embedding_profile, Attempt, Document};
 use super::walk::{self, Checkpoint, Served};
@@ -43,16 +46,20 @@ async fn fault(
 ) -> Result<Option<String>, JobError> {
     let profile = embedding_profile(conn, &a.tenant, a.space).await?;
     let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
+    // Members are looked up by publication, which names one space, never leading with the
+    // tenant: two of the platform's indexes lead with (tenant, space), and before the table has
+    // statistics (a new database, a first bulk upload) the planner picks either, scanning every
+    // member of the space for one publication's.
     // Per document: exactly one outline member, its outline row, a complete page index, and
     // full-text (and, with a profile, dense) projections that are members of this generation.
     // One pass over the members, grouped by document.
     let docs: Vec<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
         "WITH m AS (SELECT * FROM projection_set_publication_members \
-                    WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
-                      AND document_asset_id IS NOT NULL AND ($6::uuid IS NULL OR document_asset_id = $6)), \
+                    WHERE publication_id = $2 AND knowledge_space_id = $1 \
+                      AND document_asset_id IS NOT NULL AND ($5::uuid IS NULL OR document_asset_id = $5)), \
          outlines AS ( \
            SELECT m.document_asset_id AS doc, count(*) AS n, \
-             count(*) FILTER (WHERE pim.status IN ('building', 'ready') AND pim.tokenizer_version = $4 \
+             count(*) FILTER (WHERE pim.status IN ('building', 'ready') AND pim.tokenizer_version = $3 \
                AND pim.node_count > 0 AND pim.term_count > 0 \
                AND pim.node_count = (SELECT count(*) FROM page_index_nodes x WHERE x.manifest_id = pim.id) \
                AND pim.term_count = (SELECT count(*) FROM page_index_terms x WHERE x.manifest_id = pim.id)) AS indexed \
@@ -68,7 +75,7 @@ async fn fault(
              count(*) FILTER (WHERE p.id IS NULL OR p.status NOT IN ('building', 'ready') \
                OR p.metadata ->> 'documentAssetId' IS DISTINCT FROM m.document_asset_id::text) AS broken, \
              count(*) FILTER (WHERE p.type = 'fts') AS fts, \
-             count(*) FILTER (WHERE p.type = 'dense-vector' AND p.model = $5) AS dense \
+             count(*) FILTER (WHERE p.type = 'dense-vector' AND p.model = $4) AS dense \
            FROM m LEFT JOIN index_projections p ON p.id = m.component_key \
              AND p.knowledge_space_id = m.knowledge_space_id AND p.publication_generation_id = m.generation_id \
            WHERE m.component_type = 'index-projection' GROUP BY 1) \
@@ -77,7 +84,6 @@ async fn fault(
          FROM (SELECT DISTINCT document_asset_id AS doc FROM m) d \
          LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc ORDER BY d.doc",
     )
-    .bind(&a.tenant)
     .bind(a.space)
     .bind(candidate)
     .bind(TOKENIZER_VERSION)
@@ -115,18 +121,17 @@ async fn fault(
     let (nodes, unreachable): (i64, i64) = sqlx::query_as(
         "SELECT count(*), count(*) FILTER (WHERE NOT EXISTS ( \
              SELECT 1 FROM index_projections p JOIN projection_set_publication_members m \
-               ON m.component_key = p.id AND m.tenant_id = $1 AND m.knowledge_space_id = p.knowledge_space_id \
-              AND m.publication_id = $5 AND m.component_type = 'index-projection' \
+               ON m.component_key = p.id AND m.knowledge_space_id = p.knowledge_space_id \
+              AND m.publication_id = $4 AND m.component_type = 'index-projection' \
              WHERE p.node_id = n.id AND p.type = 'fts' AND p.fts_document IS NOT NULL) \
-           OR ($6::text IS NOT NULL AND NOT EXISTS ( \
+           OR ($5::text IS NOT NULL AND NOT EXISTS ( \
              SELECT 1 FROM index_projections p JOIN projection_set_publication_members m \
-               ON m.component_key = p.id AND m.tenant_id = $1 AND m.knowledge_space_id = p.knowledge_space_id \
-              AND m.publication_id = $5 AND m.component_type = 'index-projection' \
-             WHERE p.node_id = n.id AND p.type = 'dense-vector' AND p.model = $6 AND p.dense_vector IS NOT NULL))) \
+               ON m.component_key = p.id AND m.knowledge_space_id = p.knowledge_space_id \
+              AND m.publication_id = $4 AND m.component_type = 'index-projection' \
+             WHERE p.node_id = n.id AND p.type = 'dense-vector' AND p.model = $5 AND p.dense_vector IS NOT NULL))) \
          FROM knowledge_nodes n \
-         WHERE n.knowledge_space_id = $2 AND n.publication_generation_id = $3 AND n.document_asset_id = $4",
+         WHERE n.knowledge_space_id = $1 AND n.publication_generation_id = $2 AND n.document_asset_id = $3",
     )
-    .bind(&a.tenant)
     .bind(a.space)
     .bind(a.generation)
     .bind(a.document)
@@ -190,12 +195,11 @@ async fn served(
     let Some(h) = head else { return Ok(None) };
     let generation: Option<Uuid> = sqlx::query_scalar(
         "SELECT generation_id FROM projection_set_publication_members \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 AND document_asset_id = $4 \
+         WHERE publication_id = $1 AND knowledge_space_id = $2 AND document_asset_id = $3 \
            AND component_type = 'document-outline' LIMIT 1",
     )
-    .bind(&a.tenant)
-    .bind(a.space)
     .bind(h.publication_id)
+    .bind(a.space)
     .bind(a.document)
     .fetch_optional(&mut *conn)
     .await?;
@@ -296,8 +300,20 @@ pub(crate) async fn publish_step(
         return Ok(Step::Succeed(Checkpoint::Published.as_str().into()));
     }
     let current = head.as_ref().map_or(0, |h| h.revision);
+    let rebased = match head.as_ref() {
+        Some(h) if current != a.base_head_revision => rebase(conn, a, h, candidate).await?,
+        _ => Rebased::Apart,
+    };
     let (candidate, fingerprint) = if current == a.base_head_revision {
         (candidate, fingerprint)
+    } else if let Rebased::Moved(c) = rebased {
+        // The document's own members are those the smoke evaluation passed; the rest are the
+        // head's, published already.
+        tracing::debug!(attempt = %a.id, from = a.base_head_revision, to = current, "head moved; candidate rebased in place");
+        (c.id, c.fingerprint)
+    } else if let Rebased::Served = rebased {
+        deactivate(conn, a.id).await?;
+        return Ok(already_served(a));
     } else {
         let id = child_id(
             a.id,

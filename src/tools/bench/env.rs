@@ -1,7 +1,8 @@
 //! A fresh place for one scenario: its own database (migrated, probe kind installed) and its own
 //! queue prefix on the services the bench was pointed at. Invariant: the bench only ever creates
 //! and removes databases named `kfs_bench_*` and queues under its own `kfsbench*` prefix, and
-//! [`BenchEnv::cleanup`] removes both.
+//! [`BenchEnv::cleanup`] removes both (it keeps the database, for a look afterwards, only when
+//! `KFS_BENCH_KEEP_DB=1`).
 
 use std::time::{Duration, Instant};
 
@@ -155,6 +156,13 @@ impl BenchEnv {
                 .await;
         }
         let _ = self.amqp.close(200, "bench done".into()).await;
+        if std::env::var_os("KFS_BENCH_KEEP_DB").is_some_and(|v| v == "1") {
+            eprintln!(
+                "bench: kept database {} (KFS_BENCH_KEEP_DB=1)",
+                self.db_name
+            );
+            return;
+        }
         if let Ok(mut admin) = PgConnection::connect(self.base.database_url.expose()).await {
             let _ = sqlx::query(&format!(
                 "DROP DATABASE IF EXISTS \"{}\" WITH (FORCE)",
