@@ -238,19 +238,17 @@ pub async fn documents(
 /// Whether a publication has any member of one of `documents`.
 pub async fn serves_any(
     conn: &mut PgConnection,
-    tenant: &str,
     space: Uuid,
     publication: Uuid,
     documents: &[Uuid],
 ) -> Result<bool, sqlx::Error> {
+    // By publication first, like [`members`].
     sqlx::query_scalar(
         "SELECT EXISTS (SELECT 1 FROM projection_set_publication_members \
-           WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_id = $3 \
-             AND document_asset_id = ANY($4))",
+           WHERE publication_id = $1 AND knowledge_space_id = $2 AND document_asset_id = ANY($3))",
     )
-    .bind(tenant)
-    .bind(space)
     .bind(publication)
+    .bind(space)
     .bind(documents)
     .fetch_one(conn)
     .await

@@ -38,7 +38,7 @@ pub async fn publish_excluding(
     };
     let affected = match excluded {
         None => !members(conn, space, h.publication_id).await?.is_empty(),
-        Some(docs) => serves_any(conn, tenant, space, h.publication_id, docs).await?,
+        Some(docs) => serves_any(conn, space, h.publication_id, docs).await?,
     };
     if !affected {
         return Ok(None);
@@ -60,13 +60,12 @@ pub async fn publish_excluding(
         sqlx::query(
             "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
                component_type, component_key, generation_id, document_asset_id, created_at) \
-             SELECT s.tenant_id, s.knowledge_space_id, $3, s.component_type, s.component_key, s.generation_id, \
+             SELECT s.tenant_id, s.knowledge_space_id, $2, s.component_type, s.component_key, s.generation_id, \
                s.document_asset_id, s.created_at \
              FROM projection_set_publication_members s \
-             WHERE s.tenant_id = $1 AND s.knowledge_space_id = $2 AND s.publication_id = $4 \
-               AND (s.document_asset_id IS NULL OR s.document_asset_id <> ALL($5))",
+             WHERE s.publication_id = $3 AND s.knowledge_space_id = $1 \
+               AND (s.document_asset_id IS NULL OR s.document_asset_id <> ALL($4))",
         )
-        .bind(tenant)
         .bind(space)
         .bind(id)
         .bind(h.publication_id)
