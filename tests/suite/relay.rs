@@ -1710,6 +1710,33 @@ async fn writers_skip_their_notification_only_while_a_relay_watches_and_it_lets_
     env.cleanup().await;
 }
 
+/// How many probe outbox rows are `dispatched`.
+async fn dispatched_probes(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM kfs_probe_outbox WHERE status = 'dispatched'")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A relay process of the probe kind whose poll is an hour away, so that only wake-ups and its
+/// own looks publish; returned once it is up and listening, which its publishing a first row
+/// shows.
+async fn relay_polling_hourly(env: &TestEnv, name: &str) -> support::Worker {
+    let relay = env.spawn_worker(
+        name,
+        &["run", "--relay"],
+        &[("KFS_KINDS", "probe"), ("KFS_RELAY_POLL", "60m")],
+    );
+    enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    assert!(
+        env.wait_until(HANG, || async { dispatched_probes(&env.pool).await == 1 })
+            .await,
+        "the relay never published a first row\n{}",
+        relay.tail(30)
+    );
+    relay
+}
+
 /// Samples `pg_locks` of the test's database until `stop`: whether any session held the probe
 /// outbox's watch (migration 0102) meanwhile.
 fn sample_watch(pool: PgPool, stop: CancellationToken) -> tokio::task::JoinHandle<bool> {
@@ -1739,26 +1766,8 @@ fn sample_watch(pool: PgPool, stop: CancellationToken) -> tokio::task::JoinHandl
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn lone_jobs_are_published_on_their_notifications_without_a_watch() {
     let env = TestEnv::new().await;
-    let mut relay = env.spawn_worker(
-        "relay-lone",
-        &["run", "--relay"],
-        &[("KFS_KINDS", "probe"), ("KFS_RELAY_POLL", "60m")],
-    );
-    let dispatched = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM kfs_probe_outbox WHERE status = 'dispatched'",
-        )
-        .fetch_one(&env.pool)
-        .await
-        .unwrap()
-    };
-    enqueue_one(&env.pool, &ProbeSpec::default()).await;
-    assert!(
-        env.wait_until(HANG, || async { dispatched().await == 1 })
-            .await,
-        "the relay never published a first row\n{}",
-        relay.tail(30)
-    );
+    let mut relay = relay_polling_hourly(&env, "relay-lone").await;
+    let dispatched = || dispatched_probes(&env.pool);
     let stop = CancellationToken::new();
     let sampler = sample_watch(env.pool.clone(), stop.clone());
     for n in 2..=30 {
@@ -1784,27 +1793,8 @@ async fn lone_jobs_are_published_on_their_notifications_without_a_watch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn no_row_waits_for_the_poll_while_writers_come_and_go_around_the_watch() {
     let env = TestEnv::new().await;
-    let mut relay = env.spawn_worker(
-        "relay-watch",
-        &["run", "--relay"],
-        &[("KFS_KINDS", "probe"), ("KFS_RELAY_POLL", "60m")],
-    );
-    let dispatched = || async {
-        sqlx::query_scalar::<_, i64>(
-            "SELECT count(*) FROM kfs_probe_outbox WHERE status = 'dispatched'",
-        )
-        .fetch_one(&env.pool)
-        .await
-        .unwrap()
-    };
-    // The relay is up and listening once it has published a first row.
-    enqueue_one(&env.pool, &ProbeSpec::default()).await;
-    assert!(
-        env.wait_until(HANG, || async { dispatched().await == 1 })
-            .await,
-        "the relay never published a first row\n{}",
-        relay.tail(30)
-    );
+    let mut relay = relay_polling_hourly(&env, "relay-watch").await;
+    let dispatched = || dispatched_probes(&env.pool);
     const WRITERS: usize = 8;
     const EACH: usize = 40;
     let stop = CancellationToken::new();

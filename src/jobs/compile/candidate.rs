@@ -15,8 +15,9 @@ use crate::canonical::{locale_compare, stable_digest};
 pub const FTS_MODEL: &str = "database-fts@1";
 pub const FINGERPRINT_PREFIX: &str = "projection-set-sha256:";
 
-/// One distinct projection configuration of a publication.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// One distinct projection configuration of a publication (a row `kind, model,
+/// projection_version`).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
 pub struct ProjectionConfig {
     pub kind: String,
     pub model: Option<String>,
@@ -39,8 +40,9 @@ impl ProjectionConfig {
     }
 }
 
-/// What a publication holds of one document.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// What a publication holds of one document (a row `document, version, sha256,
+/// artifact_hash`).
+#[derive(Clone, Debug, PartialEq, Eq, sqlx::FromRow)]
 pub struct SourceSnapshot {
     pub document: Uuid,
     pub version: i32,

@@ -101,24 +101,16 @@ pub(crate) async fn compose(
             .map(|m| m.component_key)
             .collect()
     };
-    let configs: Vec<(String, Option<String>, i32)> = sqlx::query_as(
-        "SELECT DISTINCT type::text, model::text, projection_version FROM index_projections \
+    let configs: Vec<ProjectionConfig> = sqlx::query_as(
+        "SELECT DISTINCT type::text AS kind, model::text AS model, projection_version FROM index_projections \
          WHERE knowledge_space_id = $1 AND id = ANY($2)",
     )
     .bind(a.space)
     .bind(keys(INDEX_PROJECTION))
     .fetch_all(&mut *conn)
     .await?;
-    let configs: Vec<ProjectionConfig> = configs
-        .into_iter()
-        .map(|(kind, model, projection_version)| ProjectionConfig {
-            kind,
-            model,
-            projection_version,
-        })
-        .collect();
-    let snapshots: Vec<(Uuid, i32, String, Option<String>)> = sqlx::query_as(
-        "SELECT o.document_asset_id, o.version, d.sha256, pa.artifact_hash FROM document_outlines o \
+    let snapshots: Vec<SourceSnapshot> = sqlx::query_as(
+        "SELECT o.document_asset_id AS document, o.version, d.sha256, pa.artifact_hash FROM document_outlines o \
          JOIN document_assets d ON d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id \
          LEFT JOIN parse_artifacts pa ON pa.document_asset_id = o.document_asset_id AND pa.version = o.version \
          WHERE o.knowledge_space_id = $1 AND o.id = ANY($2)",
@@ -127,17 +119,6 @@ pub(crate) async fn compose(
     .bind(keys(DOCUMENT_OUTLINE))
     .fetch_all(&mut *conn)
     .await?;
-    let snapshots: Vec<SourceSnapshot> = snapshots
-        .into_iter()
-        .map(
-            |(document, version, sha256, artifact_hash)| SourceSnapshot {
-                document,
-                version,
-                sha256,
-                artifact_hash,
-            },
-        )
-        .collect();
     let base = head.map_or(0, |h| h.revision);
     let Described {
         fingerprint,
@@ -296,8 +277,8 @@ pub(crate) async fn rebase(
     .bind(a.document)
     .execute(&mut *conn)
     .await?;
-    let configs: Vec<(String, Option<String>, i32)> = sqlx::query_as(
-        "SELECT DISTINCT p.type::text, p.model::text, p.projection_version \
+    let configs: Vec<ProjectionConfig> = sqlx::query_as(
+        "SELECT DISTINCT p.type::text AS kind, p.model::text AS model, p.projection_version \
          FROM projection_set_publication_members m \
          JOIN index_projections p ON p.id = m.component_key AND p.knowledge_space_id = $2 \
          WHERE m.publication_id = $1 AND m.component_type = $3",
@@ -307,16 +288,8 @@ pub(crate) async fn rebase(
     .bind(INDEX_PROJECTION)
     .fetch_all(&mut *conn)
     .await?;
-    let configs: Vec<ProjectionConfig> = configs
-        .into_iter()
-        .map(|(kind, model, projection_version)| ProjectionConfig {
-            kind,
-            model,
-            projection_version,
-        })
-        .collect();
-    let snapshots: Vec<(Uuid, i32, String, Option<String>)> = sqlx::query_as(
-        "SELECT o.document_asset_id, o.version, d.sha256, pa.artifact_hash \
+    let snapshots: Vec<SourceSnapshot> = sqlx::query_as(
+        "SELECT o.document_asset_id AS document, o.version, d.sha256, pa.artifact_hash \
          FROM projection_set_publication_members m \
          JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = $2 \
          JOIN document_assets d ON d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id \
@@ -328,17 +301,6 @@ pub(crate) async fn rebase(
     .bind(DOCUMENT_OUTLINE)
     .fetch_all(&mut *conn)
     .await?;
-    let snapshots: Vec<SourceSnapshot> = snapshots
-        .into_iter()
-        .map(
-            |(document, version, sha256, artifact_hash)| SourceSnapshot {
-                document,
-                version,
-                sha256,
-                artifact_hash,
-            },
-        )
-        .collect();
     let Described {
         fingerprint,
         metadata,
