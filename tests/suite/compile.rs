@@ -2007,3 +2007,70 @@ mod crash {
         kill_point("before-ack").await;
     }
 }
+
+/// The smoke evaluation judges the attempt's own document: a fault there fails the attempt,
+/// while a fault in a document the candidate inherits from the head (published by an earlier
+/// attempt) does not fail every later upload to the space.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_smoke_evaluation_fails_the_attempts_own_document_and_not_what_its_candidate_inherits()
+{
+    let fx = Fx::new().await;
+    let first = fx
+        .add("first.md", "text/markdown", b"# First\n\nPuffins burrow.")
+        .await;
+    fx.compile(first).await;
+    // The published document's full-text projections go bad after its publish.
+    let broken = sqlx::query(
+        "UPDATE index_projections SET status = 'failed' \
+         WHERE knowledge_space_id = $1 AND type = 'fts' AND metadata ->> 'documentAssetId' = $2",
+    )
+    .bind(fx.space)
+    .bind(first.to_string())
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    assert!(broken.rows_affected() > 0);
+
+    // Another upload still compiles and publishes over that head.
+    let second = fx
+        .add(
+            "second.md",
+            "text/markdown",
+            b"# Second\n\nRazorbills fly low.",
+        )
+        .await;
+    let s = fx.compile(second).await;
+    assert_succeeded(&s);
+    assert!(fx.served().await.contains_key(&second));
+
+    // A document whose own projection is missing fails its smoke evaluation.
+    let third = fx
+        .add(
+            "third.md",
+            "text/markdown",
+            b"# Third\n\nShags dry their wings.",
+        )
+        .await;
+    let one_step = fx.engine("w-smoke", 1);
+    let attempt = fx.request(third, false).await.unwrap();
+    fx.drive_to(&one_step, attempt, "projection_built").await;
+    let gone = sqlx::query(
+        "DELETE FROM projection_set_publication_members m USING index_projections p \
+         WHERE m.publication_id = $1 AND m.component_type = 'index-projection' \
+           AND p.id = m.component_key AND p.type = 'fts' AND p.metadata ->> 'documentAssetId' = $2",
+    )
+    .bind(fx.status(attempt).await.candidate_publication_id.unwrap())
+    .bind(third.to_string())
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    assert!(gone.rows_affected() > 0);
+    let s = fx.drive(&one_step, attempt).await;
+    assert_failed(&s, "smoke_eval_failed");
+    assert!(s
+        .last_error_message
+        .as_deref()
+        .is_some_and(|m| m.contains(&third.to_string())));
+    assert!(!fx.served().await.contains_key(&third));
+    fx.cleanup().await;
+}

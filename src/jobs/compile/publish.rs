@@ -35,28 +35,25 @@ const HEAD_BUSY_RETRY: std::time::Duration = std::time::Duration::from_millis(20
 /// How long a publish waits for a deletion of a document its candidate serves.
 const DELETION_FENCE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The first structural fault of a candidate, or `None`: of every document it serves, or of
-/// `only` that one (a candidate rebased over a published head, whose other documents that head
-/// already served).
+/// The first structural fault of the attempt's document in a candidate, or `None`. The
+/// candidate's other documents are the head's, each checked as its own attempt's document.
 async fn fault(
     conn: &mut PgConnection,
     a: &Attempt,
     candidate: Uuid,
-    only: Option<Uuid>,
 ) -> Result<Option<String>, JobError> {
     let profile = embedding_profile(conn, &a.tenant, a.space).await?;
     let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
-    // Members are looked up by publication, which names one space, never leading with the
-    // tenant: two of the platform's indexes lead with (tenant, space), and before the table has
-    // statistics (a new database, a first bulk upload) the planner picks either, scanning every
-    // member of the space for one publication's.
+    // The members are named down to the document, the whole key of the platform's
+    // (tenant, space, publication, document) index: named by less, the planner may pick the
+    // index led by (tenant, space) alone and scan every member of the space.
     // Per document: exactly one outline member, its outline row, a complete page index, and
     // full-text (and, with a profile, dense) projections that are members of this generation.
     // One pass over the members, grouped by document.
     let docs: Vec<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
         "WITH m AS (SELECT * FROM projection_set_publication_members \
-                    WHERE publication_id = $2 AND knowledge_space_id = $1 \
-                      AND document_asset_id IS NOT NULL AND ($5::uuid IS NULL OR document_asset_id = $5)), \
+                    WHERE tenant_id = $6 AND knowledge_space_id = $1 AND publication_id = $2 \
+                      AND document_asset_id = $5), \
          outlines AS ( \
            SELECT m.document_asset_id AS doc, count(*) AS n, \
              count(*) FILTER (WHERE pim.status IN ('building', 'ready') AND pim.tokenizer_version = $3 \
@@ -88,11 +85,15 @@ async fn fault(
     .bind(candidate)
     .bind(TOKENIZER_VERSION)
     .bind(&vsid)
-    .bind(only)
+    .bind(a.document)
+    .bind(&a.tenant)
     .fetch_all(&mut *conn)
     .await?;
     if docs.is_empty() {
-        return Ok(Some("the candidate has no documents".into()));
+        return Ok(Some(format!(
+            "the candidate has no members of document {}",
+            a.document
+        )));
     }
     for (doc, outlines, indexed, broken, fts, dense) in docs {
         if outlines != 1 {
@@ -159,10 +160,13 @@ fn bound(a: &Attempt) -> Result<(Uuid, String), JobError> {
     })
 }
 
-/// projection_built → smoke_eval_passed: the platform's structural check of the candidate.
+/// projection_built → smoke_eval_passed: the platform's structural check of the candidate's
+/// replacement of the attempt's document. The members it inherits are the head's, which each
+/// passed this check as their own document's replacement when they were published; checking
+/// them again made every publish of a space cost as much as the space is large.
 pub(crate) async fn smoke_step(conn: &mut PgConnection, a: &Attempt) -> Result<(), JobError> {
     let (candidate, _) = bound(a)?;
-    if let Some(why) = fault(conn, a, candidate, None).await? {
+    if let Some(why) = fault(conn, a, candidate).await? {
         return Err(JobError::fatal(
             "smoke_eval_failed",
             format!("document compilation candidate evaluation failed: {why}"),
@@ -328,7 +332,7 @@ pub(crate) async fn publish_step(
         };
         deactivate(conn, a.id).await?;
         bind(conn, a, &c, current).await?;
-        if let Some(why) = fault(conn, a, c.id, Some(a.document)).await? {
+        if let Some(why) = fault(conn, a, c.id).await? {
             return Err(JobError::fatal(
                 "smoke_eval_failed",
                 format!(
