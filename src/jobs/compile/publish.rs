@@ -47,10 +47,10 @@ async fn fault(
     // The members are named down to the document, the whole key of the platform's
     // (tenant, space, publication, document) index: named by less, the planner may pick the
     // index led by (tenant, space) alone and scan every member of the space.
-    // Per document: exactly one outline member, its outline row, a complete page index, and
-    // full-text (and, with a profile, dense) projections that are members of this generation.
-    // One pass over the members, grouped by document.
-    let docs: Vec<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
+    // Exactly one outline member, its outline row, a complete page index, and full-text (and,
+    // with a profile, dense) projections that are members of this generation: one row, none
+    // when the candidate has no member of the document.
+    let counts: Option<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
         "WITH m AS (SELECT * FROM projection_set_publication_members \
                     WHERE tenant_id = $6 AND knowledge_space_id = $1 AND publication_id = $2 \
                       AND document_asset_id = $5), \
@@ -79,7 +79,7 @@ async fn fault(
          SELECT d.doc, coalesce(o.n, 0), coalesce(o.indexed, 0), coalesce(p.broken, 0), coalesce(p.fts, 0), \
            coalesce(p.dense, 0) \
          FROM (SELECT DISTINCT document_asset_id AS doc FROM m) d \
-         LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc ORDER BY d.doc",
+         LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc",
     )
     .bind(a.space)
     .bind(candidate)
@@ -87,36 +87,34 @@ async fn fault(
     .bind(&vsid)
     .bind(a.document)
     .bind(&a.tenant)
-    .fetch_all(&mut *conn)
+    .fetch_optional(&mut *conn)
     .await?;
-    if docs.is_empty() {
+    let Some((doc, outlines, indexed, broken, fts, dense)) = counts else {
         return Ok(Some(format!(
             "the candidate has no members of document {}",
             a.document
         )));
+    };
+    if outlines != 1 {
+        return Ok(Some(format!(
+            "document {doc} has {outlines} outline members, not 1"
+        )));
     }
-    for (doc, outlines, indexed, broken, fts, dense) in docs {
-        if outlines != 1 {
-            return Ok(Some(format!(
-                "document {doc} has {outlines} outline members, not 1"
-            )));
-        }
-        if indexed != 1 {
-            return Ok(Some(format!("document {doc} has no complete page index")));
-        }
-        if broken > 0 {
-            return Ok(Some(format!(
-                "document {doc} has {broken} missing or foreign projection members"
-            )));
-        }
-        if fts == 0 {
-            return Ok(Some(format!("document {doc} has no full-text projection")));
-        }
-        if vsid.is_some() && dense == 0 {
-            return Ok(Some(format!(
-                "document {doc} has no dense projection of the space's embedding profile"
-            )));
-        }
+    if indexed != 1 {
+        return Ok(Some(format!("document {doc} has no complete page index")));
+    }
+    if broken > 0 {
+        return Ok(Some(format!(
+            "document {doc} has {broken} missing or foreign projection members"
+        )));
+    }
+    if fts == 0 {
+        return Ok(Some(format!("document {doc} has no full-text projection")));
+    }
+    if vsid.is_some() && dense == 0 {
+        return Ok(Some(format!(
+            "document {doc} has no dense projection of the space's embedding profile"
+        )));
     }
     // Every node of this document's generation is reachable through a member projection.
     let (nodes, unreachable): (i64, i64) = sqlx::query_as(
