@@ -3,6 +3,7 @@
 //! acks, and the process exits within the grace period; a lost broker or database connection
 //! is retried with backoff, never in a busy loop, and never loses a job.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -41,33 +42,81 @@ pub struct RunOptions {
     pub embedder: crate::embed::EmbedderConfig,
 }
 
-/// The most connections the process's pool may open. A consumer keeps one per delivery in
-/// flight (`prefetch` per kind), plus some for the relay's rounds and listener, heartbeats and
-/// maintenance. A relay-only process needs one per round in flight (`depth` per kind) and a
-/// few besides, and should not hold a consumer's share of Postgres' connection limit.
 /// Connections of the heartbeat pool. A heartbeat is one short statement every lease/3, so
 /// two serve every lease a worker holds.
 const HEARTBEAT_CONNECTIONS: u32 = 2;
 
-fn pool_size(consumer: bool, prefetch: u16, kinds: usize, depth: usize) -> u32 {
-    let kinds = u32::try_from(kinds).unwrap_or(u32::MAX);
-    if consumer {
-        u32::from(prefetch)
-            .saturating_mul(kinds)
-            .saturating_add(8)
-            .clamp(8, 64)
-    } else {
+/// The most connections one process's pools open together (the heartbeat pool and the
+/// liveness lock aside).
+const PROCESS_CONNECTIONS: u32 = 64;
+
+/// What the shared pool keeps for everything but the consumers' slices: the relay's rounds and
+/// listener, maintenance, the leased kinds' poller, the HTTP server, undecodable deliveries.
+const SHARED_CONNECTIONS: u32 = 8;
+
+/// The fewest connections a kind's own pool is given when the process's connections are
+/// divided.
+const KIND_FLOOR: u32 = 4;
+
+/// How a process divides its connections between its pools.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct PoolPlan {
+    /// The relay, maintenance, the poller, HTTP; in a relay-only process, everything.
+    shared: u32,
+    /// Each consumed kind's own pool, for its claims and slices.
+    kinds: Vec<(Kind, u32)>,
+}
+
+impl PoolPlan {
+    fn total(&self) -> u32 {
+        self.shared + self.kinds.iter().map(|(_, n)| n).sum::<u32>()
+    }
+}
+
+/// The connections a consumer process of `kinds` opens at most at `prefetch`, heartbeats and
+/// the liveness lock aside; what the bench's engine scenarios mirror.
+pub fn consumer_connections(prefetch: u16, kinds: &[Kind]) -> u32 {
+    plan(true, prefetch, kinds, 0).total()
+}
+
+/// Divides a process's connections between its pools. Each consumed kind has a pool of its
+/// own: a kind's statements are prepared and planned once per connection, and Postgres loads
+/// its catalog caches once per session, so a connection that serves one kind stays warm for
+/// it, where one shared pool handed every kind connections last used by another (sqlx gives
+/// out the oldest idle one). A kind's pool may open one connection per delivery in flight (its
+/// prefetch): a kind whose jobs step as groups opens about one per group, since a pool opens a
+/// connection only when none is idle, and the rest when a group goes apart and its members run
+/// alone. When the kinds together would pass [`PROCESS_CONNECTIONS`], they share what the
+/// shared pool leaves in equal parts, at least [`KIND_FLOOR`] each. A relay-only process needs
+/// one connection per round in flight (`depth` per kind) and a few besides.
+fn plan(consumer: bool, prefetch: u16, kinds: &[Kind], depth: usize) -> PoolPlan {
+    let n = u32::try_from(kinds.len()).unwrap_or(u32::MAX);
+    if !consumer {
         let depth = u32::try_from(depth).unwrap_or(u32::MAX);
-        depth.saturating_mul(kinds).saturating_add(4).clamp(4, 64)
+        return PoolPlan {
+            shared: depth
+                .saturating_mul(n)
+                .saturating_add(4)
+                .clamp(4, PROCESS_CONNECTIONS),
+            kinds: Vec::new(),
+        };
+    }
+    let room = PROCESS_CONNECTIONS - SHARED_CONNECTIONS;
+    let each = u32::from(prefetch)
+        .max(1)
+        .min((room / n.max(1)).max(KIND_FLOOR));
+    PoolPlan {
+        shared: SHARED_CONNECTIONS,
+        kinds: kinds.iter().map(|&k| (k, each)).collect(),
     }
 }
 
 pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let s = &opts.services;
-    let pool_size = pool_size(
+    let plan = plan(
         opts.consumer,
         opts.consumer_cfg.prefetch,
-        opts.kinds.len(),
+        &opts.kinds,
         opts.relay_cfg.depth,
     );
     // The shortest lease of the kinds this process runs: a step idle in its transaction for
@@ -82,7 +131,18 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         &format!("kfs-worker {}", opts.worker_id),
         idle,
     )?;
-    let pool = db::lazy_pool(options.clone(), pool_size, s.connect_timeout);
+    let pool = db::lazy_pool(options.clone(), plan.shared, s.connect_timeout);
+    let kind_pools: HashMap<Kind, PgPool> = plan
+        .kinds
+        .iter()
+        .map(|&(k, n)| {
+            // Named for the kind, so `pg_stat_activity` shows which kind a session serves.
+            let named = options
+                .clone()
+                .application_name(&format!("kfs-worker {} {k}", opts.worker_id));
+            (k, db::lazy_pool(named, n, s.connect_timeout))
+        })
+        .collect();
     // Heartbeats have connections of their own: the slices hold theirs for a whole slice.
     let heartbeat_pool = db::lazy_pool(options.clone(), HEARTBEAT_CONNECTIONS, s.connect_timeout);
     let topology = Topology::new(&s.queue_prefix);
@@ -135,7 +195,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     // show up only under load, as steps waiting for connections. Say so at start.
     // The pool (the relay's listener keeps one of its connections), the liveness lock and the
     // heartbeat connections.
-    let per_worker = pool_size
+    let per_worker = plan.total()
         + u32::from(lock.is_some())
         + if opts.consumer {
             HEARTBEAT_CONNECTIONS
@@ -189,6 +249,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
                 handlers,
                 opts.consumer_cfg.clone(),
             )
+            .with_kind_pools(kind_pools.clone())
             .with_heartbeat_pool(heartbeat_pool.clone()),
         );
         let health = health.clone();
@@ -260,7 +321,12 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             }
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(3), pool.close()).await;
+    let closing = kind_pools.values().chain([&pool]).map(PgPool::close);
+    let _ = tokio::time::timeout(
+        Duration::from_secs(3),
+        futures_util::future::join_all(closing),
+    )
+    .await;
     Ok(())
 }
 
@@ -369,26 +435,50 @@ pub async fn signals(shutdown: CancellationToken) {
 
 #[cfg(test)]
 mod tests {
-    use super::pool_size;
+    use super::{plan, Kind, PoolPlan};
 
     #[test]
-    fn pool_size_table() {
-        // (consumer, prefetch, kinds, depth) → connections
+    fn pool_plan_table() {
+        let kinds = |n: usize| -> Vec<Kind> {
+            [
+                "a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o",
+            ][..n]
+                .iter()
+                .map(|&name| Kind::new(name))
+                .collect()
+        };
+        // (consumer, prefetch, kinds, depth) → (shared, each kind's pool)
         let table = [
-            ((true, 16, 1, 4), 24),
-            ((true, 16, 3, 4), 56),
-            ((true, 60, 3, 4), 64),
-            ((true, 1, 1, 4), 9),
-            ((false, 16, 3, 4), 16),
-            ((false, 16, 1, 4), 8),
-            ((false, 16, 1, 1), 5),
-            ((false, 16, 3, 100), 64),
+            // Each kind gets its prefetch while they fit.
+            ((true, 16, 3, 4), (8, 16)),
+            ((true, 16, 1, 4), (8, 16)),
+            ((true, 1, 2, 4), (8, 1)),
+            // Past the process's 64, the kinds share what the shared pool leaves.
+            ((true, 64, 3, 4), (8, 18)),
+            ((true, 64, 1, 4), (8, 56)),
+            ((true, 40, 4, 4), (8, 14)),
+            // Never below the floor, even past the process's connections.
+            ((true, 64, 15, 4), (8, 4)),
+            // A relay-only process: one connection per round in flight, and a few.
+            ((false, 16, 0, 4), (4, 0)),
+            ((false, 16, 3, 4), (16, 0)),
+            ((false, 16, 1, 1), (5, 0)),
+            ((false, 16, 3, 100), (64, 0)),
         ];
-        for ((consumer, prefetch, kinds, depth), want) in table {
+        for ((consumer, prefetch, n, depth), (shared, each)) in table {
+            let kinds = kinds(n);
+            let got = plan(consumer, prefetch, &kinds, depth);
+            let want = PoolPlan {
+                shared,
+                kinds: if consumer {
+                    kinds.iter().map(|&k| (k, each)).collect()
+                } else {
+                    Vec::new()
+                },
+            };
             assert_eq!(
-                pool_size(consumer, prefetch, kinds, depth),
-                want,
-                "consumer {consumer}, prefetch {prefetch}, kinds {kinds}, depth {depth}"
+                got, want,
+                "consumer {consumer}, prefetch {prefetch}, kinds {n}, depth {depth}"
             );
         }
     }

@@ -87,7 +87,7 @@ impl Engine {
             batch.iter().map(|&i| (&refs[i], tokens[i])).collect();
         let mut conn = None;
         let claimed = async {
-            let mut c = crate::db::acquire(&self.pool).await?;
+            let mut c = crate::db::acquire(self.pool_for(kind)).await?;
             let jobs = lease::claim_many(&mut c, st, &pairs, &self.worker_id, policy.lease).await?;
             conn = Some(c);
             Ok::<_, sqlx::Error>(jobs)

@@ -109,7 +109,12 @@ impl Default for ConsumerConfig {
 
 /// Runs jobs for deliveries. Shared by all consumers of one process.
 pub struct Engine {
+    /// Where a kind without a pool of its own takes connections, and where undecodable
+    /// deliveries are settled.
     pool: PgPool,
+    /// Each kind's own pool for its claims and slices, so its connections stay warm for its
+    /// statements (see `runtime::plan`).
+    kind_pools: HashMap<Kind, PgPool>,
     /// Heartbeats take their connections here, never from `pool`, whose connections the
     /// slices hold for their whole length: a heartbeat queued behind them let leases expire
     /// under load.
@@ -137,6 +142,7 @@ impl Engine {
         Self {
             heartbeat_pool: pool.clone(),
             pool,
+            kind_pools: HashMap::new(),
             worker_id: worker_id.into(),
             handlers,
             statements,
@@ -150,6 +156,18 @@ impl Engine {
     pub fn with_heartbeat_pool(mut self, pool: PgPool) -> Self {
         self.heartbeat_pool = pool;
         self
+    }
+
+    /// Claims and slices of each kind in `pools` take their connections from its pool there.
+    #[must_use]
+    pub fn with_kind_pools(mut self, pools: HashMap<Kind, PgPool>) -> Self {
+        self.kind_pools = pools;
+        self
+    }
+
+    /// Where `kind`'s claims and slices take their connections.
+    fn pool_for(&self, kind: Kind) -> &PgPool {
+        self.kind_pools.get(&kind).unwrap_or(&self.pool)
     }
 
     pub fn kinds(&self) -> Vec<Kind> {
@@ -272,7 +290,7 @@ impl Engine {
         let mut tries = 0u32;
         let claim = loop {
             let attempt = async {
-                let c = self.connection(&mut conn).await?;
+                let c = self.connection(d.kind, &mut conn).await?;
                 let claimed =
                     lease::claim_as(c, st, d, &self.worker_id, policy.lease, token, Some(hook))
                         .await?;
@@ -334,10 +352,11 @@ impl Engine {
     /// The delivery's connection, acquired when it has none.
     async fn connection<'a>(
         &self,
+        kind: Kind,
         slot: &'a mut Slot,
     ) -> Result<&'a mut PgConnection, sqlx::Error> {
         if slot.is_none() {
-            *slot = Some(crate::db::acquire(&self.pool).await?);
+            *slot = Some(crate::db::acquire(self.pool_for(kind)).await?);
         }
         Ok(&mut **slot.as_mut().expect("acquired above"))
     }

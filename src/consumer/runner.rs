@@ -31,9 +31,9 @@ impl Engine {
         }
     }
 
-    fn env<'a>(&'a self, shutdown: &'a CancellationToken) -> Env<'a> {
+    fn env<'a>(&'a self, kind: Kind, shutdown: &'a CancellationToken) -> Env<'a> {
         Env {
-            pool: &self.pool,
+            pool: self.pool_for(kind),
             heartbeat_pool: &self.heartbeat_pool,
             budget: self.cfg.budget,
             shutdown,
@@ -52,8 +52,9 @@ impl Engine {
         shutdown: &CancellationToken,
     ) -> Option<&'static str> {
         self.counters.slices.fetch_add(1, Ordering::Relaxed);
-        let transitions = self.transitions(job.kind, policy);
-        let end = runner::run_slice(&transitions, job, conn, self.env(shutdown)).await;
+        let kind = job.kind;
+        let transitions = self.transitions(kind, policy);
+        let end = runner::run_slice(&transitions, job, conn, self.env(kind, shutdown)).await;
         if end == Some(LEASE_LOST) {
             self.counters.lease_lost.fetch_add(1, Ordering::Relaxed);
         }
@@ -74,7 +75,7 @@ impl Engine {
             .slices
             .fetch_add(jobs.len() as u64, Ordering::Relaxed);
         let transitions = self.transitions(kind, policy);
-        let ends = group::run_group(&transitions, jobs, conn, self.env(shutdown)).await;
+        let ends = group::run_group(&transitions, jobs, conn, self.env(kind, shutdown)).await;
         let lost = ends.iter().filter(|(_, e)| *e == Some(LEASE_LOST)).count();
         self.counters
             .lease_lost

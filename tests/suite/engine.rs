@@ -286,8 +286,9 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     .fetch_one(&env.pool)
     .await
     .unwrap();
-    // At prefetch 60 the pool is capped at 64; with the liveness lock and the two heartbeat
-    // connections a worker may open 67. Enough workers that together they would pass the limit.
+    // At prefetch 60 the probe's pool is capped at 56 and the shared pool has 8; with the liveness
+    // lock and the two heartbeat connections a worker may open 67. Enough workers that together
+    // they would pass the limit.
     let per_worker = 67;
     let needed = usable / per_worker + 1;
     let mut workers = Vec::new();
@@ -429,7 +430,8 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
     )
     .await
     .unwrap();
-    // Prefetch 16: the pool may open 24 sessions, three times what the role is allowed.
+    // Prefetch 16: the probe's pool may open 16 sessions and the shared pool 8, three times what
+    // the role is allowed.
     let addr = support::free_port();
     let mut w = env.spawn_worker(
         "capped",
@@ -492,6 +494,71 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
         "/readyz went unready {} times while the worker ran; first: {}",
         unready.len(),
         unready[0]
+    );
+    support::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
+
+/// Each kind a worker consumes takes its connections from a pool of its own, named for it in
+/// `pg_stat_activity`: a burst of one kind holds at most its own pool (its prefetch, one job per
+/// connection here), never the connections of another kind or those the relay and HTTP share.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
+    let env = TestEnv::new().await;
+    let jobs = 24;
+    probe::enqueue_many(
+        &env.pool,
+        jobs,
+        &ProbeSpec {
+            steps: 3,
+            step_sleep: Duration::from_millis(100),
+            ..ProbeSpec::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut w = env.spawn_worker(
+        "pools",
+        &["run", "--kinds", "probe,compile", "--worker-id", "pools"],
+        &[("KFS_PREFETCH", "4"), ("KFS_BATCH_MAX", "1")],
+    );
+    let peaks = std::sync::Mutex::new(std::collections::HashMap::<String, i64>::new());
+    let finished = env
+        .wait_until(Duration::from_secs(120), || async {
+            let sessions: Vec<(String, i64)> = sqlx::query_as(
+                "SELECT application_name, count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND application_name LIKE 'kfs-worker pools%' \
+                 GROUP BY 1",
+            )
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+            {
+                let mut peaks = peaks.lock().unwrap();
+                for (name, n) in sessions {
+                    let peak = peaks.entry(name).or_default();
+                    *peak = (*peak).max(n);
+                }
+            }
+            support::probe_succeeded(&env.pool).await == jobs
+        })
+        .await;
+    assert!(finished, "{}", w.tail(30));
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    let peaks = peaks.into_inner().unwrap();
+    assert_eq!(
+        peaks.get("kfs-worker pools probe").copied(),
+        Some(4),
+        "the probe's slices did not run on a pool of their own, of its prefetch: {peaks:?}"
+    );
+    assert_eq!(
+        peaks.get("kfs-worker pools compile"),
+        None,
+        "the probe's burst took connections of compile's pool: {peaks:?}"
+    );
+    assert!(
+        peaks.get("kfs-worker pools").is_some_and(|&n| n <= 8),
+        "the relay's shared pool is missing or past its 8 connections: {peaks:?}"
     );
     support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;

@@ -39,7 +39,7 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
     let mut r = Report::single(
         "engine",
         run,
-        json!({"inflight": p.inflight, "batch_max": p.batch_max, "pool": engine_pool_size(p.inflight, 1), "relay_batch": RelayConfig::default().batch}),
+        json!({"inflight": p.inflight, "batch_max": p.batch_max, "pool": engine_pool_size(p.inflight), "relay_batch": RelayConfig::default().batch}),
     );
     r.against(limit.unwrap_or(0.0), "limit");
     Ok(r)
@@ -76,7 +76,12 @@ pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Resul
     .await
     .map_err(|e| e.to_string())?;
 
-    let (pool, size) = inflight_pool(env, p, "kfs-worker bench statements").await?;
+    let (pool, size) = inflight_pool(
+        env,
+        engine_pool_size(p.inflight),
+        "kfs-worker bench statements",
+    )
+    .await?;
     let engine = Engine::new(
         pool.clone(),
         format!("bench-{}", env.tag),

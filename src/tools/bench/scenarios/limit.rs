@@ -34,7 +34,12 @@ pub async fn limit(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         .execute(&env.pool)
         .await
         .map_err(|e| e.to_string())?;
-    let (pool, pool_size) = inflight_pool(env, p, "kfs-worker bench limit").await?;
+    let (pool, pool_size) = inflight_pool(
+        env,
+        (u32::from(p.inflight) + 8).min(64),
+        "kfs-worker bench limit",
+    )
+    .await?;
     let queue = format!("{}.limit", env.topology.prefix);
     let ch = env.channel().await?;
     let mut args = FieldTable::default();

@@ -52,9 +52,10 @@ pub struct Params {
     pub interactive: bool,
 }
 
-/// The pool a `run` process gives itself for `kinds` kinds at `prefetch` (see `runtime::run`).
-pub fn engine_pool_size(prefetch: u16, kinds: usize) -> u32 {
-    (u32::from(prefetch) * kinds as u32 + 8).clamp(8, 64)
+/// The probe's pool in a `run` process of the probe alone at `prefetch` (see `runtime::plan`).
+pub fn engine_pool_size(prefetch: u16) -> u32 {
+    crate::runtime::consumer_connections(prefetch, &[Kind::Probe])
+        - crate::runtime::consumer_connections(prefetch, &[])
 }
 
 /// Publishes messages `1..=n`, each made by `message`, to `exchange` with `routing_key`,
@@ -255,9 +256,8 @@ async fn probe_batch(env: &BenchEnv, n: u64, label: &str, p: &Params) -> Result<
     .with_cpu(busy))
 }
 
-/// A pool of the size a one-kind worker gives itself at this in-flight count, and that size.
-async fn inflight_pool(env: &BenchEnv, p: &Params, name: &str) -> Result<(PgPool, u32), String> {
-    let size = engine_pool_size(p.inflight, 1);
+/// A pool of `size` connections, and that size.
+async fn inflight_pool(env: &BenchEnv, size: u32, name: &str) -> Result<(PgPool, u32), String> {
     let pool = db::connect(
         &env.services.database_url,
         name,
@@ -275,8 +275,8 @@ mod tests {
 
     #[test]
     fn pool_size_follows_the_runtime_rule() {
-        assert_eq!(engine_pool_size(16, 1), 24);
-        assert_eq!(engine_pool_size(1, 1), 9);
-        assert_eq!(engine_pool_size(64, 3), 64);
+        assert_eq!(engine_pool_size(16), 16);
+        assert_eq!(engine_pool_size(1), 1);
+        assert_eq!(engine_pool_size(64), 56);
     }
 }
