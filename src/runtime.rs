@@ -59,24 +59,26 @@ const SHARED_CONNECTIONS: u32 = 8;
 const KIND_FLOOR: u32 = 4;
 
 /// How a process divides its connections between its pools.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct PoolPlan {
     /// The relay, maintenance, the poller, HTTP; in a relay-only process, everything.
     shared: u32,
-    /// Each consumed kind's own pool, for its claims and slices.
-    kinds: Vec<(Kind, u32)>,
+    /// Each consumed kind's own pool, for its claims and slices (0 without consumers).
+    per_kind: u32,
+    /// How many kinds have a pool of their own.
+    kinds: u32,
 }
 
 impl PoolPlan {
     fn total(&self) -> u32 {
-        self.shared + self.kinds.iter().map(|(_, n)| n).sum::<u32>()
+        self.shared + self.per_kind * self.kinds
     }
 }
 
-/// The connections a consumer process of `kinds` opens at most at `prefetch`, heartbeats and
-/// the liveness lock aside; what the bench's engine scenarios mirror.
-pub fn consumer_connections(prefetch: u16, kinds: &[Kind]) -> u32 {
-    plan(true, prefetch, kinds, 0).total()
+/// The connections of each kind's own pool in a consumer process of `kinds` kinds at
+/// `prefetch` (see [`plan`]); what the bench's engine scenarios mirror.
+pub fn kind_pool_size(prefetch: u16, kinds: usize) -> u32 {
+    plan(true, prefetch, kinds, 0).per_kind
 }
 
 /// Divides a process's connections between its pools. Each consumed kind has a pool of its
@@ -89,8 +91,8 @@ pub fn consumer_connections(prefetch: u16, kinds: &[Kind]) -> u32 {
 /// alone. When the kinds together would pass [`PROCESS_CONNECTIONS`], they share what the
 /// shared pool leaves in equal parts, at least [`KIND_FLOOR`] each. A relay-only process needs
 /// one connection per round in flight (`depth` per kind) and a few besides.
-fn plan(consumer: bool, prefetch: u16, kinds: &[Kind], depth: usize) -> PoolPlan {
-    let n = u32::try_from(kinds.len()).unwrap_or(u32::MAX);
+fn plan(consumer: bool, prefetch: u16, kinds: usize, depth: usize) -> PoolPlan {
+    let n = u32::try_from(kinds).unwrap_or(u32::MAX);
     if !consumer {
         let depth = u32::try_from(depth).unwrap_or(u32::MAX);
         return PoolPlan {
@@ -98,16 +100,17 @@ fn plan(consumer: bool, prefetch: u16, kinds: &[Kind], depth: usize) -> PoolPlan
                 .saturating_mul(n)
                 .saturating_add(4)
                 .clamp(4, PROCESS_CONNECTIONS),
-            kinds: Vec::new(),
+            per_kind: 0,
+            kinds: 0,
         };
     }
     let room = PROCESS_CONNECTIONS - SHARED_CONNECTIONS;
-    let each = u32::from(prefetch)
-        .max(1)
-        .min((room / n.max(1)).max(KIND_FLOOR));
     PoolPlan {
         shared: SHARED_CONNECTIONS,
-        kinds: kinds.iter().map(|&k| (k, each)).collect(),
+        per_kind: u32::from(prefetch)
+            .max(1)
+            .min((room / n.max(1)).max(KIND_FLOOR)),
+        kinds: n,
     }
 }
 
@@ -116,7 +119,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let plan = plan(
         opts.consumer,
         opts.consumer_cfg.prefetch,
-        &opts.kinds,
+        opts.kinds.len(),
         opts.relay_cfg.depth,
     );
     // The shortest lease of the kinds this process runs: a step idle in its transaction for
@@ -132,17 +135,20 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         idle,
     )?;
     let pool = db::lazy_pool(options.clone(), plan.shared, s.connect_timeout);
-    let kind_pools: HashMap<Kind, PgPool> = plan
-        .kinds
-        .iter()
-        .map(|&(k, n)| {
-            // Named for the kind, so `pg_stat_activity` shows which kind a session serves.
-            let named = options
-                .clone()
-                .application_name(&format!("kfs-worker {} {k}", opts.worker_id));
-            (k, db::lazy_pool(named, n, s.connect_timeout))
-        })
-        .collect();
+    let kind_pools: HashMap<Kind, PgPool> = if opts.consumer {
+        opts.kinds
+            .iter()
+            .map(|&k| {
+                // Named for the kind, so `pg_stat_activity` shows which kind a session serves.
+                let named = options
+                    .clone()
+                    .application_name(&format!("kfs-worker {} {k}", opts.worker_id));
+                (k, db::lazy_pool(named, plan.per_kind, s.connect_timeout))
+            })
+            .collect()
+    } else {
+        HashMap::new()
+    };
     // Heartbeats have connections of their own: the slices hold theirs for a whole slice.
     let heartbeat_pool = db::lazy_pool(options.clone(), HEARTBEAT_CONNECTIONS, s.connect_timeout);
     let topology = Topology::new(&s.queue_prefix);
@@ -435,18 +441,10 @@ pub async fn signals(shutdown: CancellationToken) {
 
 #[cfg(test)]
 mod tests {
-    use super::{plan, Kind, PoolPlan};
+    use super::{plan, PoolPlan};
 
     #[test]
     fn pool_plan_table() {
-        let kinds = |n: usize| -> Vec<Kind> {
-            [
-                "a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o",
-            ][..n]
-                .iter()
-                .map(|&name| Kind::new(name))
-                .collect()
-        };
         // (consumer, prefetch, kinds, depth) → (shared, each kind's pool)
         let table = [
             // Each kind gets its prefetch while they fit.
@@ -465,20 +463,16 @@ mod tests {
             ((false, 16, 1, 1), (5, 0)),
             ((false, 16, 3, 100), (64, 0)),
         ];
-        for ((consumer, prefetch, n, depth), (shared, each)) in table {
-            let kinds = kinds(n);
-            let got = plan(consumer, prefetch, &kinds, depth);
+        for ((consumer, prefetch, kinds, depth), (shared, per_kind)) in table {
             let want = PoolPlan {
                 shared,
-                kinds: if consumer {
-                    kinds.iter().map(|&k| (k, each)).collect()
-                } else {
-                    Vec::new()
-                },
+                per_kind,
+                kinds: if consumer { kinds as u32 } else { 0 },
             };
             assert_eq!(
-                got, want,
-                "consumer {consumer}, prefetch {prefetch}, kinds {n}, depth {depth}"
+                plan(consumer, prefetch, kinds, depth),
+                want,
+                "consumer {consumer}, prefetch {prefetch}, kinds {kinds}, depth {depth}"
             );
         }
     }

@@ -54,8 +54,7 @@ pub struct Params {
 
 /// The probe's pool in a `run` process of the probe alone at `prefetch` (see `runtime::plan`).
 pub fn engine_pool_size(prefetch: u16) -> u32 {
-    crate::runtime::consumer_connections(prefetch, &[Kind::Probe])
-        - crate::runtime::consumer_connections(prefetch, &[])
+    crate::runtime::kind_pool_size(prefetch, 1)
 }
 
 /// Publishes messages `1..=n`, each made by `message`, to `exchange` with `routing_key`,
