@@ -6,6 +6,10 @@
 //! by the next one; a step also requires the snapshot's revision to be the one the task was
 //! requested under. A denial is explained from the snapshot row, but only revalidation grants.
 //! The deletion fence is read in the same way: a space being deleted stops every task in it.
+//! Tasks stepped in one transaction share these reads ([`Reads`]): the locks make a second read
+//! return what the first did.
+
+use std::collections::HashMap;
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -138,6 +142,15 @@ pub async fn revalidate(
         want.access_channel,
     )
     .await?;
+    decide(conn, valid, want).await
+}
+
+/// Grants what the platform's revalidation found, or explains the denial from the snapshot row.
+async fn decide(
+    conn: &mut PgConnection,
+    valid: Option<Valid>,
+    want: &Expected<'_>,
+) -> Result<Result<Valid, String>, sqlx::Error> {
     if granted(valid.as_ref(), want) {
         return Ok(Ok(valid.expect("granted implies a row")));
     }
@@ -206,6 +219,69 @@ pub async fn deletions(
         space_deleting: state == "deleting" || jobs.iter().any(|(_, t)| t == "knowledge_space"),
         active_job: jobs.first().map(|(id, _)| *id),
     })
+}
+
+/// The deletions and revalidations one transaction has read, so that tasks stepped together in
+/// it read each space's fence and each snapshot once. Sound because the first read share-locks
+/// what it read until the transaction ends (the space row; the snapshot and the rows its
+/// revalidation joins), and a space's deletion starts by updating that space row: nothing read
+/// can change before the commit, so a second read would return the same. Lives no longer than
+/// its transaction.
+#[derive(Default)]
+pub struct Reads {
+    deletions: HashMap<(String, Uuid), Deletions>,
+    /// By `(tenant, space, snapshot, subject, channel)`: what the platform's revalidation found.
+    valid: HashMap<(String, Uuid, Uuid, String, String), Option<Valid>>,
+}
+
+impl Reads {
+    /// [`deletions`], read once per space.
+    pub async fn deletions(
+        &mut self,
+        conn: &mut PgConnection,
+        tenant_id: &str,
+        space_id: Uuid,
+    ) -> Result<Deletions, sqlx::Error> {
+        let key = (tenant_id.to_owned(), space_id);
+        if let Some(d) = self.deletions.get(&key) {
+            return Ok(d.clone());
+        }
+        let d = deletions(conn, tenant_id, space_id).await?;
+        self.deletions.insert(key, d.clone());
+        Ok(d)
+    }
+
+    /// [`revalidate`], with the platform's statement run once per snapshot.
+    pub async fn revalidate(
+        &mut self,
+        conn: &mut PgConnection,
+        want: &Expected<'_>,
+    ) -> Result<Result<Valid, String>, sqlx::Error> {
+        let key = (
+            want.tenant_id.to_owned(),
+            want.space_id,
+            want.snapshot_id,
+            want.subject_id.to_owned(),
+            want.access_channel.to_owned(),
+        );
+        let valid = match self.valid.get(&key) {
+            Some(v) => v.clone(),
+            None => {
+                let v = crate::access::revalidate(
+                    conn,
+                    want.tenant_id,
+                    want.space_id,
+                    want.snapshot_id,
+                    want.subject_id,
+                    want.access_channel,
+                )
+                .await?;
+                self.valid.insert(key, v.clone());
+                v
+            }
+        };
+        decide(conn, valid, want).await
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@
 //! permission snapshot with the platform's statement and fails closed
 //! (`RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID`); retrieval reads only the publication frozen
 //! into the task at admission, through its members, under the snapshot's permission scopes,
-//! always naming the job's tenant and space.
+//! always naming the job's tenant and space. Tasks stepped together in one transaction read
+//! each space's fence and each snapshot's revalidation once ([`access::Reads`]) and write each
+//! table in one statement; a task alone goes the same way.
 //!
 //! Where kfs-worker differs from the platform's runtime (each also said where it is done):
 //! - The engine's claim commits on its own, so the claim's `stage_changed`
@@ -49,8 +51,8 @@ pub mod snapshot;
 mod stages;
 pub mod walk;
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-
 use std::time::Duration;
 
 use sqlx::PgConnection;
@@ -144,16 +146,28 @@ impl JobRow {
     }
 }
 
-async fn load(tx: &mut PgConnection, job_id: Uuid) -> Result<JobRow, JobError> {
-    sqlx::query_as(
-        "SELECT tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, permission_snapshot_revision, \
+/// The rows of the jobs being stepped, by id, in one statement.
+async fn load(tx: &mut PgConnection, ctxs: &[JobCtx]) -> Result<HashMap<Uuid, JobRow>, JobError> {
+    let ids: Vec<Uuid> = ctxs.iter().map(|c| c.job_id).collect();
+    let rows: Vec<(Uuid, JobRow)> = sqlx::query_as(
+        "SELECT id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, permission_snapshot_revision, \
            access_channel, query, mode, top_k, budget_usd, metadata, cost, stage \
-         FROM research_task_jobs WHERE id = $1",
+         FROM research_task_jobs WHERE id = ANY($1)",
     )
-    .bind(job_id)
-    .fetch_optional(tx)
+    .bind(ids)
+    .fetch_all(tx)
     .await?
-    .ok_or_else(|| JobError::fatal("job_missing", "the research task row is gone"))
+    .into_iter()
+    .map(|r: IdRow| (r.id, r.row))
+    .collect();
+    Ok(rows.into_iter().collect())
+}
+
+#[derive(sqlx::FromRow)]
+struct IdRow {
+    id: Uuid,
+    #[sqlx(flatten)]
+    row: JobRow,
 }
 
 pub struct ResearchHandler {
@@ -282,7 +296,69 @@ impl Handler for ResearchHandler {
     }
 
     async fn step(&self, tx: &mut PgConnection, ctx: &JobCtx) -> Result<Step, JobError> {
-        let job = load(tx, ctx.job_id).await?;
+        let mut steps = self.step_many(tx, std::slice::from_ref(ctx)).await?;
+        steps
+            .pop()
+            .ok_or_else(|| JobError::fatal("job_missing", "the research task row is gone"))
+    }
+
+    /// The tasks' steps in one pass over the group: their rows loaded in one statement, each
+    /// space's fence and each snapshot's revalidation read once ([`access::Reads`]), the claim
+    /// events looked up in one statement, and every write collected and made in one statement
+    /// per table ([`stages::Group`]). One task alone goes the same way.
+    async fn step_many(
+        &self,
+        tx: &mut PgConnection,
+        ctxs: &[JobCtx],
+    ) -> Result<Vec<Step>, JobError> {
+        let mut rows = load(tx, ctxs).await?;
+        let scopes: Vec<JobScope> = ctxs
+            .iter()
+            .map(|ctx| match rows.get(&ctx.job_id) {
+                Some(job) => Ok(job.scope(ctx.job_id)),
+                None => Err(JobError::fatal(
+                    "job_missing",
+                    "the research task row is gone",
+                )),
+            })
+            .collect::<Result<_, _>>()?;
+        let attempts: Vec<(&JobScope, i32)> = scopes
+            .iter()
+            .zip(ctxs)
+            .map(|(s, ctx)| (s, ctx.execution_attempts))
+            .collect();
+        let unclaimed: HashSet<Uuid> = progress::unclaimed(tx, &attempts)
+            .await?
+            .into_iter()
+            .collect();
+        let mut group = stages::Group::default();
+        let mut steps = Vec::with_capacity(ctxs.len());
+        for (ctx, scope) in ctxs.iter().zip(scopes) {
+            let job = rows.remove(&ctx.job_id).ok_or_else(|| {
+                JobError::fatal("job_missing", "the research task row appears twice")
+            })?;
+            let claim = unclaimed.contains(&ctx.job_id);
+            steps.push(
+                self.step_one(tx, &mut group, ctx, &job, scope, claim)
+                    .await?,
+            );
+        }
+        group.flush(tx).await?;
+        Ok(steps)
+    }
+}
+
+impl ResearchHandler {
+    /// One task's step within `group`; `claim`: its attempt's claim event is still to write.
+    async fn step_one(
+        &self,
+        tx: &mut PgConnection,
+        group: &mut stages::Group,
+        ctx: &JobCtx,
+        job: &JobRow,
+        scope: JobScope,
+        claim: bool,
+    ) -> Result<Step, JobError> {
         let stage = Stage::parse(&job.stage).ok_or_else(|| {
             JobError::fatal("bad_stage", format!("unknown stage '{}'", job.stage))
         })?;
@@ -292,32 +368,42 @@ impl Handler for ResearchHandler {
                 format!("a worker has nothing to do at stage '{stage}'"),
             ));
         }
-        let scope = job.scope(ctx.job_id);
         // The row version this step's transition writes.
         let next_rv = ctx.row_version + 1;
-        let deletions = access::deletions(tx, &job.tenant_id, job.knowledge_space_id).await?;
-        if let Some(why) = access::running_fence(&deletions) {
-            progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, stage)
-                .await?;
-            progress::append_event(
-                tx,
-                &scope,
-                next_rv,
-                EventType::Canceled,
-                Stage::Canceled,
-                payload::because(Some(access::DELETION_FENCE_ACTIVE)),
-            )
+        let claimed = |group: &mut stages::Group| {
+            if claim {
+                group.event(progress::claimed_event(
+                    &scope,
+                    ctx.row_version,
+                    ctx.execution_attempts,
+                    stage,
+                ));
+            }
+        };
+        let deletions = group
+            .reads
+            .deletions(tx, &job.tenant_id, job.knowledge_space_id)
             .await?;
+        if let Some(why) = access::running_fence(&deletions) {
+            claimed(group);
+            group.event(progress::NewEvent {
+                scope: scope.clone(),
+                row_version: next_rv,
+                event_type: EventType::Canceled,
+                stage: Stage::Canceled,
+                payload: payload::because(Some(access::DELETION_FENCE_ACTIVE)),
+            });
             return Ok(Step::Cancel {
                 code: access::DELETION_FENCE_ACTIVE.into(),
                 message: why,
             });
         }
-        let valid = access::revalidate(tx, &job.expected())
+        let valid = group
+            .reads
+            .revalidate(tx, &job.expected())
             .await?
             .map_err(|why| JobError::fatal(access::SNAPSHOT_INVALID, why))?;
-        progress::ensure_claimed(tx, &scope, ctx.row_version, ctx.execution_attempts, stage)
-            .await?;
+        claimed(group);
         // As on the platform, the frozen tuple is loaded once the task is planning.
         let (frozen, mode, top_k) = if stage == Stage::Queued {
             (None, String::new(), 0)
@@ -329,7 +415,7 @@ impl Handler for ResearchHandler {
         };
         let run = stages::Run {
             handler: self,
-            job: &job,
+            job,
             scope,
             ctx,
             next_rv,
@@ -338,7 +424,7 @@ impl Handler for ResearchHandler {
             mode,
             top_k,
         };
-        run.stage(tx, stage).await
+        run.stage(tx, group, stage).await
     }
 }
 

@@ -109,6 +109,18 @@ pub mod payload {
     }
 }
 
+/// An event to append: [`append_events`] writes a step's events, and those of every task
+/// stepped with it, in one statement.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewEvent {
+    pub scope: JobScope,
+    /// The row version its key names (see the module's notes).
+    pub row_version: i32,
+    pub event_type: EventType,
+    pub stage: Stage,
+    pub payload: Value,
+}
+
 /// Appends an event unless its key exists. Returns its sequence when it was added. The caller
 /// holds the job row's lock.
 pub async fn append_event(
@@ -119,31 +131,118 @@ pub async fn append_event(
     stage: Stage,
     payload: serde_json::Value,
 ) -> Result<Option<i32>, sqlx::Error> {
+    let event = NewEvent {
+        scope: scope.clone(),
+        row_version,
+        event_type,
+        stage,
+        payload,
+    };
+    Ok(append_events(conn, std::slice::from_ref(&event))
+        .await?
+        .first()
+        .copied())
+}
+
+/// Appends `events` in one statement, each unless its key exists, in the order given: a job's
+/// events get the sequences after its last one, in that order, with no gap for one that
+/// existed. Returns the sequences of those added. The caller holds every job row's lock.
+pub async fn append_events(
+    conn: &mut PgConnection,
+    events: &[NewEvent],
+) -> Result<Vec<i32>, sqlx::Error> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let n = events.len();
+    let (mut ids, mut tenants, mut spaces, mut jobs) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    let (mut keys, mut types, mut stages, mut payloads) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+        Vec::with_capacity(n),
+    );
+    for e in events {
+        ids.push(Uuid::now_v7());
+        tenants.push(e.scope.tenant_id.as_str());
+        spaces.push(e.scope.space_id);
+        jobs.push(e.scope.job_id);
+        keys.push(progress_key(e.scope.job_id, e.row_version, e.event_type));
+        types.push(e.event_type.as_str());
+        stages.push(e.stage.as_str());
+        payloads.push(&e.payload);
+    }
     sqlx::query_scalar(&format!(
         "INSERT INTO research_task_progress_events (id, tenant_id, knowledge_space_id, research_task_job_id, \
            sequence, idempotency_key, event_type, stage, payload, created_at) \
-         SELECT $1, $2, $3, $4, coalesce(max(e.sequence), 0) + 1, $5, $6, $7, $8, {NOW_MS} \
-         FROM research_task_progress_events e \
-         WHERE e.tenant_id = $2 AND e.research_task_job_id = $4 \
+         SELECT n.id, n.tenant_id, n.space_id, n.job_id, \
+           coalesce((SELECT max(e.sequence) FROM research_task_progress_events e \
+                     WHERE e.tenant_id = n.tenant_id AND e.research_task_job_id = n.job_id), 0) \
+             + row_number() OVER (PARTITION BY n.job_id ORDER BY n.ord), \
+           n.key, n.event_type, n.stage, n.payload, {NOW_MS} \
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::uuid[], $5::text[], $6::text[], $7::text[], $8::jsonb[]) \
+           WITH ORDINALITY AS n(id, tenant_id, space_id, job_id, key, event_type, stage, payload, ord) \
+         WHERE NOT EXISTS (SELECT 1 FROM research_task_progress_events x \
+                           WHERE x.research_task_job_id = n.job_id AND x.idempotency_key = n.key) \
          ON CONFLICT (research_task_job_id, idempotency_key) DO NOTHING \
          RETURNING sequence"
     ))
-    .bind(Uuid::now_v7())
-    .bind(&scope.tenant_id)
-    .bind(scope.space_id)
-    .bind(scope.job_id)
-    .bind(progress_key(scope.job_id, row_version, event_type))
-    .bind(event_type.as_str())
-    .bind(stage.as_str())
-    .bind(payload)
-    .fetch_optional(conn)
+    .bind(ids)
+    .bind(tenants)
+    .bind(spaces)
+    .bind(jobs)
+    .bind(keys)
+    .bind(types)
+    .bind(stages)
+    .bind(payloads)
+    .fetch_all(conn)
     .await
 }
 
-/// Appends the claim event of execution attempt `attempt` unless it exists, keyed by the row
-/// version the claim wrote (`row_version`) and at the stage the job was claimed at. The engine's
-/// claim commits on its own; the first transaction of the attempt that the kind writes (its
-/// first step, or the end of a failed one) records it.
+/// Of `(scope, execution attempt)`, the jobs whose attempt has no claim event yet, in one
+/// statement.
+pub async fn unclaimed(
+    conn: &mut PgConnection,
+    jobs: &[(&JobScope, i32)],
+) -> Result<Vec<Uuid>, sqlx::Error> {
+    let tenants: Vec<&str> = jobs.iter().map(|(s, _)| s.tenant_id.as_str()).collect();
+    let ids: Vec<Uuid> = jobs.iter().map(|(s, _)| s.job_id).collect();
+    let attempts: Vec<i32> = jobs.iter().map(|(_, a)| *a).collect();
+    sqlx::query_scalar(
+        "SELECT u.job_id FROM unnest($1::text[], $2::uuid[], $3::int[]) AS u(tenant_id, job_id, attempt) \
+         WHERE NOT EXISTS (SELECT 1 FROM research_task_progress_events e \
+           WHERE e.tenant_id = u.tenant_id AND e.research_task_job_id = u.job_id \
+             AND e.event_type = 'research_task.stage_changed' \
+             AND e.payload @> jsonb_build_object('executionAttempt', u.attempt, 'workerClaimed', true))",
+    )
+    .bind(tenants)
+    .bind(ids)
+    .bind(attempts)
+    .fetch_all(conn)
+    .await
+}
+
+/// The claim event of execution attempt `attempt`, keyed by the row version the claim wrote
+/// (`row_version`) and at the stage the job was claimed at. The engine's claim commits on its
+/// own; the first transaction of the attempt that the kind writes (its first step, or the end
+/// of a failed one) records it, when [`unclaimed`] says it is not there yet.
+pub fn claimed_event(scope: &JobScope, row_version: i32, attempt: i32, stage: Stage) -> NewEvent {
+    NewEvent {
+        scope: scope.clone(),
+        row_version,
+        event_type: EventType::StageChanged,
+        stage,
+        payload: payload::claimed(attempt),
+    }
+}
+
+/// Appends the claim event of execution attempt `attempt` unless it exists (see
+/// [`claimed_event`]).
 pub async fn ensure_claimed(
     conn: &mut PgConnection,
     scope: &JobScope,
@@ -151,55 +250,62 @@ pub async fn ensure_claimed(
     attempt: i32,
     stage: Stage,
 ) -> Result<(), sqlx::Error> {
-    let seen: bool = sqlx::query_scalar(
-        "SELECT EXISTS (SELECT 1 FROM research_task_progress_events \
-           WHERE tenant_id = $1 AND research_task_job_id = $2 AND event_type = 'research_task.stage_changed' \
-             AND payload @> $3)",
-    )
-    .bind(&scope.tenant_id)
-    .bind(scope.job_id)
-    .bind(payload::claimed(attempt))
-    .fetch_one(&mut *conn)
-    .await?;
-    if !seen {
-        append_event(
-            conn,
-            scope,
-            row_version,
-            EventType::StageChanged,
-            stage,
-            payload::claimed(attempt),
-        )
-        .await?;
+    if unclaimed(conn, &[(scope, attempt)]).await?.is_empty() {
+        return Ok(());
     }
+    append_events(conn, &[claimed_event(scope, row_version, attempt, stage)]).await?;
     Ok(())
 }
 
-/// Appends a partial result unless its key exists. Returns its sequence when it was added. The
-/// caller holds the job row's lock.
-pub async fn append_partial(
+/// A partial result to append (see [`append_partials`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct NewPartial {
+    pub scope: JobScope,
+    pub key: String,
+    pub bundle: Value,
+}
+
+/// Appends `partials` in one statement, each unless its key exists, with the same sequences as
+/// [`append_events`] gives events. The caller holds every job row's lock.
+pub async fn append_partials(
     conn: &mut PgConnection,
-    scope: &JobScope,
-    key: &str,
-    bundle: serde_json::Value,
-) -> Result<Option<i32>, sqlx::Error> {
-    sqlx::query_scalar(&format!(
+    partials: &[NewPartial],
+) -> Result<(), sqlx::Error> {
+    if partials.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<Uuid> = partials.iter().map(|_| Uuid::now_v7()).collect();
+    let tenants: Vec<&str> = partials
+        .iter()
+        .map(|p| p.scope.tenant_id.as_str())
+        .collect();
+    let spaces: Vec<Uuid> = partials.iter().map(|p| p.scope.space_id).collect();
+    let jobs: Vec<Uuid> = partials.iter().map(|p| p.scope.job_id).collect();
+    let keys: Vec<&str> = partials.iter().map(|p| p.key.as_str()).collect();
+    let bundles: Vec<&Value> = partials.iter().map(|p| &p.bundle).collect();
+    sqlx::query(&format!(
         "INSERT INTO research_task_partial_results (id, tenant_id, knowledge_space_id, research_task_job_id, \
            sequence, idempotency_key, evidence_bundle, created_at) \
-         SELECT $1, $2, $3, $4, coalesce(max(p.sequence), 0) + 1, $5, $6, {NOW_MS} \
-         FROM research_task_partial_results p \
-         WHERE p.tenant_id = $2 AND p.research_task_job_id = $4 \
-         ON CONFLICT (research_task_job_id, idempotency_key) DO NOTHING \
-         RETURNING sequence"
+         SELECT n.id, n.tenant_id, n.space_id, n.job_id, \
+           coalesce((SELECT max(p.sequence) FROM research_task_partial_results p \
+                     WHERE p.tenant_id = n.tenant_id AND p.research_task_job_id = n.job_id), 0) \
+             + row_number() OVER (PARTITION BY n.job_id ORDER BY n.ord), \
+           n.key, n.bundle, {NOW_MS} \
+         FROM unnest($1::uuid[], $2::text[], $3::uuid[], $4::uuid[], $5::text[], $6::jsonb[]) \
+           WITH ORDINALITY AS n(id, tenant_id, space_id, job_id, key, bundle, ord) \
+         WHERE NOT EXISTS (SELECT 1 FROM research_task_partial_results x \
+                           WHERE x.research_task_job_id = n.job_id AND x.idempotency_key = n.key) \
+         ON CONFLICT (research_task_job_id, idempotency_key) DO NOTHING"
     ))
-    .bind(Uuid::now_v7())
-    .bind(&scope.tenant_id)
-    .bind(scope.space_id)
-    .bind(scope.job_id)
-    .bind(key)
-    .bind(bundle)
-    .fetch_optional(conn)
-    .await
+    .bind(ids)
+    .bind(tenants)
+    .bind(spaces)
+    .bind(jobs)
+    .bind(keys)
+    .bind(bundles)
+    .execute(conn)
+    .await?;
+    Ok(())
 }
 
 /// One committed progress event.

@@ -13,18 +13,101 @@ use serde_json::{json, Value};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::access::Valid;
+use super::access::{Reads, Valid};
 use super::budget::{self, Actual, Cost};
 use super::evidence;
 use super::generator::{Generation, GenerationRequest, NO_EVIDENCE_ANSWER};
 use super::plan::{self, Bundle, Evidence, Plan};
-use super::progress::{self, payload, EventType, JobScope, NOW_MS};
+use super::progress::{self, payload, EventType, JobScope, NewEvent, NewPartial, NOW_MS};
 use super::retrieve::{self, ReadModel};
 use super::snapshot::{self, RuntimeSnapshot};
 use super::walk::{self, Stage};
 use super::{JobRow, ResearchHandler};
 use crate::embed::{self, EmbedError, Input};
 use crate::jobs::{JobCtx, JobError, Step};
+
+/// What the steps that share one transaction read once and write together. Reads: the space's
+/// deletions and the snapshot's revalidation (see [`Reads`]), and the transaction's clock. Writes:
+/// each step's metadata and cost, its events and its partial result, collected in step order and
+/// written by [`Group::flush`] in one statement per table, before the engine's transition.
+#[derive(Default)]
+pub(super) struct Group {
+    pub reads: Reads,
+    now_ms: Option<i64>,
+    jobs: Vec<JobWrite>,
+    events: Vec<NewEvent>,
+    partials: Vec<NewPartial>,
+}
+
+/// A job row's writes: its metadata patch (merged key by key, as `||` does) and its new cost.
+struct JobWrite {
+    tenant_id: String,
+    job_id: Uuid,
+    patch: serde_json::Map<String, Value>,
+    cost: Option<Value>,
+}
+
+impl Group {
+    fn job(&mut self, scope: &JobScope) -> &mut JobWrite {
+        let at = match self.jobs.iter().position(|w| w.job_id == scope.job_id) {
+            Some(i) => i,
+            None => {
+                self.jobs.push(JobWrite {
+                    tenant_id: scope.tenant_id.clone(),
+                    job_id: scope.job_id,
+                    patch: serde_json::Map::new(),
+                    cost: None,
+                });
+                self.jobs.len() - 1
+            }
+        };
+        &mut self.jobs[at]
+    }
+
+    pub(super) fn event(&mut self, event: NewEvent) {
+        self.events.push(event);
+    }
+
+    /// The transaction's clock (`now()`: the same for every statement of it), read once.
+    async fn now_ms(&mut self, tx: &mut PgConnection) -> Result<i64, sqlx::Error> {
+        if let Some(ms) = self.now_ms {
+            return Ok(ms);
+        }
+        let ms: i64 = sqlx::query_scalar(&format!("SELECT {NOW_MS}"))
+            .fetch_one(&mut *tx)
+            .await?;
+        self.now_ms = Some(ms);
+        Ok(ms)
+    }
+
+    /// Writes what the steps collected: the job rows, then the events, then the partials.
+    pub(super) async fn flush(self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
+        if !self.jobs.is_empty() {
+            let tenants: Vec<&str> = self.jobs.iter().map(|w| w.tenant_id.as_str()).collect();
+            let ids: Vec<Uuid> = self.jobs.iter().map(|w| w.job_id).collect();
+            let patches: Vec<Value> = self
+                .jobs
+                .iter()
+                .map(|w| Value::Object(w.patch.clone()))
+                .collect();
+            let costs: Vec<Option<Value>> = self.jobs.iter().map(|w| w.cost.clone()).collect();
+            sqlx::query(&format!(
+                "UPDATE research_task_jobs j \
+                 SET metadata = j.metadata || u.patch, cost = coalesce(u.cost, j.cost), updated_at = {NOW_MS} \
+                 FROM unnest($1::text[], $2::uuid[], $3::jsonb[], $4::jsonb[]) AS u(tenant_id, id, patch, cost) \
+                 WHERE j.tenant_id = u.tenant_id AND j.id = u.id"
+            ))
+            .bind(tenants)
+            .bind(ids)
+            .bind(patches)
+            .bind(costs)
+            .execute(&mut *tx)
+            .await?;
+        }
+        progress::append_events(tx, &self.events).await?;
+        progress::append_partials(tx, &self.partials).await
+    }
+}
 
 /// One step of one task.
 pub(super) struct Run<'a> {
@@ -80,14 +163,15 @@ impl Run<'_> {
     pub(super) async fn stage(
         &self,
         tx: &mut PgConnection,
+        g: &mut Group,
         stage: Stage,
     ) -> Result<Step, JobError> {
         match stage {
-            Stage::Queued => self.advance(tx, Stage::Queued, None).await,
-            Stage::Planning => self.plan(tx).await,
-            Stage::Retrieving => self.retrieve(tx).await,
-            Stage::Analyzing => self.analyze(tx).await,
-            Stage::Generating => self.generate(tx).await,
+            Stage::Queued => self.advance(g, Stage::Queued, None),
+            Stage::Planning => self.plan(g),
+            Stage::Retrieving => self.retrieve(tx, g).await,
+            Stage::Analyzing => self.analyze(g),
+            Stage::Generating => self.generate(tx, g).await,
             other => Err(JobError::fatal(
                 "bad_stage",
                 format!("a worker has nothing to do at stage '{other}'"),
@@ -96,23 +180,21 @@ impl Run<'_> {
     }
 
     /// Appends the stage change and returns the move.
-    async fn advance(
+    fn advance(
         &self,
-        tx: &mut PgConnection,
+        g: &mut Group,
         from: Stage,
         details: Option<Value>,
     ) -> Result<Step, JobError> {
         let to = walk::next_stage(from)
             .ok_or_else(|| JobError::fatal("bad_stage", format!("no stage follows {from}")))?;
-        progress::append_event(
-            tx,
-            &self.scope,
-            self.next_rv,
-            EventType::StageChanged,
-            to,
-            payload::advanced(from, details),
-        )
-        .await?;
+        g.event(NewEvent {
+            scope: self.scope.clone(),
+            row_version: self.next_rv,
+            event_type: EventType::StageChanged,
+            stage: to,
+            payload: payload::advanced(from, details),
+        });
         Ok(if to == Stage::Completed {
             Step::Succeed(to.as_str().into())
         } else {
@@ -120,17 +202,9 @@ impl Run<'_> {
         })
     }
 
-    async fn merge(&self, tx: &mut PgConnection, patch: Value) -> Result<(), sqlx::Error> {
-        sqlx::query(&format!(
-            "UPDATE research_task_jobs SET metadata = metadata || $3, updated_at = {NOW_MS} \
-             WHERE tenant_id = $1 AND id = $2"
-        ))
-        .bind(&self.scope.tenant_id)
-        .bind(self.scope.job_id)
-        .bind(patch)
-        .execute(tx)
-        .await?;
-        Ok(())
+    /// `metadata = metadata || {key: value}`, written at the flush.
+    fn merge(&self, g: &mut Group, key: &str, value: Value) {
+        g.job(&self.scope).patch.insert(key.to_owned(), value);
     }
 
     fn meta<T: serde::de::DeserializeOwned>(&self, key: &str) -> Result<Option<T>, JobError> {
@@ -148,12 +222,13 @@ impl Run<'_> {
             .unwrap_or_else(|| plan::plan(&self.job.query, plan::max_sub_queries(&self.mode))))
     }
 
-    async fn plan(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+    fn plan(&self, g: &mut Group) -> Result<Step, JobError> {
         let plan = plan::plan(&self.job.query, plan::max_sub_queries(&self.mode));
         let questions: Vec<&str> = plan.sub_queries.iter().map(|q| q.text.as_str()).collect();
         let details = json!({ "questions": questions, "topK": self.top_k });
-        self.merge(tx, json!({ "plan": plan })).await?;
-        self.advance(tx, Stage::Planning, Some(details)).await
+        let value = serde_json::to_value(&plan).map_err(bad("the plan"))?;
+        self.merge(g, "plan", value);
+        self.advance(g, Stage::Planning, Some(details))
     }
 
     /// The publication and vector space this task reads: the frozen ones, or (for a task
@@ -200,7 +275,7 @@ impl Run<'_> {
         Ok(out.vectors.into_iter().next().unwrap_or_default())
     }
 
-    async fn retrieve(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+    async fn retrieve(&self, tx: &mut PgConnection, g: &mut Group) -> Result<Step, JobError> {
         let plan = self.planned()?;
         let read = self.read_model(tx).await?;
         let fan = retrieve::fan_out(&self.mode, self.top_k);
@@ -241,8 +316,8 @@ impl Run<'_> {
         };
         let details = json!({ "results": results, "retrievalCount": retrieved.retrieval_count });
         let value = serde_json::to_value(&retrieved).map_err(bad("the retrieval"))?;
-        self.merge(tx, json!({ "retrieval": value })).await?;
-        self.advance(tx, Stage::Retrieving, Some(details)).await
+        self.merge(g, "retrieval", value);
+        self.advance(g, Stage::Retrieving, Some(details))
     }
 
     fn retrieved(&self) -> Result<Retrieved, JobError> {
@@ -254,7 +329,7 @@ impl Run<'_> {
         })
     }
 
-    async fn analyze(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+    fn analyze(&self, g: &mut Group) -> Result<Step, JobError> {
         let r = self.retrieved()?;
         let evidence = plan::rank(&r.bundles, self.top_k);
         let details = json!({
@@ -262,47 +337,34 @@ impl Run<'_> {
             "retrievalCount": r.retrieval_count,
         });
         let value = serde_json::to_value(&evidence).map_err(bad("the evidence"))?;
-        self.merge(tx, json!({ "evidence": value })).await?;
-        self.advance(tx, Stage::Analyzing, Some(details)).await
+        self.merge(g, "evidence", value);
+        self.advance(g, Stage::Analyzing, Some(details))
     }
 
-    async fn cancel_for_budget(
-        &self,
-        tx: &mut PgConnection,
-        message: String,
-    ) -> Result<Step, JobError> {
-        progress::append_event(
-            tx,
-            &self.scope,
-            self.next_rv,
-            EventType::Canceled,
-            Stage::Canceled,
-            payload::because(Some(budget::BUDGET_EXHAUSTED)),
-        )
-        .await?;
-        Ok(Step::Cancel {
+    fn cancel_for_budget(&self, g: &mut Group, message: String) -> Step {
+        g.event(NewEvent {
+            scope: self.scope.clone(),
+            row_version: self.next_rv,
+            event_type: EventType::Canceled,
+            stage: Stage::Canceled,
+            payload: payload::because(Some(budget::BUDGET_EXHAUSTED)),
+        });
+        Step::Cancel {
             code: budget::BUDGET_EXHAUSTED.into(),
             message,
-        })
+        }
     }
 
-    async fn write_cost(&self, tx: &mut PgConnection, cost: &Cost) -> Result<(), sqlx::Error> {
-        sqlx::query(&format!(
-            "UPDATE research_task_jobs SET cost = $3, updated_at = {NOW_MS} WHERE tenant_id = $1 AND id = $2"
-        ))
-        .bind(&self.scope.tenant_id)
-        .bind(self.scope.job_id)
-        .bind(cost.to_json())
-        .execute(tx)
-        .await?;
-        Ok(())
+    /// `cost = <cost>`, written at the flush.
+    fn write_cost(&self, g: &mut Group, cost: &Cost) {
+        g.job(&self.scope).cost = Some(cost.to_json());
     }
 
     /// The answer: no call without evidence; else the call reserved, made, and settled.
     /// `Err(step)`: the budget canceled the task.
     async fn answer(
         &self,
-        tx: &mut PgConnection,
+        w: &mut Group,
         evidence: &[Evidence],
         now_ms: i64,
     ) -> Result<Result<Value, Step>, JobError> {
@@ -341,7 +403,7 @@ impl Run<'_> {
                 "the answer would cost up to ${:.6} (spent ${:.6}), over the budget of ${:.6}",
                 x.needed_usd, x.spent_usd, x.budget_usd
             );
-            return Ok(Err(self.cancel_for_budget(tx, message).await?));
+            return Ok(Err(self.cancel_for_budget(w, message)));
         }
         let g = gen.generate(&req).await?;
         let u = g.usage.unwrap_or_default();
@@ -352,7 +414,7 @@ impl Run<'_> {
             usd: g.cost_usd,
         };
         let over = cost.settle(&call, actual, true);
-        self.write_cost(tx, &cost).await?;
+        self.write_cost(w, &cost);
         if over {
             let message = format!(
                 "generation cost ${:.6} ({} prompt + {} completion tokens), over the budget of ${:.6}",
@@ -361,12 +423,12 @@ impl Run<'_> {
                 u.completion_tokens,
                 cost.budget_usd.unwrap_or_default()
             );
-            return Ok(Err(self.cancel_for_budget(tx, message).await?));
+            return Ok(Err(self.cancel_for_budget(w, message)));
         }
         Ok(Ok(result_of(&g)))
     }
 
-    async fn generate(&self, tx: &mut PgConnection) -> Result<Step, JobError> {
+    async fn generate(&self, tx: &mut PgConnection, g: &mut Group) -> Result<Step, JobError> {
         let evidence: Vec<Evidence> = self.meta("evidence")?.ok_or_else(|| {
             JobError::fatal(
                 "evidence_missing",
@@ -374,14 +436,12 @@ impl Run<'_> {
             )
         })?;
         let legs = self.retrieved().map_or(1, |r| r.legs);
-        let now_ms: i64 = sqlx::query_scalar(&format!("SELECT {NOW_MS}"))
-            .fetch_one(&mut *tx)
-            .await?;
-        let result = match self.answer(tx, &evidence, now_ms).await? {
+        let now_ms = g.now_ms(tx).await?;
+        let result = match self.answer(g, &evidence, now_ms).await? {
             Ok(result) => result,
             Err(canceled) => return Ok(canceled),
         };
-        self.merge(tx, json!({ "result": result })).await?;
+        self.merge(g, "result", result);
         let bundle = evidence::assemble(
             Uuid::new_v4(),
             self.scope.job_id,
@@ -399,13 +459,11 @@ impl Run<'_> {
             "chunks": bundle.items.len(), "documents": documents.len(), "sources": documents.len(),
         });
         let value = serde_json::to_value(&bundle).map_err(bad("the evidence bundle"))?;
-        progress::append_partial(
-            tx,
-            &self.scope,
-            &progress::final_evidence_key(self.scope.job_id),
-            value,
-        )
-        .await?;
-        self.advance(tx, Stage::Generating, Some(details)).await
+        g.partials.push(NewPartial {
+            scope: self.scope.clone(),
+            key: progress::final_evidence_key(self.scope.job_id),
+            bundle: value,
+        });
+        self.advance(g, Stage::Generating, Some(details))
     }
 }
