@@ -133,7 +133,16 @@ pub async fn revalidate(
     conn: &mut PgConnection,
     want: &Expected<'_>,
 ) -> Result<Result<Valid, String>, sqlx::Error> {
-    let valid = crate::access::revalidate(
+    let valid = platform_revalidate(conn, want).await?;
+    decide(conn, valid, want).await
+}
+
+/// The platform's revalidation statement for `want`.
+async fn platform_revalidate(
+    conn: &mut PgConnection,
+    want: &Expected<'_>,
+) -> Result<Option<Valid>, sqlx::Error> {
+    crate::access::revalidate(
         conn,
         want.tenant_id,
         want.space_id,
@@ -141,8 +150,7 @@ pub async fn revalidate(
         want.subject_id,
         want.access_channel,
     )
-    .await?;
-    decide(conn, valid, want).await
+    .await
 }
 
 /// Grants what the platform's revalidation found, or explains the denial from the snapshot row.
@@ -267,15 +275,7 @@ impl Reads {
         let valid = match self.valid.get(&key) {
             Some(v) => v.clone(),
             None => {
-                let v = crate::access::revalidate(
-                    conn,
-                    want.tenant_id,
-                    want.space_id,
-                    want.snapshot_id,
-                    want.subject_id,
-                    want.access_channel,
-                )
-                .await?;
+                let v = platform_revalidate(conn, want).await?;
                 self.valid.insert(key, v.clone());
                 v
             }

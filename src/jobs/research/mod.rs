@@ -335,7 +335,7 @@ impl Handler for ResearchHandler {
         let mut steps = Vec::with_capacity(ctxs.len());
         for (ctx, scope) in ctxs.iter().zip(scopes) {
             let job = rows.remove(&ctx.job_id).ok_or_else(|| {
-                JobError::fatal("job_missing", "the research task row appears twice")
+                JobError::fatal("bad_group", "the same research task is twice in one group")
             })?;
             let claim = unclaimed.contains(&ctx.job_id);
             steps.push(

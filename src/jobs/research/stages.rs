@@ -83,14 +83,19 @@ impl Group {
     /// Writes what the steps collected: the job rows, then the events, then the partials.
     pub(super) async fn flush(self, tx: &mut PgConnection) -> Result<(), sqlx::Error> {
         if !self.jobs.is_empty() {
-            let tenants: Vec<&str> = self.jobs.iter().map(|w| w.tenant_id.as_str()).collect();
-            let ids: Vec<Uuid> = self.jobs.iter().map(|w| w.job_id).collect();
-            let patches: Vec<Value> = self
-                .jobs
-                .iter()
-                .map(|w| Value::Object(w.patch.clone()))
-                .collect();
-            let costs: Vec<Option<Value>> = self.jobs.iter().map(|w| w.cost.clone()).collect();
+            let n = self.jobs.len();
+            let (mut tenants, mut ids, mut patches, mut costs) = (
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+                Vec::with_capacity(n),
+            );
+            for w in self.jobs {
+                tenants.push(w.tenant_id);
+                ids.push(w.job_id);
+                patches.push(Value::Object(w.patch));
+                costs.push(w.cost);
+            }
             sqlx::query(&format!(
                 "UPDATE research_task_jobs j \
                  SET metadata = j.metadata || u.patch, cost = coalesce(u.cost, j.cost), updated_at = {NOW_MS} \
