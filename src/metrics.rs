@@ -1,5 +1,7 @@
 //! Metrics in Prometheus form. Invariant: metric names and labels are fixed here, and labels
-//! never carry ids, payloads or anything secret — only kinds, outcomes and states.
+//! never carry ids, payloads or anything secret — only kinds, outcomes and states. Every series
+//! a process can export exists from [`register`] on, at zero, with each of its known label
+//! values, and a point-in-time gauge whose state emptied reads zero, not its last value.
 
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -30,6 +32,166 @@ pub fn install() -> PrometheusHandle {
             handle
         })
         .clone()
+}
+
+/// How a delivery was decided: a claim's outcome ([`crate::engine::lease::Claim::outcome`]),
+/// or `poison` for one that could not be decoded.
+pub const DELIVERY_OUTCOMES: &[&str] = &[
+    "claimed",
+    "stale",
+    "duplicate",
+    "terminal",
+    "exhausted",
+    "poison",
+];
+
+/// How a slice ended ([`crate::engine::lease::End::name`], and a lost lease).
+pub const SLICE_ENDS: &[&str] = &[
+    "succeeded",
+    "failed",
+    "canceled",
+    "superseded",
+    "wait",
+    "continue",
+    "lease_lost",
+];
+
+/// What became of the relay's messages.
+pub const RELAY_RESULTS: &[&str] = &["confirmed", "released", "dead"];
+
+/// What the process serves, for [`register`].
+pub struct Served<'a> {
+    /// The outbox kinds it relays or consumes.
+    pub kinds: &'a [crate::jobs::Kind],
+    /// Whether it runs the leased kinds (it reports their gauges either way).
+    pub leased: bool,
+}
+
+/// Describes every metric and creates each series this process can export at zero, with every
+/// known label value, so that a fresh worker exports them all (Prometheus' `rate()` and alerts
+/// on absent series need them before the first event). Idempotent.
+pub fn register(served: &Served<'_>) {
+    describe();
+    let counters =
+        |name: &'static str, kind: &'static str, label: &'static str, values: &[&'static str]| {
+            for &v in values {
+                metrics::counter!(name, "kind" => kind, label => v).increment(0);
+            }
+        };
+    let per_kind = |kind: &'static str| {
+        counters("kfs_slices_total", kind, "end", SLICE_ENDS);
+        metrics::counter!("kfs_retries_total", "kind" => kind).increment(0);
+        metrics::counter!("kfs_attempts_total", "kind" => kind).increment(0);
+        metrics::counter!("kfs_takeovers_total", "kind" => kind).increment(0);
+        let _ = metrics::histogram!("kfs_slice_duration_seconds", "kind" => kind);
+        let _ = metrics::histogram!("kfs_attempt_number", "kind" => kind);
+        let _ = metrics::histogram!("kfs_takeover_seconds", "kind" => kind);
+    };
+    for &k in served.kinds {
+        let kind = k.name();
+        per_kind(kind);
+        counters("kfs_deliveries_total", kind, "outcome", DELIVERY_OUTCOMES);
+        counters("kfs_relay_messages_total", kind, "result", RELAY_RESULTS);
+        let _ = metrics::histogram!("kfs_relay_publish_seconds", "kind" => kind);
+        let _ = metrics::histogram!("kfs_relay_confirm_seconds", "kind" => kind);
+        zero_gauges("kfs_jobs", kind, "state", k.spec().job_states());
+        zero_gauges(
+            "kfs_outbox_rows",
+            kind,
+            "status",
+            crate::engine::kind::OUTBOX_STATUSES,
+        );
+        metrics::gauge!("kfs_relay_lag_seconds", "kind" => kind).set(0.0);
+        metrics::gauge!("kfs_queue_messages", "kind" => kind).set(0.0);
+    }
+    for lk in crate::jobs::leased_kinds() {
+        let kind = lk.name();
+        if served.leased {
+            per_kind(kind);
+        }
+        zero_gauges("kfs_jobs", kind, "state", lk.states());
+        zero_gauges(
+            "kfs_leased_checkpoints",
+            kind,
+            "checkpoint",
+            lk.checkpoints(),
+        );
+    }
+    metrics::gauge!("kfs_dead_letters").set(0.0);
+}
+
+fn zero_gauges(
+    name: &'static str,
+    kind: &'static str,
+    label: &'static str,
+    values: &[&'static str],
+) {
+    for &v in values {
+        metrics::gauge!(name, "kind" => kind, label => v).set(0.0);
+    }
+}
+
+/// The `# HELP` lines.
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "kfs_deliveries_total",
+        "Deliveries taken from the broker, by how the database decided them"
+    );
+    describe_counter!("kfs_slices_total", "Job slices run, by how each ended");
+    describe_histogram!(
+        "kfs_slice_duration_seconds",
+        Unit::Seconds,
+        "How long a slice ran, from its claim to its end's commit"
+    );
+    describe_counter!("kfs_retries_total", "Slices that ended in a retryable wait");
+    describe_counter!(
+        "kfs_attempts_total",
+        "Claims, each an execution attempt of a job"
+    );
+    describe_histogram!("kfs_attempt_number", "The execution attempt a claim began");
+    describe_counter!(
+        "kfs_takeovers_total",
+        "Claims that took a job over from a holder that never ended its slice"
+    );
+    describe_histogram!(
+        "kfs_takeover_seconds",
+        Unit::Seconds,
+        "From the previous holder's last heartbeat to the takeover"
+    );
+    describe_counter!(
+        "kfs_relay_messages_total",
+        "Outbox rows the relay published, released or gave up"
+    );
+    describe_histogram!(
+        "kfs_relay_publish_seconds",
+        Unit::Seconds,
+        "From claiming outbox rows to the last of them handed to the broker"
+    );
+    describe_histogram!(
+        "kfs_relay_confirm_seconds",
+        Unit::Seconds,
+        "From the publish to the broker's confirm"
+    );
+    describe_gauge!(
+        "kfs_jobs",
+        "Jobs by state, read from the job tables at scrape time"
+    );
+    describe_gauge!(
+        "kfs_outbox_rows",
+        "Outbox rows by status, read at scrape time"
+    );
+    describe_gauge!(
+        "kfs_relay_lag_seconds",
+        Unit::Seconds,
+        "Age of the oldest due outbox row not yet out for delivery"
+    );
+    describe_gauge!("kfs_queue_messages", "Messages waiting in the kind's queue");
+    describe_gauge!(
+        "kfs_leased_checkpoints",
+        "Leased jobs by checkpoint, read at scrape time"
+    );
+    describe_gauge!("kfs_dead_letters", "Messages in the dead-letter queue");
 }
 
 pub fn delivery(kind: &'static str, outcome: &'static str) {
@@ -81,16 +243,18 @@ pub fn confirm_latency(kind: &'static str, took: Duration) {
     metrics::histogram!("kfs_relay_confirm_seconds", "kind" => kind).record(took.as_secs_f64());
 }
 
-/// Point-in-time numbers read from the database at scrape time.
+/// Point-in-time numbers read from the database at scrape time. A known state that no row has
+/// any more is set to zero: the read returns only the states that have rows.
 pub fn record_status(status: &crate::status::Status) {
     for k in &status.kinds {
-        for (state, n) in &k.jobs {
-            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state.clone())
-                .set(*n as f64);
+        let known =
+            crate::jobs::Kind::named(&k.kind).map_or(&[][..], |kind| kind.spec().job_states());
+        for (state, n) in with_zeros(&k.jobs, known) {
+            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state).set(n as f64);
         }
-        for (st, n) in &k.outbox {
-            metrics::gauge!("kfs_outbox_rows", "kind" => k.kind.clone(), "status" => st.clone())
-                .set(*n as f64);
+        for (st, n) in with_zeros(&k.outbox, crate::engine::kind::OUTBOX_STATUSES) {
+            metrics::gauge!("kfs_outbox_rows", "kind" => k.kind.clone(), "status" => st)
+                .set(n as f64);
         }
         metrics::gauge!("kfs_relay_lag_seconds", "kind" => k.kind.clone())
             .set(k.oldest_due_seconds.unwrap_or(0.0));
@@ -98,17 +262,52 @@ pub fn record_status(status: &crate::status::Status) {
             metrics::gauge!("kfs_queue_messages", "kind" => k.kind.clone()).set(f64::from(q));
         }
     }
+    let leased = crate::jobs::leased_kinds();
     for k in &status.leased {
-        for (state, n) in &k.jobs {
-            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state.clone())
-                .set(*n as f64);
+        let lk = leased.iter().find(|l| l.name() == k.kind);
+        for (state, n) in with_zeros(&k.jobs, lk.map_or(&[][..], |l| l.states())) {
+            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state).set(n as f64);
         }
-        for (cp, n) in &k.checkpoints {
-            metrics::gauge!("kfs_leased_checkpoints", "kind" => k.kind.clone(), "checkpoint" => cp.clone())
-                .set(*n as f64);
+        for (cp, n) in with_zeros(&k.checkpoints, lk.map_or(&[][..], |l| l.checkpoints())) {
+            metrics::gauge!("kfs_leased_checkpoints", "kind" => k.kind.clone(), "checkpoint" => cp)
+                .set(n as f64);
         }
     }
     if let Some(d) = status.dead_letters {
         metrics::gauge!("kfs_dead_letters").set(f64::from(d));
+    }
+}
+
+/// `counts` with every `known` label value that has no count, at zero: a gauge whose state
+/// emptied must read zero, not the last count it had.
+fn with_zeros(
+    counts: &std::collections::BTreeMap<String, i64>,
+    known: &[&str],
+) -> Vec<(String, i64)> {
+    let mut out: std::collections::BTreeMap<String, i64> =
+        known.iter().map(|s| ((*s).to_owned(), 0)).collect();
+    out.extend(counts.iter().map(|(s, n)| (s.clone(), *n)));
+    out.into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_state_without_rows_reads_zero_and_an_unknown_one_is_kept() {
+        let counts = [("running".to_owned(), 3), ("mystery".to_owned(), 1)]
+            .into_iter()
+            .collect();
+        let got = with_zeros(&counts, &["queued", "running", "succeeded"]);
+        assert_eq!(
+            got,
+            vec![
+                ("mystery".to_owned(), 1),
+                ("queued".to_owned(), 0),
+                ("running".to_owned(), 3),
+                ("succeeded".to_owned(), 0),
+            ]
+        );
     }
 }

@@ -154,6 +154,11 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let topology = Topology::new(&s.queue_prefix);
     let mut tasks = JoinSet::new();
     let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
+    crate::metrics::install();
+    crate::metrics::register(&crate::metrics::Served {
+        kinds: &opts.kinds,
+        leased: opts.leased.is_some(),
+    });
     if let Some(addr) = opts.http_addr {
         let listener = crate::http::bind(addr).await?;
         let bound = listener.local_addr()?;

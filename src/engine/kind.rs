@@ -114,7 +114,64 @@ pub type RecordFailure = for<'a> fn(
 )
     -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>>;
 
+/// Every `status` an outbox row of any kind may have (the platform's CHECK on each outbox).
+pub const OUTBOX_STATUSES: &[&str] = &[
+    "pending",
+    "dispatching",
+    "dispatched",
+    "leased",
+    "completed",
+    "canceled",
+    "dead",
+];
+
+/// The `run_state`s of a job table with [`States::RunState`] (the platform's CHECK).
+const RUN_STATES: &[&str] = &[
+    "dispatch_pending",
+    "queued",
+    "running",
+    "retry_wait",
+    "succeeded",
+    "failed",
+    "canceled",
+];
+
+/// [`RUN_STATES`] of a table that also has `superseded`.
+const RUN_STATES_SUPERSEDED: &[&str] = &[
+    "dispatch_pending",
+    "queued",
+    "running",
+    "retry_wait",
+    "succeeded",
+    "failed",
+    "canceled",
+    "superseded",
+];
+
+/// The `stage`s of a job table with [`States::Stage`] (the platform's research CHECK).
+const STAGES: &[&str] = &[
+    "queued",
+    "planning",
+    "retrieving",
+    "analyzing",
+    "generating",
+    "paused",
+    "completed",
+    "failed",
+    "canceled",
+];
+
 impl KindSpec {
+    /// Every state its job table allows (`run_state`, or `stage`): the label values of the
+    /// job gauges, exported at zero from the start so that alerts and `rate()` see every series.
+    pub fn job_states(&self) -> &'static [&'static str] {
+        match (self.states, self.superseded_state) {
+            (States::RunState { .. }, true) => RUN_STATES_SUPERSEDED,
+            (States::RunState { .. }, false) => RUN_STATES,
+            (States::Stage, _) => STAGES,
+        }
+    }
+
     /// Renders a statement template for this kind's tables:
     /// `{job}`, `{outbox}`, `{fk}`, `{cp}` (checkpoint column), `{now}` (transaction time),
     /// `{clock}` (the wall clock at the statement, for lease checks), and `{now+X}` and

@@ -54,6 +54,13 @@ pub trait LeasedKind: Send + Sync + 'static {
     fn has_checkpoint(&self) -> bool {
         true
     }
+    /// Every `run_state` the table allows: the label values of its job gauge.
+    fn states(&self) -> &'static [&'static str];
+    /// Every `checkpoint` the table allows (none without one): the label values of its
+    /// checkpoint gauge.
+    fn checkpoints(&self) -> &'static [&'static str] {
+        &[]
+    }
     fn policy(&self) -> &Policy;
     /// Which rows a claim takes, and what it writes on them besides the lease.
     fn claim_rule(&self) -> ClaimRule;

@@ -1062,6 +1062,9 @@ mod flaky {
         fn table(&self) -> &'static str {
             TABLE
         }
+        fn states(&self) -> &'static [&'static str] {
+            &["queued", "running", "succeeded", "failed"]
+        }
         fn policy(&self) -> &Policy {
             &self.policy
         }
@@ -1111,6 +1114,9 @@ mod flaky {
         }
         fn table(&self) -> &'static str {
             TABLE
+        }
+        fn states(&self) -> &'static [&'static str] {
+            &["queued", "running", "succeeded", "failed"]
         }
         fn policy(&self) -> &Policy {
             &self.policy

@@ -377,3 +377,242 @@ async fn each_delivery_outcome_retry_takeover_and_dead_letter_moves_its_metric()
         .unwrap();
     env.cleanup().await;
 }
+
+/// Every sample line of `body` named exactly `metric` (a histogram's `_count` is its own name).
+fn samples<'a>(body: &'a str, metric: &str) -> Vec<&'a str> {
+    body.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| {
+            l.strip_prefix(metric)
+                .is_some_and(|rest| rest.starts_with('{') || rest.starts_with(' '))
+        })
+        .collect()
+}
+
+/// A worker process of this test's environment serving HTTP on a port of its own; its
+/// `/metrics` once it is ready.
+async fn spawn_and_scrape(
+    env: &TestEnv,
+    name: &str,
+    args: &[&str],
+) -> (support::Worker, std::net::SocketAddr, String) {
+    let addr = free_port();
+    let bind = addr.to_string();
+    let worker = env.spawn_worker(name, args, &[("KFS_HTTP_ADDR", &bind)]);
+    assert!(
+        env.wait_until(Duration::from_secs(30), || async {
+            get(addr, "/readyz").await.0 == 200
+        })
+        .await,
+        "the worker never became ready"
+    );
+    let (code, body) = get(addr, "/metrics").await;
+    assert_eq!(code, 200, "{body}");
+    (worker, addr, body)
+}
+
+/// Prometheus users alert on series and take `rate()` of counters: both need each series to
+/// exist before its first event. A fresh worker, before any job, exports every metric with every
+/// known label value of each kind it serves, at zero.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_fresh_worker_exports_every_series_at_zero_with_its_known_labels() {
+    let env = TestEnv::new().await;
+    let (mut worker, _, body) = spawn_and_scrape(&env, "fresh", &["run"]).await;
+
+    let zero = |metric: &str, labels: &[String]| {
+        let found: Vec<&str> = samples(&body, metric)
+            .into_iter()
+            .filter(|l| labels.iter().all(|x| l.contains(x.as_str())))
+            .collect();
+        assert_eq!(
+            found.len(),
+            1,
+            "{metric} {labels:?} should be exported exactly once:\n{body}"
+        );
+        assert!(
+            found[0].ends_with(" 0"),
+            "{metric} {labels:?} should start at zero: {}",
+            found[0]
+        );
+    };
+    let kinds = Kind::platform();
+    assert_eq!(kinds.len(), 3);
+    for kind in &kinds {
+        let k = format!("kind=\"{}\"", kind.name());
+        for outcome in kfs_worker::metrics::DELIVERY_OUTCOMES {
+            zero(
+                "kfs_deliveries_total",
+                &[k.clone(), format!("outcome=\"{outcome}\"")],
+            );
+        }
+        for end in kfs_worker::metrics::SLICE_ENDS {
+            zero("kfs_slices_total", &[k.clone(), format!("end=\"{end}\"")]);
+        }
+        for result in kfs_worker::metrics::RELAY_RESULTS {
+            zero(
+                "kfs_relay_messages_total",
+                &[k.clone(), format!("result=\"{result}\"")],
+            );
+        }
+        for state in kind.spec().job_states() {
+            zero("kfs_jobs", &[k.clone(), format!("state=\"{state}\"")]);
+        }
+        for status in kfs_worker::engine::kind::OUTBOX_STATUSES {
+            zero(
+                "kfs_outbox_rows",
+                &[k.clone(), format!("status=\"{status}\"")],
+            );
+        }
+        for counter in [
+            "kfs_retries_total",
+            "kfs_attempts_total",
+            "kfs_takeovers_total",
+            "kfs_relay_lag_seconds",
+            "kfs_queue_messages",
+            "kfs_slice_duration_seconds_count",
+            "kfs_attempt_number_count",
+            "kfs_takeover_seconds_count",
+            "kfs_relay_publish_seconds_count",
+            "kfs_relay_confirm_seconds_count",
+        ] {
+            zero(counter, std::slice::from_ref(&k));
+        }
+    }
+    // The leased kinds run by default: their counters, and their gauges by state and checkpoint.
+    for lk in kfs_worker::jobs::leased_kinds() {
+        let k = format!("kind=\"{}\"", lk.name());
+        for state in lk.states() {
+            zero("kfs_jobs", &[k.clone(), format!("state=\"{state}\"")]);
+        }
+        for cp in lk.checkpoints() {
+            zero(
+                "kfs_leased_checkpoints",
+                &[k.clone(), format!("checkpoint=\"{cp}\"")],
+            );
+        }
+        for end in kfs_worker::metrics::SLICE_ENDS {
+            zero("kfs_slices_total", &[k.clone(), format!("end=\"{end}\"")]);
+        }
+        zero("kfs_attempts_total", std::slice::from_ref(&k));
+    }
+    zero("kfs_dead_letters", &[]);
+    // Each metric says what it is.
+    for help in [
+        "kfs_deliveries_total",
+        "kfs_jobs",
+        "kfs_slice_duration_seconds",
+    ] {
+        assert!(
+            body.lines()
+                .any(|l| l.starts_with(&format!("# HELP {help} "))),
+            "{help} has no HELP line:\n{body}"
+        );
+    }
+    worker.signal("TERM");
+    assert!(worker.exited(Duration::from_secs(30)).await.is_some());
+    env.cleanup().await;
+}
+
+/// The job gauges are read at scrape time, and a read returns only the states that have rows:
+/// once the last running job ends, `kfs_jobs{state="running"}` reads zero, not the one it read
+/// while the job ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_job_gauge_whose_state_emptied_reads_zero() {
+    let env = TestEnv::new().await;
+    let (mut worker, addr, _) =
+        spawn_and_scrape(&env, "gauges", &["run", "--kinds", "probe"]).await;
+    let running = || async {
+        let (_, body) = get(addr, "/metrics").await;
+        sample(&body, "kfs_jobs", &["kind=\"probe\"", "state=\"running\""])
+    };
+    assert_eq!(running().await, Some(0.0));
+    let (job, _) = support::enqueue_one(
+        &env.pool,
+        &ProbeSpec {
+            steps: 1,
+            step_sleep: Duration::from_secs(3),
+            ..ProbeSpec::default()
+        },
+    )
+    .await;
+    assert!(
+        env.wait_until(Duration::from_secs(20), || async {
+            running().await == Some(1.0)
+        })
+        .await,
+        "the running job shows in the gauge"
+    );
+    assert!(
+        env.wait_probe_succeeded(1, Duration::from_secs(30)).await,
+        "job {job}"
+    );
+    assert_eq!(running().await, Some(0.0), "no job runs any more");
+    worker.signal("TERM");
+    assert!(worker.exited(Duration::from_secs(30)).await.is_some());
+    env.cleanup().await;
+}
+
+/// The values of `column` that the CHECK constraint of `table` allows, read from the database.
+async fn allowed(pool: &sqlx::PgPool, table: &str, column: &str) -> Vec<String> {
+    let defs: Vec<String> = sqlx::query_scalar(
+        "SELECT pg_get_constraintdef(oid) FROM pg_constraint \
+         WHERE contype = 'c' AND conrelid = $1::regclass \
+           AND pg_get_constraintdef(oid) LIKE '%(' || $2 || ')::text = ANY%' \
+           AND pg_get_constraintdef(oid) NOT LIKE '% AND %' AND pg_get_constraintdef(oid) NOT LIKE '% OR %'",
+    )
+    .bind(table)
+    .bind(column)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(defs.len(), 1, "{table}.{column}: {defs:?}");
+    defs[0]
+        .split('\'')
+        .skip(1)
+        .step_by(2)
+        .map(str::to_owned)
+        .collect()
+}
+
+/// The label values the metrics start at zero are exactly the states each table allows: a state
+/// missing from the list would have no series until its first row, one too many a series that
+/// can never move.
+#[tokio::test]
+async fn the_known_states_are_exactly_those_each_table_allows() {
+    let env = TestEnv::new().await;
+    let sorted = |v: &[&str]| {
+        let mut v: Vec<String> = v.iter().map(|s| (*s).to_owned()).collect();
+        v.sort();
+        v
+    };
+    for kind in Kind::platform() {
+        let spec = kind.spec();
+        let column = match spec.states {
+            kfs_worker::jobs::States::RunState { .. } => "run_state",
+            kfs_worker::jobs::States::Stage => "stage",
+        };
+        let mut db = allowed(&env.pool, spec.job_table, column).await;
+        db.sort();
+        assert_eq!(db, sorted(spec.job_states()), "{kind}");
+        let mut db = allowed(&env.pool, spec.outbox_table, "status").await;
+        db.sort();
+        assert_eq!(
+            db,
+            sorted(kfs_worker::engine::kind::OUTBOX_STATUSES),
+            "{kind}"
+        );
+    }
+    for lk in kfs_worker::jobs::leased_kinds() {
+        let mut db = allowed(&env.pool, lk.table(), "run_state").await;
+        db.sort();
+        assert_eq!(db, sorted(lk.states()), "{}", lk.name());
+        if lk.has_checkpoint() {
+            let mut db = allowed(&env.pool, lk.table(), "checkpoint").await;
+            db.sort();
+            assert_eq!(db, sorted(lk.checkpoints()), "{}", lk.name());
+        } else {
+            assert!(lk.checkpoints().is_empty(), "{}", lk.name());
+        }
+    }
+    env.cleanup().await;
+}

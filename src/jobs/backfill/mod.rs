@@ -333,6 +333,9 @@ impl LeasedKind for BackfillKind {
     fn table(&self) -> &'static str {
         TABLE
     }
+    fn states(&self) -> &'static [&'static str] {
+        &["queued", "running", "succeeded", "failed"]
+    }
 
     fn has_checkpoint(&self) -> bool {
         false

@@ -238,6 +238,18 @@ impl LeasedKind for BootstrapKind {
     fn table(&self) -> &'static str {
         TABLE
     }
+    fn states(&self) -> &'static [&'static str] {
+        &["queued", "running", "succeeded", "failed", "canceled"]
+    }
+    fn checkpoints(&self) -> &'static [&'static str] {
+        &[
+            "pending_snapshot",
+            "snapshot_captured",
+            "rebuilding",
+            "verifying",
+            "published",
+        ]
+    }
 
     fn policy(&self) -> &Policy {
         &self.policy

@@ -263,6 +263,9 @@ impl LeasedKind for PageIndexKind {
     fn table(&self) -> &'static str {
         TABLE
     }
+    fn states(&self) -> &'static [&'static str] {
+        &["queued", "running", "succeeded", "failed", "superseded"]
+    }
 
     fn has_checkpoint(&self) -> bool {
         false
