@@ -1,7 +1,11 @@
-//! Worker liveness through a session-level advisory lock. Invariant: while a worker process
-//! runs, its Postgres session holds `(7038579, hashtext(worker_id))`; the moment the process
-//! or its session dies, `kfs_worker_alive(worker_id)` turns false and its jobs can be taken
-//! over without waiting for their leases to expire. Fencing keeps that safe either way.
+//! Worker liveness through session-level advisory locks. Invariant: while a worker process
+//! runs, its Postgres session holds `(7038579, hashtext(holder))`, where the holder is its
+//! worker id and a fresh incarnation (`<worker id>#<8 hex>`, what its leases record in
+//! `worker_id`), and `(7038580, hashtext(worker id))`, which keeps two live processes from
+//! sharing an id. The moment the process or its session dies, `kfs_worker_alive(holder)` turns
+//! false and its jobs can be taken over without waiting for their leases to expire, also when a
+//! process restarts under the same worker id: the restarted one is another incarnation. Fencing
+//! keeps that safe either way.
 
 use std::time::Duration;
 
@@ -11,6 +15,23 @@ use tokio_util::sync::CancellationToken;
 use crate::config::SecretUrl;
 
 pub const LOCK_NAMESPACE: i32 = 7_038_579;
+/// The namespace of the lock that keeps a worker id to one live process.
+pub const ID_NAMESPACE: i32 = 7_038_580;
+
+/// A fresh holder name for a process running under `worker_id`: the id and an incarnation, so
+/// that leases of a process that died are not taken for those of its restarted successor.
+pub fn holder(worker_id: &str) -> String {
+    let incarnation = uuid::Uuid::new_v4().simple().to_string();
+    format!("{worker_id}#{}", &incarnation[..8])
+}
+
+/// The worker id of a holder name (the name itself when it has no incarnation).
+pub fn id_of(holder: &str) -> &str {
+    match holder.rsplit_once('#') {
+        Some((id, inc)) if inc.len() == 8 && inc.bytes().all(|b| b.is_ascii_hexdigit()) => id,
+        _ => holder,
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LivenessError {
@@ -20,7 +41,25 @@ pub enum LivenessError {
     Db(#[from] sqlx::Error),
 }
 
-/// Takes the worker's lock on a dedicated connection.
+/// Takes a process's locks on a dedicated connection: its holder's (see [`acquire`]) and its
+/// worker id's, refused while another live process runs under the same id.
+pub async fn acquire_process(url: &SecretUrl, holder: &str) -> Result<PgConnection, LivenessError> {
+    let mut conn = acquire(url, holder).await?;
+    let id = id_of(holder);
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
+        .bind(ID_NAMESPACE)
+        .bind(id)
+        .fetch_one(&mut conn)
+        .await?;
+    if got {
+        Ok(conn)
+    } else {
+        let _ = conn.close().await;
+        Err(LivenessError::InUse(id.to_owned()))
+    }
+}
+
+/// Takes the lock of `worker_id` (a holder name) on a dedicated connection.
 pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, LivenessError> {
     let options = crate::db::connect_options(url, &format!("kfs-worker liveness {worker_id}"))
         .map_err(|e| LivenessError::Db(sqlx::Error::Configuration(e.to_string().into())))?;
@@ -57,7 +96,8 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
     .await
 }
 
-/// Holds the lock until shutdown; re-takes it at once after the session is lost.
+/// Holds the locks of [`acquire_process`] until shutdown (`worker_id` is the holder name);
+/// re-takes them at once after the session is lost.
 ///
 /// The session always has a statement running (`pg_sleep`, half a second at a time), so a
 /// session ended from outside (`pg_terminate_backend`, a pooler or server restart) fails that
@@ -97,7 +137,7 @@ pub async fn hold(
             if shutdown.is_cancelled() {
                 return;
             }
-            match acquire(&url, &worker_id).await {
+            match acquire_process(&url, &worker_id).await {
                 Ok(c) => {
                     conn = c;
                     tracing::info!(worker_id, "liveness lock taken again");
@@ -112,6 +152,32 @@ pub async fn hold(
                     retry = (retry * 2).min(Duration::from_secs(2));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_holder_names_its_worker_id_and_a_fresh_incarnation() {
+        let (a, b) = (holder("w1"), holder("w1"));
+        assert_ne!(a, b, "each process is its own incarnation");
+        for h in [&a, &b] {
+            assert_eq!(id_of(h), "w1");
+            assert_eq!(h.len(), "w1#".len() + 8);
+        }
+        let cases = [
+            ("w1", "w1"),
+            ("w1#0123abcd", "w1"),
+            ("pod#7#0123abcd", "pod#7"),
+            ("pod#7", "pod#7"),
+            ("w1#0123abcz", "w1#0123abcz"),
+            ("w1#0123abc", "w1#0123abc"),
+        ];
+        for (name, id) in cases {
+            assert_eq!(id_of(name), id, "{name}");
         }
     }
 }

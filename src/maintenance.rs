@@ -108,32 +108,17 @@ fn running(kind: Kind) -> &'static str {
     }
 }
 
-/// A worker starting under the id of a dead predecessor (a restart with a fixed
-/// `KFS_WORKER_ID`) would make the predecessor's leases look alive. Right after taking the
-/// liveness lock, such leases can only be the predecessor's: end them now, so their jobs are
-/// claimable at once and their outbox rows are due.
-pub async fn release_own_leases(
-    pool: &PgPool,
-    kind: Kind,
-    worker_id: &str,
-) -> Result<u64, sqlx::Error> {
-    let spec = kind.spec();
-    let sql = spec.sql(&format!(
-        "WITH j AS ( \
-           UPDATE {{job}} j SET lease_expires_at = {{now}} \
-           WHERE j.worker_id = $1 AND {} AND j.lease_expires_at > {{now}} RETURNING j.id \
-         ) \
-         UPDATE {{outbox}} o SET available_at = {{now}} FROM j \
-         WHERE o.{{fk}} = j.id AND o.status IN ('leased', 'dispatched') AND o.available_at > {{now}}",
-        running(kind)
-    ));
-    let mut conn = crate::db::acquire(pool).await?;
-    Ok(sqlx::query(&sql)
-        .bind(worker_id)
-        .execute(&mut *conn)
-        .await?
-        .rows_affected())
-}
+/// The leases of earlier incarnations of `holder`'s worker id (see [`crate::liveness::holder`]):
+/// `worker_id` is the bare id (as versions without incarnations wrote it) or the id and
+/// another incarnation. `$1` is the holder, `$2` its worker id.
+///
+/// The outbox kinds need no release of these at start: their holders are dead to
+/// `kfs_worker_alive`, so the deliveries the broker hands back are claimed at once, and the
+/// sweep publishes again only what no delivery brings back within its grace. Making their
+/// outbox rows due at start published a second copy of each at the back of the queue and left
+/// the redelivered one stale, behind the whole backlog.
+pub const EARLIER_INCARNATIONS: &str =
+    "(j.worker_id = $2 OR left(j.worker_id, length($2) + 1) = $2 || '#') AND j.worker_id <> $1";
 
 /// Deletes up to `batch` finished outbox rows older than `older_than`. Dead rows stay: they are
 /// the record of a failure and the handle of a manual retry.

@@ -122,6 +122,8 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         opts.kinds.len(),
         opts.relay_cfg.depth,
     );
+    // What this process's leases record in `worker_id`: the worker id and this incarnation.
+    let holder = liveness::holder(&opts.worker_id);
     // The shortest lease of the kinds this process runs: a step idle in its transaction for
     // longer than that is as good as dead.
     let idle = opts
@@ -185,7 +187,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let mut lock = None;
     let mut backoff = reconnect_backoff();
     loop {
-        match prepare_database(&opts, &options, &pool, &mut lock).await {
+        match prepare_database(&opts, &holder, &options, &pool, &mut lock).await {
             Ok(()) => break,
             Err(Blocked::Fail(e)) => {
                 shutdown.cancel();
@@ -229,7 +231,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     if let Some(lock) = lock {
         tasks.spawn(liveness::hold(
             s.database_url.clone(),
-            opts.worker_id.clone(),
+            holder.clone(),
             lock,
             shutdown.clone(),
         ));
@@ -238,7 +240,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         tasks.spawn(crate::poller::run(
             pool.clone(),
             jobs::leased_kinds(),
-            opts.worker_id.clone(),
+            holder.clone(),
             cfg,
             shutdown.clone(),
         ));
@@ -256,7 +258,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         let engine = Arc::new(
             Engine::new(
                 pool.clone(),
-                opts.worker_id.clone(),
+                holder.clone(),
                 handlers,
                 opts.consumer_cfg.clone(),
             )
@@ -278,7 +280,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         let relay = Relay::new(
             pool.clone(),
             topology.clone(),
-            opts.worker_id.clone(),
+            holder.clone(),
             opts.relay_cfg.clone(),
             &opts.kinds,
         );
@@ -301,6 +303,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     }
     tracing::info!(
         worker_id = %opts.worker_id,
+        holder = %holder,
         kinds = ?opts.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
         relay = opts.relay, consumer = opts.consumer, leased = opts.leased.is_some(),
         "kfs-worker running"
@@ -380,10 +383,11 @@ impl From<liveness::LivenessError> for Blocked {
 }
 
 /// Everything start-up needs from Postgres: a connection, the probe kind's tables where it
-/// runs, this worker's liveness lock (kept in `lock` across attempts while its session lives),
-/// and the release of leases a dead predecessor left under this worker id.
+/// runs, and this process's liveness locks (kept in `lock` across attempts while its session
+/// lives): its holder's, and its worker id's, which a live process of the same id still holds.
 async fn prepare_database(
     opts: &RunOptions,
+    holder: &str,
     options: &sqlx::postgres::PgConnectOptions,
     pool: &PgPool,
     lock: &mut Option<sqlx::PgConnection>,
@@ -404,7 +408,7 @@ async fn prepare_database(
         if lock.is_none() {
             let taken = tokio::time::timeout(
                 s.connect_timeout,
-                liveness::acquire(&s.database_url, &opts.worker_id),
+                liveness::acquire_process(&s.database_url, holder),
             )
             .await
             .map_err(|_| {
@@ -414,14 +418,6 @@ async fn prepare_database(
                 ))
             })??;
             *lock = Some(taken);
-        }
-    }
-    if opts.consumer {
-        for &kind in &opts.kinds {
-            let n = maintenance::release_own_leases(pool, kind, &opts.worker_id).await?;
-            if n > 0 {
-                tracing::info!(kind = %kind, rows = n, "released the leases of a dead process that ran under this worker id");
-            }
         }
     }
     Ok(())

@@ -92,8 +92,9 @@ pub trait LeasedKind: Send + Sync + 'static {
     ) -> Result<bool, sqlx::Error> {
         self::end(conn, self, job, end).await
     }
-    /// Ends the leases still recorded under `worker_id` (a dead predecessor's), so that a
-    /// restart under the same id takes its jobs back at once.
+    /// Ends the leases of earlier incarnations of `worker_id`'s id (a dead predecessor's, see
+    /// [`crate::maintenance::EARLIER_INCARNATIONS`]), so that a restart under the same id takes
+    /// its jobs back at once.
     async fn release_own(
         &self,
         conn: &mut PgConnection,
@@ -285,9 +286,11 @@ pub async fn release_own(
 ) -> Result<u64, sqlx::Error> {
     let done = sqlx::query(&format!(
         "UPDATE {table} SET run_state = 'queued', {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
-         WHERE worker_id = $1 AND run_state = 'running'"
+         WHERE {} AND run_state = 'running'",
+        crate::maintenance::EARLIER_INCARNATIONS.replace("j.", "")
     ))
     .bind(worker_id)
+    .bind(crate::liveness::id_of(worker_id))
     .execute(conn)
     .await?;
     Ok(done.rows_affected())

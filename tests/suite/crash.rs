@@ -203,9 +203,9 @@ async fn assert_history(pool: &PgPool) {
 /// id than the first effect of `other` on that job.
 async fn assert_no_overlap(pool: &PgPool, worker: &str, other: &str) {
     let bad: Vec<(Uuid, i64, i64)> = sqlx::query_as(
-        "SELECT job_id, max(id) FILTER (WHERE worker_id = $1), min(id) FILTER (WHERE worker_id = $2) \
+        "SELECT job_id, max(id) FILTER (WHERE split_part(worker_id, '#', 1) = $1), min(id) FILTER (WHERE split_part(worker_id, '#', 1) = $2) \
          FROM kfs_probe_effects GROUP BY job_id \
-         HAVING max(id) FILTER (WHERE worker_id = $1) > min(id) FILTER (WHERE worker_id = $2) LIMIT 10",
+         HAVING max(id) FILTER (WHERE split_part(worker_id, '#', 1) = $1) > min(id) FILTER (WHERE split_part(worker_id, '#', 1) = $2) LIMIT 10",
     )
     .bind(worker)
     .bind(other)
@@ -219,7 +219,7 @@ async fn assert_no_overlap(pool: &PgPool, worker: &str, other: &str) {
 async fn held_by(pool: &PgPool, worker: &str, at: DateTime<Utc>) -> Vec<(Uuid, Uuid)> {
     sqlx::query_as(
         "SELECT id, lease_token FROM kfs_probe_jobs \
-         WHERE run_state = 'running' AND worker_id = $1 AND lease_expires_at > $2",
+         WHERE run_state = 'running' AND split_part(worker_id, '#', 1) = $1 AND lease_expires_at > $2",
     )
     .bind(worker)
     .bind(at)
@@ -360,7 +360,7 @@ async fn kill_point(point: &'static str) {
     };
     let effects_by_a = count(
         &env.pool,
-        "SELECT count(*) FROM kfs_probe_effects WHERE worker_id = 'a'",
+        "SELECT count(*) FROM kfs_probe_effects WHERE split_part(worker_id, '#', 1) = 'a'",
     )
     .await;
 
@@ -520,7 +520,7 @@ async fn stop_a_and_start_b(wait: Duration) -> Stopped {
             async move {
                 count(
                     &pool,
-                    "SELECT count(*) FROM kfs_probe_effects WHERE worker_id = 'a'",
+                    "SELECT count(*) FROM kfs_probe_effects WHERE split_part(worker_id, '#', 1) = 'a'",
                 )
                 .await
                     >= 1
@@ -534,7 +534,7 @@ async fn stop_a_and_start_b(wait: Duration) -> Stopped {
     // Let statements A had already sent finish, then read the lease A is left with.
     tokio::time::sleep(Duration::from_millis(200)).await;
     let (token_a, expires_a): (Uuid, DateTime<Utc>) = sqlx::query_as(
-        "SELECT lease_token, lease_expires_at FROM kfs_probe_jobs WHERE worker_id = 'a' AND run_state = 'running'",
+        "SELECT lease_token, lease_expires_at FROM kfs_probe_jobs WHERE split_part(worker_id, '#', 1) = 'a' AND run_state = 'running'",
     )
     .fetch_one(&env.pool)
     .await
@@ -548,18 +548,19 @@ async fn stop_a_and_start_b(wait: Duration) -> Stopped {
             async move {
                 count(
                     &pool,
-                    "SELECT count(*) FROM crash_claims WHERE worker_id = 'b'",
+                    "SELECT count(*) FROM crash_claims WHERE split_part(worker_id, '#', 1) = 'b'",
                 )
                 .await
                     >= 1
             }
         })
         .await;
-    let claim_b: Option<DateTime<Utc>> =
-        sqlx::query_scalar("SELECT min(at) FROM crash_claims WHERE worker_id = 'b'")
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
+    let claim_b: Option<DateTime<Utc>> = sqlx::query_scalar(
+        "SELECT min(at) FROM crash_claims WHERE split_part(worker_id, '#', 1) = 'b'",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
     // Who holds what while A is stopped: A's sessions, and B's sessions waiting on a lock.
     let sessions: Vec<Session> = sqlx::query_as(
         "SELECT application_name, state, wait_event_type, left(query, 70), pg_blocking_pids(pid) \
@@ -646,12 +647,12 @@ async fn wake_a_and_finish(s: &mut Stopped) -> Vec<(i32, DateTime<Utc>)> {
             .unwrap();
     let steps_a = count(
         &s.env.pool,
-        "SELECT count(*) FROM kfs_probe_effects WHERE worker_id = 'a'",
+        "SELECT count(*) FROM kfs_probe_effects WHERE split_part(worker_id, '#', 1) = 'a'",
     )
     .await;
     let steps_b = count(
         &s.env.pool,
-        "SELECT count(*) FROM kfs_probe_effects WHERE worker_id = 'b'",
+        "SELECT count(*) FROM kfs_probe_effects WHERE split_part(worker_id, '#', 1) = 'b'",
     )
     .await;
     println!(
@@ -1011,6 +1012,86 @@ async fn thousand_jobs_survive_random_sigkills() {
     fleet_run(false).await;
 }
 
+/// A process restarted under the same worker id is another incarnation: the leases its
+/// killed predecessor held name a holder whose liveness lock died with it, so they are taken over
+/// at once, by the successor or anyone, and never mistaken for the successor's own. Under a
+/// 300 s lease the jobs can only finish within the wait through that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_under_the_same_id_is_a_new_incarnation_and_its_predecessor_counts_as_dead() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    install_claim_log(&env.pool).await;
+    probe::enqueue_many(&env.pool, 4, &probe_spec(2, 3000))
+        .await
+        .unwrap();
+    let e = base_env("probe=300s");
+    let mut workers = vec![
+        spawn(&env, "r", &["--relay", "--maintenance"], &e),
+        spawn(&env, "w1", &["--consumer"], &e),
+    ];
+    let pool = env.pool.clone();
+    let held = env
+        .wait_until(Duration::from_secs(15), || {
+            let pool = pool.clone();
+            async move { count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'running' AND split_part(worker_id, '#', 1) = 'w1'").await == 4 }
+        })
+        .await;
+    assert!(held, "w1 never held the 4 jobs\n{}", workers[1].tail(20));
+    let before: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT worker_id FROM kfs_probe_jobs WHERE run_state = 'running'",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(before.len(), 1, "one process holds them: {before:?}");
+    let predecessor = before[0].clone();
+    assert!(
+        predecessor.starts_with("w1#") && predecessor.len() == "w1#".len() + 8,
+        "a holder names the worker id and its incarnation: {predecessor}"
+    );
+    let alive = |holder: String| {
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, bool>("SELECT kfs_worker_alive($1)")
+                .bind(holder)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert!(alive(predecessor.clone()).await);
+
+    workers[1].kill();
+    workers[1] = spawn(&env, "w1", &["--consumer"], &e);
+    let done = wait_all_terminal(&env, Duration::from_secs(60)).await;
+    assert!(
+        done,
+        "the predecessor's jobs wait for their 300 s leases: {:?}\n{}",
+        support::probe_states(&env.pool).await,
+        workers[1].tail(20)
+    );
+    let successors: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT worker_id FROM crash_claims WHERE worker_id <> $1")
+            .bind(&predecessor)
+            .fetch_all(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(successors.len(), 1, "{successors:?}");
+    let successor = successors[0].clone();
+    assert!(successor.starts_with("w1#"), "{successor}");
+    assert!(
+        alive(successor.clone()).await,
+        "the restarted w1 ({successor}) is alive"
+    );
+    assert!(
+        !alive(predecessor.clone()).await,
+        "its predecessor ({predecessor}) is dead, though both run under the id w1"
+    );
+    support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
+    assert_history(&env.pool).await;
+    env.cleanup().await;
+}
+
 /// The focused reproduction of what stalls the same-id run. Worker w1 (consumer only) holds 4
 /// long jobs under a 10 s lease; R runs the relay and maintenance, no consumer. w1 is
 /// SIGKILLed; R's sweeper sees w1 dead and re-arms its leased outbox rows, and R's relay
@@ -1037,7 +1118,7 @@ async fn restart_under_the_same_worker_id_strands_the_old_leases() {
     let running = env
         .wait_until(Duration::from_secs(15), || {
             let pool = pool.clone();
-            async move { count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'running' AND worker_id = 'w1'").await == 4 }
+            async move { count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state = 'running' AND split_part(worker_id, '#', 1) = 'w1'").await == 4 }
         })
         .await;
     assert!(

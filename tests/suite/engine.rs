@@ -695,7 +695,7 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     let running = env
         .wait_until(Duration::from_secs(20), || async {
             sqlx::query_scalar::<_, bool>(
-                "SELECT bool_and(run_state = 'running' AND worker_id = 'blip') FROM kfs_probe_jobs WHERE id = ANY($1)",
+                "SELECT bool_and(run_state = 'running' AND split_part(worker_id, '#', 1) = 'blip') FROM kfs_probe_jobs WHERE id = ANY($1)",
             )
             .bind(&ids)
             .fetch_one(&env.pool)
