@@ -340,11 +340,11 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
 
-/// Jobs `worker` holds a live lease on at `at`.
+/// Jobs a process of worker id `worker` (any incarnation) holds a live lease on at `at`.
 async fn held_by(pool: &PgPool, worker: &str) -> Option<(DateTime<Utc>, Vec<Uuid>)> {
     let at = db_now(pool).await?;
     let jobs = sqlx::query_scalar(
-        "SELECT id FROM kfs_probe_jobs WHERE run_state = 'running' AND worker_id = $1 AND lease_expires_at > $2",
+        "SELECT id FROM kfs_probe_jobs WHERE run_state = 'running' AND left(worker_id, length($1) + 1) = $1 || '#' AND lease_expires_at > $2",
     )
     .bind(worker)
     .bind(at)

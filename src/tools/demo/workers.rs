@@ -155,7 +155,7 @@ pub(super) async fn kill_mid_run(
     let mut held: Vec<Uuid> = Vec::new();
     while Instant::now() < deadline {
         held = sqlx::query_scalar(
-            "SELECT id FROM document_compilation_attempts WHERE tenant_id = $1 AND worker_id = $2 AND run_state = 'running'",
+            "SELECT id FROM document_compilation_attempts WHERE tenant_id = $1 AND left(worker_id, length($2) + 1) = $2 || '#' AND run_state = 'running'",
         )
         .bind(TENANT)
         .bind(&a.name)
@@ -183,7 +183,7 @@ pub(super) async fn kill_mid_run(
     let mut takeover = None;
     while killed.elapsed() < Duration::from_secs(90) {
         let still: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM document_compilation_attempts WHERE id = ANY($1) AND worker_id = 'demo-a'",
+            "SELECT count(*) FROM document_compilation_attempts WHERE id = ANY($1) AND left(worker_id, 7) = 'demo-a#'",
         )
         .bind(&held)
         .fetch_one(pool)
