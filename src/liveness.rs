@@ -61,7 +61,9 @@ pub async fn acquire_process(url: &SecretUrl, holder: &str) -> Result<PgConnecti
 
 /// Takes the lock of `worker_id` (a holder name) on a dedicated connection.
 pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, LivenessError> {
-    let options = crate::db::connect_options(url, &format!("kfs-worker liveness {worker_id}"))
+    // Named for the worker id, as the process's other sessions are (`kfs-worker <id> …`).
+    let name = format!("kfs-worker liveness {}", id_of(worker_id));
+    let options = crate::db::connect_options(url, &name)
         .map_err(|e| LivenessError::Db(sqlx::Error::Configuration(e.to_string().into())))?;
     let mut conn = PgConnection::connect_with(&options).await?;
     // The session always runs a statement (see `hold`); a server checks the client's socket

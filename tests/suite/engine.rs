@@ -747,7 +747,7 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
             "max_execution_attempts = {max_attempts}\n{log}"
         );
         let effects: Vec<(String, i64)> = sqlx::query_as(
-            "SELECT worker_id, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY 1",
+            "SELECT split_part(worker_id, '#', 1), count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY 1",
         )
         .bind(job)
         .fetch_all(&env.pool)
