@@ -1,7 +1,7 @@
 //! Worker liveness through session-level advisory locks. Invariant: while a worker process
 //! runs, its Postgres session holds `(7038579, hashtext(holder))`, where the holder is its
 //! worker id and a fresh incarnation (`<worker id>#<8 hex>`, what its leases record in
-//! `worker_id`), and `(7038580, hashtext(worker id))`, which keeps two live processes from
+//! `worker_id`), and `(7038585, hashtext(worker id))`, which keeps two live processes from
 //! sharing an id. The moment the process or its session dies, `kfs_worker_alive(holder)` turns
 //! false and its jobs can be taken over without waiting for their leases to expire, also when a
 //! process restarts under the same worker id: the restarted one is another incarnation. Fencing
@@ -16,7 +16,7 @@ use crate::config::SecretUrl;
 
 pub const LOCK_NAMESPACE: i32 = 7_038_579;
 /// The namespace of the lock that keeps a worker id to one live process.
-pub const ID_NAMESPACE: i32 = 7_038_580;
+pub const ID_NAMESPACE: i32 = 7_038_585;
 
 /// A fresh holder name for a process running under `worker_id`: the id and an incarnation, so
 /// that leases of a process that died are not taken for those of its restarted successor.

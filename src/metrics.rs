@@ -103,6 +103,9 @@ pub fn register(served: &Served<'_>) {
         );
         metrics::gauge!("kfs_relay_lag_seconds", "kind" => kind).set(0.0);
         metrics::gauge!("kfs_queue_messages", "kind" => kind).set(0.0);
+        metrics::gauge!("kfs_backlog", "kind" => kind).set(0.0);
+        metrics::gauge!("kfs_backlog_tenants", "kind" => kind).set(0.0);
+        metrics::gauge!("kfs_backlog_top_tenant", "kind" => kind).set(0.0);
     }
     for lk in crate::jobs::leased_kinds() {
         let kind = lk.name();
@@ -188,6 +191,18 @@ fn describe() {
     );
     describe_gauge!("kfs_queue_messages", "Messages waiting in the kind's queue");
     describe_gauge!(
+        "kfs_backlog",
+        "Work not yet claimed: due outbox rows waiting in Postgres plus messages published and not yet claimed"
+    );
+    describe_gauge!(
+        "kfs_backlog_tenants",
+        "Tenants with work in the kind's backlog"
+    );
+    describe_gauge!(
+        "kfs_backlog_top_tenant",
+        "The backlog of the tenant with the most work waiting (the dashboard and status name the top tenants)"
+    );
+    describe_gauge!(
         "kfs_leased_checkpoints",
         "Leased jobs by checkpoint, read at scrape time"
     );
@@ -258,6 +273,11 @@ pub fn record_status(status: &crate::status::Status) {
         }
         metrics::gauge!("kfs_relay_lag_seconds", "kind" => k.kind.clone())
             .set(k.oldest_due_seconds.unwrap_or(0.0));
+        metrics::gauge!("kfs_backlog", "kind" => k.kind.clone()).set(k.backlog as f64);
+        metrics::gauge!("kfs_backlog_tenants", "kind" => k.kind.clone())
+            .set(k.backlog_tenants as f64);
+        metrics::gauge!("kfs_backlog_top_tenant", "kind" => k.kind.clone())
+            .set(k.top_tenants.first().map_or(0.0, |t| t.1 as f64));
         if let Some(q) = k.queued_messages {
             metrics::gauge!("kfs_queue_messages", "kind" => k.kind.clone()).set(f64::from(q));
         }

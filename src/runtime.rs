@@ -406,17 +406,32 @@ async fn prepare_database(
             }
         }
         if lock.is_none() {
-            let taken = tokio::time::timeout(
-                s.connect_timeout,
-                liveness::acquire_process(&s.database_url, holder),
-            )
-            .await
-            .map_err(|_| {
-                Blocked::Wait(format!(
-                    "no answer within {}s while taking the liveness lock",
-                    s.connect_timeout.as_secs()
-                ))
-            })??;
+            // A process restarted under its id right after a crash may find its predecessor's
+            // session not gone yet (Postgres notices a dead client within moments): it waits
+            // for the id up to the connect timeout, so a restart is not refused for that; a
+            // live process under the same id still refuses it.
+            let patience = tokio::time::Instant::now() + s.connect_timeout;
+            let taken = loop {
+                let tried = tokio::time::timeout(
+                    s.connect_timeout,
+                    liveness::acquire_process(&s.database_url, holder),
+                )
+                .await
+                .map_err(|_| {
+                    Blocked::Wait(format!(
+                        "no answer within {}s while taking the liveness lock",
+                        s.connect_timeout.as_secs()
+                    ))
+                })?;
+                match tried {
+                    Err(liveness::LivenessError::InUse(_))
+                        if tokio::time::Instant::now() < patience =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    other => break other?,
+                }
+            };
             *lock = Some(taken);
         }
     }

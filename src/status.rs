@@ -23,7 +23,18 @@ pub struct KindStatus {
     pub oldest_due_seconds: Option<f64>,
     /// Messages waiting in the kind's queue (None when the broker was not asked or not reachable).
     pub queued_messages: Option<u32>,
+    /// Work not yet claimed by a consumer: due rows waiting in Postgres, plus messages published
+    /// and not yet claimed (the relay's window). What the KEDA ScaledObject scales on.
+    pub backlog: i64,
+    /// Tenants with work in the backlog (kinds whose jobs have tenants).
+    pub backlog_tenants: i64,
+    /// The tenants with the most work in the backlog, most first (at most [`TOP_TENANTS`]).
+    pub top_tenants: Vec<(String, i64)>,
 }
+
+/// How many tenants `status`, the dashboard and `/metrics` name in a kind's backlog: enough to
+/// see who is flooding, bounded so a platform with many tenants stays readable.
+pub const TOP_TENANTS: i64 = 10;
 
 #[derive(Clone, Debug, Default, Serialize, PartialEq)]
 pub struct Status {
@@ -105,12 +116,33 @@ pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> 
         )))
         .fetch_one(&mut *conn)
         .await?;
+        let waiting = "((o.status = 'pending' AND o.available_at <= {now}) \
+                        OR o.status IN ('dispatching', 'dispatched'))";
+        let backlog: i64 = sqlx::query_scalar(&spec.sql(&format!(
+            "SELECT count(*) FROM {{outbox}} o WHERE {waiting}"
+        )))
+        .fetch_one(&mut *conn)
+        .await?;
+        let by_tenant: Vec<(String, i64, i64)> = if spec.fairness.is_some() && backlog > 0 {
+            sqlx::query_as(&spec.sql(&format!(
+                "SELECT j.tenant_id::text, count(*), count(*) OVER () FROM {{outbox}} o \
+                 JOIN {{job}} j ON j.id = o.{{fk}} WHERE {waiting} \
+                 GROUP BY 1 ORDER BY 2 DESC, 1 LIMIT {TOP_TENANTS}"
+            )))
+            .fetch_all(&mut *conn)
+            .await?
+        } else {
+            Vec::new()
+        };
         out.kinds.push(KindStatus {
             kind: kind.name().to_owned(),
             jobs: jobs.into_iter().collect(),
             outbox: outbox.into_iter().collect(),
             oldest_due_seconds: oldest,
             queued_messages: None,
+            backlog,
+            backlog_tenants: by_tenant.first().map_or(0, |t| t.2),
+            top_tenants: by_tenant.into_iter().map(|(t, n, _)| (t, n)).collect(),
         });
     }
     out.leased = read_leased(conn).await?;
@@ -180,6 +212,25 @@ pub fn render(status: &Status) -> String {
                 format!("{n} messages queued")
             });
         let _ = writeln!(s, "  relay    {due}, {queued}");
+        let mut backlog = format!("{} waiting to be claimed", k.backlog);
+        if k.backlog_tenants > 0 {
+            let top: Vec<String> = k
+                .top_tenants
+                .iter()
+                .map(|(t, n)| format!("{t}={n}"))
+                .collect();
+            let _ = write!(
+                backlog,
+                " from {} tenant{}: {}",
+                k.backlog_tenants,
+                if k.backlog_tenants == 1 { "" } else { "s" },
+                top.join("  ")
+            );
+            if k.backlog_tenants > k.top_tenants.len() as i64 {
+                backlog.push_str("  …");
+            }
+        }
+        let _ = writeln!(s, "  backlog  {backlog}");
     }
     for k in &status.leased {
         let jobs: Vec<String> = k.jobs.iter().map(|(st, n)| format!("{st}={n}")).collect();
@@ -227,6 +278,9 @@ mod tests {
                 outbox: [("completed".to_owned(), 3)].into_iter().collect(),
                 oldest_due_seconds: Some(1.25),
                 queued_messages: Some(0),
+                backlog: 7,
+                backlog_tenants: 2,
+                top_tenants: vec![("acme".into(), 5), ("globex".into(), 2)],
             }],
             dead_letters: Some(2),
             leased: vec![LeasedStatus {
@@ -242,6 +296,10 @@ mod tests {
         );
         assert!(
             out.contains("oldest due row waiting 1.2s, 0 messages queued"),
+            "{out}"
+        );
+        assert!(
+            out.contains("  backlog  7 waiting to be claimed from 2 tenants: acme=5  globex=2\n"),
             "{out}"
         );
         assert!(

@@ -62,6 +62,15 @@ pub struct RunArgs {
     /// Publish attempts before an outbox row is dead and its job failed
     #[arg(long, env = "KFS_MAX_DISPATCH_ATTEMPTS", default_value_t = 10)]
     pub max_dispatch_attempts: i32,
+    /// Most messages of one kind published and not yet claimed: "auto" (KFS_BATCH_MAX per
+    /// consumer of the kind's queue), a number, or per kind, e.g.
+    /// compile=64,deletion=8; everything else waits in Postgres, in fair order
+    #[arg(long, env = "KFS_RELAY_WINDOW", default_value = "auto")]
+    pub relay_window: String,
+    /// Most jobs of a kind one tenant may have published or running, per kind, e.g.
+    /// compile=8,deletion=2 (unset: no limit)
+    #[arg(long, env = "KFS_TENANT_LIMITS", default_value = "")]
+    pub tenant_limits: String,
     /// Relay polling interval when no notification arrives
     #[arg(long, env = "KFS_RELAY_POLL", default_value = "1s")]
     pub relay_poll: String,
@@ -171,6 +180,13 @@ impl RunArgs {
             visibility: config::duration("KFS_VISIBILITY", &self.visibility)?,
             max_dispatch_attempts: self.max_dispatch_attempts,
             poll: config::duration("KFS_RELAY_POLL", &self.relay_poll)?,
+            windows: crate::relay::window::Windows::parse(
+                &self.relay_window,
+                self.batch_max.min(self.prefetch),
+            )
+            .map_err(|e| ConfigError::new("KFS_RELAY_WINDOW", e))?,
+            tenant_limits: crate::relay::window::parse_limits(&self.tenant_limits)
+                .map_err(|e| ConfigError::new("KFS_TENANT_LIMITS", e))?,
             ..RelayConfig::default()
         };
         let all = !(self.relay || self.consumer || self.maintenance || self.leased);

@@ -29,6 +29,13 @@ pub(super) async fn migrate(conn: &ConnArgs) -> Result<(), Failure> {
         report.found,
         report.total,
     );
+    let built = report.indexes.created.len() + report.indexes.rebuilt.len();
+    if built > 0 {
+        println!(
+            "indexes: {built} of the project's own built concurrently ({} rebuilt from an interrupted build)",
+            report.indexes.rebuilt.len()
+        );
+    }
     Ok(())
 }
 

@@ -115,6 +115,10 @@ impl Engine {
         for _ in &jobs {
             crate::metrics::delivery(kind.name(), "claimed");
         }
+        if !jobs.is_empty() {
+            // Messages left the relay's window.
+            crate::relay::window::freed();
+        }
         if jobs.len() > 1 {
             crash::point("after-group-claim-commit");
         }

@@ -71,6 +71,10 @@ async fn settle(
     let mut decided = Vec::new();
     let mut settled = Vec::new();
     let mut abandoned = Vec::new();
+    if !handled.is_empty() {
+        // Jobs ended or went back: a tenant held at its limit may have room again.
+        crate::relay::window::freed();
+    }
     for (delivery, h) in handled {
         let tag = delivery.delivery_tag;
         let sent = match h {

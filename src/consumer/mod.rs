@@ -71,6 +71,10 @@ impl Counters {
             Claim::Exhausted => &self.exhausted,
         };
         n.fetch_add(1, Ordering::Relaxed);
+        if matches!(c, Claim::Claimed(_)) {
+            // A message left the relay's window.
+            crate::relay::window::freed();
+        }
     }
 }
 

@@ -176,6 +176,8 @@ pub enum MigrateError {
         "migration {version} ({description}) was applied with other contents than this build has"
     )]
     Changed { version: i64, description: String },
+    #[error("building the project's own indexes failed: {0}")]
+    Index(sqlx::Error),
     #[error("{0}")]
     Db(#[from] sqlx::Error),
 }
@@ -211,6 +213,8 @@ pub struct Report {
     /// Platform migrations after 0018 recorded in the database (the project builds the schema
     /// through 0018; later platform columns are left to the platform).
     pub newer_platform: Vec<String>,
+    /// The project's own indexes built by this run (see [`super::indexes`]).
+    pub indexes: super::indexes::Built,
 }
 
 /// Classifies the database, refuses one that cannot be adopted, then applies every pending
@@ -218,11 +222,26 @@ pub struct Report {
 /// processes at once: they take turns on an advisory lock.
 pub async fn migrate(pool: &PgPool) -> Result<Report, MigrateError> {
     let mut conn = pool.acquire().await?;
-    sqlx::query("SELECT pg_advisory_lock($1)")
+    // Waiting by polling, never inside one statement: a session blocked in `pg_advisory_lock`
+    // holds a snapshot, which the holder's `CREATE INDEX CONCURRENTLY` would wait for while the
+    // blocked session waits for the holder.
+    while !sqlx::query_scalar::<_, bool>("SELECT pg_try_advisory_lock($1)")
         .bind(LOCK_KEY)
-        .execute(&mut *conn)
-        .await?;
-    let result = migrate_locked(&mut conn).await;
+        .fetch_one(&mut *conn)
+        .await?
+    {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let result = match migrate_locked(&mut conn).await {
+        Ok(mut report) => match super::indexes::ensure(&mut conn).await {
+            Ok(built) => {
+                report.indexes = built;
+                Ok(report)
+            }
+            Err(source) => Err(MigrateError::Index(source)),
+        },
+        Err(e) => Err(e),
+    };
     let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(LOCK_KEY)
         .execute(&mut *conn)
@@ -270,6 +289,7 @@ async fn migrate_locked(conn: &mut PgConnection) -> Result<Report, MigrateError>
         applied,
         total: MIGRATOR.iter().count(),
         newer_platform,
+        indexes: super::indexes::Built::default(),
     })
 }
 

@@ -9,6 +9,7 @@ use sqlx::{ConnectOptions, PgPool, Postgres, Transaction};
 
 use crate::config::SecretUrl;
 
+pub mod indexes;
 pub mod migrate;
 
 pub use migrate::{migrate, MigrateError, MIGRATOR};

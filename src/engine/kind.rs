@@ -100,11 +100,30 @@ pub struct KindSpec {
     /// keyed by ids cost more CPU than running them (a research task's retrieval: 2.7 ms of
     /// planning, 0.2–0.5 ms of execution).
     pub generic_plans: bool,
+    /// How the relay shares the kind's new work between tenants; `None`: the job table has no
+    /// tenant, and new rows are published in commit order.
+    pub fairness: Option<Fairness>,
     pub policy: Policy,
     /// The kind's own record of a failure beyond its job and outbox rows, in the transaction
     /// that writes the failure (see [`failed`]); `None`: nothing more to record.
     pub record_failure: Option<RecordFailure>,
 }
+
+/// The job table's columns that let the relay publish new work round-robin between tenants
+/// (see `relay::statements`).
+#[derive(Debug)]
+pub struct Fairness {
+    /// The job rows never dispatched, over the job table as `j`. It must be the predicate of
+    /// the kind's `fair` index (`db::indexes`, over `(tenant_id, created_at, id)`), so that a
+    /// claim walks the tenants and each tenant's oldest jobs in that index, whatever the backlog.
+    pub fresh: &'static str,
+}
+
+/// The fresh predicate of a job table with [`States::RunState`]: the relay's mark moves a job to
+/// `queued`, so `dispatch_pending` is exactly "never dispatched".
+pub const FRESH_RUN_STATE: Fairness = Fairness {
+    fresh: "j.run_state = 'dispatch_pending'",
+};
 
 /// A kind's record of a failure: `(tx, job, code)`.
 pub type RecordFailure = for<'a> fn(

@@ -23,7 +23,8 @@ use std::cmp::Ordering;
 use std::sync::{Arc, RwLock};
 
 pub use crate::engine::kind::{
-    failed, Clock, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RecordFailure, States, Step,
+    failed, Clock, Fairness, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RecordFailure,
+    States, Step, FRESH_RUN_STATE,
 };
 pub use crate::engine::retry::{self, RetryPolicy};
 pub use compile::COMPILE;

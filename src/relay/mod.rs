@@ -5,12 +5,18 @@
 //! allowed attempt, and its job fails with `dispatch_exhausted`, recorded by the kind's failure
 //! hook in the same transaction. Rows are claimed with `SKIP LOCKED`, so any number of relays
 //! run side by side and one row never blocks the rest.
-
+//!
+//! The database decides what runs next: per kind, at most a window of messages is published and
+//! not yet claimed (`window`), and each claim takes, in this order, rows already in the window
+//! that need publishing again, jobs taken over, retries, then new work round-robin between
+//! tenants, within each tenant's limit (`statements`). Claims of one kind take turns on an
+//! advisory lock, so relays side by side never over-admit.
 mod rounds;
 pub mod schedule;
 mod session;
 mod statements;
 pub mod watch;
+pub mod window;
 
 pub use rounds::{Rounds, Settled};
 pub(crate) use session::relay_loop;
@@ -50,6 +56,14 @@ pub struct RelayConfig {
     /// Rounds of one kind in flight at once: the next batch is claimed and published while
     /// the broker confirms the previous one.
     pub depth: usize,
+    /// Per kind, the most messages published and not yet claimed; everything else waits in
+    /// Postgres, where it can still be reordered, paused, canceled or deleted.
+    pub windows: window::Windows,
+    /// Per kind, the most jobs one tenant may have in the window or running.
+    pub tenant_limits: std::collections::BTreeMap<Kind, u32>,
+    /// How soon a relay that filled its window, or held a tenant back, looks again when no
+    /// consumer of this process woke it.
+    pub window_poll: Duration,
 }
 
 impl Default for RelayConfig {
@@ -66,6 +80,9 @@ impl Default for RelayConfig {
             },
             poll: Duration::from_secs(1),
             depth: 4,
+            windows: window::Windows::unbounded(),
+            tenant_limits: std::collections::BTreeMap::new(),
+            window_poll: Duration::from_millis(50),
         }
     }
 }
@@ -80,6 +97,29 @@ struct Claimed {
     dispatch_attempts: i32,
     revision: i32,
     schema_version: i32,
+    /// Why it was due (`statements::class`).
+    class: i32,
+    /// Its job's tenant, where the kind has tenants.
+    tenant: Option<String>,
+}
+
+/// What a claim saw beside the rows it took.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Room {
+    /// Room in the window before the claim (at most a batch).
+    free: i64,
+    /// Rows the claim took into that room.
+    used: i64,
+    /// A tenant was at its limit.
+    held: bool,
+}
+
+impl Room {
+    /// The window filled up, or a tenant was held back: room may come only from a consumer, so
+    /// look again when one frees it (or after `window_poll`).
+    fn look_again(self) -> bool {
+        self.free == 0 || self.used >= self.free || self.held
+    }
 }
 
 /// What one round did.
@@ -89,7 +129,22 @@ pub struct Round {
     pub dispatched: usize,
     pub released: usize,
     pub dead: usize,
+    /// The window was full or a tenant at its limit: more may be due once room is freed.
+    pub look_again: bool,
 }
+
+/// What the relay keeps of each kind between rounds.
+#[derive(Clone, Debug, Default)]
+struct KindState {
+    /// Consumers of the kind's queue at the last look (for an `auto` window).
+    consumers: u32,
+    /// The tenant whose new work was published last: the round-robin goes on after it.
+    cursor: String,
+}
+
+/// The namespace of the advisory lock claims of one kind take turns on (the second key is the
+/// outbox table's name hashed).
+const CLAIM_LOCK_NAMESPACE: i32 = 7_038_584;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
@@ -105,6 +160,7 @@ pub struct Relay {
     relay_id: String,
     cfg: RelayConfig,
     statements: HashMap<Kind, Statements>,
+    state: std::sync::Mutex<HashMap<Kind, KindState>>,
 }
 
 impl Relay {
@@ -125,7 +181,37 @@ impl Relay {
             relay_id: relay_id.into(),
             cfg,
             statements,
+            state: std::sync::Mutex::new(
+                kinds.iter().map(|&k| (k, KindState::default())).collect(),
+            ),
         }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, HashMap<Kind, KindState>> {
+        self.state
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The kind's window now, in messages.
+    pub fn window(&self, kind: Kind) -> i64 {
+        let consumers = self.state().get(&kind).map_or(0, |s| s.consumers);
+        self.cfg.windows.of(kind).messages(consumers)
+    }
+
+    /// Records how many consumers the kind's queue has, for an `auto` window.
+    pub fn set_consumers(&self, kind: Kind, consumers: u32) {
+        if let Some(s) = self.state().get_mut(&kind) {
+            s.consumers = consumers;
+        }
+    }
+
+    /// Kinds whose window follows their consumers.
+    pub fn auto_kinds(&self) -> Vec<Kind> {
+        self.kinds()
+            .into_iter()
+            .filter(|&k| matches!(self.cfg.windows.of(k), window::Size::Auto { .. }))
+            .collect()
     }
 
     pub fn pool(&self) -> PgPool {
@@ -162,9 +248,10 @@ impl Relay {
         let st = &self.statements[&kind];
         let started = std::time::Instant::now();
         let token = Uuid::new_v4();
-        let rows = self.claim(st, token).await?;
+        let (rows, room) = self.claim(kind, st, token).await?;
         let mut round = Round {
             claimed: rows.len(),
+            look_again: room.look_again(),
             ..Round::default()
         };
         if rows.is_empty() {
@@ -329,34 +416,97 @@ impl Relay {
         }
     }
 
-    /// Claims one batch under `token`, committed before anything is published.
-    async fn claim(&self, st: &Statements, token: Uuid) -> Result<Vec<Claimed>, sqlx::Error> {
+    /// Claims one batch under `token`, committed before anything is published, in the order to
+    /// publish it. Claims of one kind take turns (a transaction-level advisory lock), so the
+    /// room in the window and the tenants' counts each claim reads are not read by another
+    /// claim at the same time: relays side by side never over-admit.
+    async fn claim(
+        &self,
+        kind: Kind,
+        st: &Statements,
+        token: Uuid,
+    ) -> Result<(Vec<Claimed>, Room), sqlx::Error> {
+        let window = self.window(kind);
+        let cursor = self
+            .state()
+            .get(&kind)
+            .map(|s| s.cursor.clone())
+            .unwrap_or_default();
+        let limit = self.cfg.tenant_limits.get(&kind).copied();
+        let fair = kind.spec().fairness.is_some();
+        let limited = fair && limit.is_some();
         let mut tx = self.index_planned().await?;
-        let rows: Vec<Claimed> = sqlx::query_as::<
-            _,
-            (Uuid, Uuid, serde_json::Value, Option<String>, i32, i32, i32),
-        >(&st.claim)
-        .bind(self.cfg.batch)
-        .bind(token)
-        .bind(&self.relay_id)
-        .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
-        .fetch_all(&mut *tx)
-        .await?
-        .into_iter()
-        .map(
-            |(id, job_id, payload, q, dispatch_attempts, revision, schema_version)| Claimed {
+        sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
+            .bind(CLAIM_LOCK_NAMESPACE)
+            .bind(kind.spec().outbox_table)
+            .execute(&mut *tx)
+            .await?;
+        type Row = (
+            Option<Uuid>,
+            Option<Uuid>,
+            Option<serde_json::Value>,
+            Option<String>,
+            Option<i32>,
+            Option<i32>,
+            Option<i32>,
+            Option<i32>,
+            Option<String>,
+            i64,
+            bool,
+        );
+        let sql = if limited {
+            &st.claim_limited
+        } else {
+            &st.claim
+        };
+        let mut q = sqlx::query_as::<_, Row>(sql)
+            .bind(self.cfg.batch)
+            .bind(token)
+            .bind(&self.relay_id)
+            .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
+            .bind(window);
+        if fair {
+            q = q.bind(&cursor);
+        }
+        if limited {
+            q = q.bind(i64::from(limit.unwrap_or(u32::MAX)));
+        }
+        let got = q.fetch_all(&mut *tx).await?;
+        tx.commit().await?;
+        let mut room = Room::default();
+        let mut rows = Vec::with_capacity(got.len());
+        for (id, job_id, payload, q, attempts, revision, schema, class, tenant, free, held) in got {
+            room.free = free;
+            room.held = held;
+            let (Some(id), Some(job_id), Some(class)) = (id, job_id, class) else {
+                continue;
+            };
+            if class != statements::class::REPUBLISH {
+                room.used += 1;
+            }
+            rows.push(Claimed {
                 id,
                 job_id,
-                payload,
+                payload: payload.unwrap_or(serde_json::Value::Null),
                 queue_job_id: q.unwrap_or_default(),
-                dispatch_attempts,
-                revision,
-                schema_version,
-            },
-        )
-        .collect();
-        tx.commit().await?;
-        Ok(rows)
+                dispatch_attempts: attempts.unwrap_or(0),
+                revision: revision.unwrap_or(1),
+                schema_version: schema.unwrap_or(1),
+                class,
+                tenant,
+            });
+        }
+        if let Some(last) = rows
+            .iter()
+            .rev()
+            .find(|r| r.class == statements::class::FAIR)
+            .and_then(|r| r.tenant.clone())
+        {
+            if let Some(s) = self.state().get_mut(&kind) {
+                s.cursor = last;
+            }
+        }
+        Ok((rows, room))
     }
 
     /// The relay's Postgres work for one batch of `kind` with no broker: claim, then mark every
@@ -366,7 +516,13 @@ impl Relay {
     pub async fn claim_and_mark_without_publishing(&self, kind: Kind) -> Result<usize, RelayError> {
         let st = &self.statements[&kind];
         let token = Uuid::new_v4();
-        let ids: Vec<Uuid> = self.claim(st, token).await?.iter().map(|r| r.id).collect();
+        let ids: Vec<Uuid> = self
+            .claim(kind, st, token)
+            .await?
+            .0
+            .iter()
+            .map(|r| r.id)
+            .collect();
         Ok(self.mark(st, token, &ids).await?)
     }
 

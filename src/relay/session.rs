@@ -1,8 +1,11 @@
 //! The relay's session: one broker channel in confirm mode and one Postgres listener. Invariant:
 //! the listener is only a wake-up (polling every `poll` wakes every kind whatever happens);
 //! after a failed round no new one starts, the rounds in flight settle what they claimed, and
-//! the session reconnects after a backoff that only a whole settled round resets.
+//! the session reconnects after a backoff that only a whole settled round resets. A kind whose
+//! window filled (or whose tenant reached its limit) is looked at again as soon as a consumer of
+//! this process frees room, and after `window_poll` at the latest.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
@@ -65,6 +68,15 @@ pub(crate) async fn relay_loop(
                 relay.config().poll,
             );
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // Kinds whose window was full (or a tenant at its limit) when their round ended:
+            // looked at again when a consumer of this process frees room, or after
+            // `window_poll` for consumers elsewhere.
+            let mut waiting_room: BTreeSet<Kind> = BTreeSet::new();
+            let mut room_deadline: Option<tokio::time::Instant> = None;
+            let mut freed = super::window::subscribe();
+            count_consumers(&relay, &ch, &topology)
+                .await
+                .map_err(|e| e.to_string())?;
             loop {
                 if !shutdown.is_cancelled() {
                     rounds.start();
@@ -80,6 +92,12 @@ pub(crate) async fn relay_loop(
                         // the session reconnects.
                         if let Settled::Round(r) = settled {
                             backoff = reconnect_backoff();
+                            if r.look_again {
+                                waiting_room.insert(kind);
+                                room_deadline.get_or_insert_with(|| {
+                                    tokio::time::Instant::now() + relay.config().window_poll
+                                });
+                            }
                             watcher.ask(watches.claimed(kind, r.claimed));
                             if rounds.quiet(kind) {
                                 watcher.ask(watches.quiet(kind));
@@ -135,7 +153,21 @@ pub(crate) async fn relay_loop(
                         }
                     }
                     _ = poll.tick(), if !rounds.has_failed() => {
+                        if let Err(e) = count_consumers(&relay, &ch, &topology).await {
+                            return Err(e.to_string());
+                        }
                         rounds.wake(kinds.clone());
+                    }
+                    changed = freed.changed(), if !waiting_room.is_empty() && !rounds.has_failed() => {
+                        if changed.is_ok() {
+                            freed.borrow_and_update();
+                        }
+                        room_deadline = None;
+                        rounds.wake(std::mem::take(&mut waiting_room));
+                    }
+                    () = look_again(room_deadline), if !rounds.has_failed() => {
+                        room_deadline = None;
+                        rounds.wake(std::mem::take(&mut waiting_room));
                     }
                     woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
                         match woken {
@@ -177,6 +209,29 @@ pub(crate) async fn relay_loop(
             return;
         }
     }
+}
+
+/// Reads how many consumers each kind with an `auto` window has on its queue (a passive
+/// declare, which the broker answers from memory).
+async fn count_consumers(
+    relay: &Relay,
+    channel: &lapin::Channel,
+    topology: &Topology,
+) -> Result<(), lapin::Error> {
+    for kind in relay.auto_kinds() {
+        let q = channel
+            .queue_declare(
+                topology.queue(kind).as_str().into(),
+                lapin::options::QueueDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await?;
+        relay.set_consumers(kind, q.consumer_count());
+    }
+    Ok(())
 }
 
 fn relay_pool(relay: &Relay) -> PgPool {

@@ -4,11 +4,31 @@
 //! another transaction holds is skipped, never waited for; outbox rows a statement waits for are
 //! taken in id order, as the consumer's batched statements take them, so none of them deadlock.
 
+use crate::db::indexes::URGENT_ROW;
 use crate::engine::lease::LEASE_CLEAR;
 use crate::jobs::{KindSpec, States};
 
+/// Why a claimed row was due, in the order the relay publishes them (the `class` column).
+pub(super) mod class {
+    /// A relay died holding it, or its message waited past the visibility: already in the
+    /// window, so taken whatever the room.
+    pub const REPUBLISH: i32 = 0;
+    /// Its job's lease ran out or its holder died: taken over.
+    pub const TAKEOVER: i32 = 1;
+    /// A retry that came due, a continued slice, or a row whose publishing failed.
+    pub const RETRY: i32 = 2;
+    /// New work, round-robin between tenants.
+    pub const FAIR: i32 = 3;
+    /// Any other due row, oldest first: fills room the round-robin left.
+    pub const FILL: i32 = 4;
+}
+
 pub(super) struct Statements {
+    /// Params: `$1` batch, `$2` lock token, `$3` relay id, `$4` lock ttl (ms), `$5` window,
+    /// `$6` the tenant after which the round-robin starts, `$7` the tenant limit (only in
+    /// `claim_limited`).
     pub(super) claim: String,
+    pub(super) claim_limited: String,
     pub(super) mark: String,
     pub(super) release: String,
     pub(super) dead: String,
@@ -47,33 +67,8 @@ impl Statements {
             ),
         };
         Statements {
-            // Each way a row comes due is its own index range scan on (status, available_at
-            // or locked_until), locked with SKIP LOCKED, so a claim costs the same on an outbox
-            // of a hundred rows or of millions. Rows a relay died holding (a quarter of the
-            // batch) and rows whose visibility passed (another quarter) are taken besides the
-            // new ones, so new work cannot starve them; a claim is at most 1.5 × `batch` + 3.
-            claim: spec.sql(&format!(
-                "WITH stuck AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
-                   ORDER BY locked_until LIMIT $1 / 4 + 1 FOR UPDATE SKIP LOCKED \
-                 ), lost AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'dispatched' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
-                 ), expired AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'leased' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
-                 ), fresh AS ( \
-                   SELECT id FROM {{outbox}} WHERE status = 'pending' AND available_at <= {{now}} \
-                   ORDER BY available_at LIMIT $1 FOR UPDATE SKIP LOCKED \
-                 ) \
-                 UPDATE {{outbox}} o SET status = 'dispatching', lock_token = $2, locked_by = $3, \
-                   locked_until = {{now+$4}}, dispatch_attempts = o.dispatch_attempts + 1, \
-                   queue_job_id = gen_random_uuid()::text, updated_at = {{now}} \
-                 WHERE o.id = ANY(ARRAY( \
-                   SELECT id FROM stuck UNION ALL SELECT id FROM lost UNION ALL SELECT id FROM expired \
-                   UNION ALL SELECT id FROM fresh)) \
-                 RETURNING o.id, o.{{fk}}, o.payload, o.queue_job_id, o.dispatch_attempts, {revision}, o.schema_version"
-            )),
+            claim: spec.sql(&claim(spec, revision, false)),
+            claim_limited: spec.sql(&claim(spec, revision, true)),
             mark: spec.sql(&format!(
                 "WITH lk AS ( \
                    SELECT o.id FROM {{outbox}} o \
@@ -123,4 +118,184 @@ impl Statements {
             )),
         }
     }
+}
+
+/// The claim: what is due, urgent first, new work round-robin between tenants, within the
+/// window's room and each tenant's limit.
+///
+/// Each way a row comes due is its own index range scan locked with `SKIP LOCKED`, so a claim
+/// costs the same on an outbox of a hundred due rows or of millions:
+/// - rows a relay died holding (`stuck`) and rows whose visibility passed (`lost`) are already
+///   in the window and are taken whatever the room, up to a quarter and an eighth of a batch;
+/// - the room is the window less what is published and not yet claimed (`dispatching` and
+///   `dispatched` rows), at most a batch; taken-over rows (`expired`), then retries (`retry`,
+///   the project's `urgent` index) use it first;
+/// - new work then goes round-robin: a loose index scan over the kind's `fair` index lists the
+///   tenants with never-dispatched jobs, starting after the tenant served last (`$6`) and
+///   wrapping around, as many as there is room; each gets an equal share of the room, taken
+///   from its oldest jobs in the same index;
+/// - room the tenants did not use is filled from the oldest due rows (`fill`), which also
+///   covers any row neither the `urgent` nor the `fair` index holds.
+///
+/// With limits, a tenant whose jobs in the window or running (`dispatching`, `dispatched`,
+/// `leased`) reach `$7` gets no tenant slot, and no row of any class past its limit.
+fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
+    let busy = if limited {
+        "busy AS ( \
+           SELECT j.tenant_id::text AS t, count(*) AS n FROM {outbox} o JOIN {job} j ON j.id = o.{fk} \
+           WHERE o.status IN ('dispatching', 'dispatched', 'leased') GROUP BY 1 \
+         ), "
+    } else {
+        ""
+    };
+    let open = |t: &str| {
+        if limited {
+            format!("AND NOT EXISTS (SELECT 1 FROM busy b WHERE b.t = {t} AND b.n >= $7)")
+        } else {
+            String::new()
+        }
+    };
+    let share = if limited {
+        "least(sh.n, $7 - coalesce((SELECT b.n FROM busy b WHERE b.t = r.t), 0))"
+    } else {
+        "sh.n"
+    };
+    let admitted = if limited {
+        "WHERE coalesce((SELECT b.n FROM busy b WHERE b.t = k.t), 0) + k.tr <= $7"
+    } else {
+        ""
+    };
+    // A tenant was at its limit, or rows were held back by it.
+    let held = if limited {
+        "(EXISTS (SELECT 1 FROM busy b WHERE b.n >= $7) OR EXISTS (SELECT 1 FROM ranked k \
+           WHERE coalesce((SELECT b.n FROM busy b WHERE b.t = k.t), 0) + k.tr > $7))"
+    } else {
+        "false"
+    };
+    let fresh_ctes = match &spec.fairness {
+        Some(f) => {
+            let fresh = f.fresh;
+            let (open_after, open_before) = (open("a.t"), open("b.t"));
+            format!(
+                "after(t) AS ( \
+                   (SELECT j.tenant_id::text FROM {{job}} j WHERE {fresh} AND j.tenant_id > $6::text \
+                    ORDER BY j.tenant_id LIMIT 1) \
+                   UNION ALL \
+                   SELECT (SELECT j.tenant_id::text FROM {{job}} j WHERE {fresh} AND j.tenant_id > a.t \
+                           ORDER BY j.tenant_id LIMIT 1) \
+                   FROM after a WHERE a.t IS NOT NULL \
+                 ), before(t) AS ( \
+                   (SELECT j.tenant_id::text FROM {{job}} j WHERE {fresh} ORDER BY j.tenant_id LIMIT 1) \
+                   UNION ALL \
+                   SELECT (SELECT j.tenant_id::text FROM {{job}} j WHERE {fresh} AND j.tenant_id > b.t \
+                           ORDER BY j.tenant_id LIMIT 1) \
+                   FROM before b WHERE b.t IS NOT NULL AND b.t < $6::text \
+                 ), ring AS ( \
+                   SELECT x.t, row_number() OVER () AS pos FROM ( \
+                     (SELECT a.t FROM after a WHERE a.t IS NOT NULL {open_after} LIMIT (SELECT n FROM room)) \
+                     UNION ALL \
+                     (SELECT b.t FROM before b WHERE b.t IS NOT NULL AND b.t <= $6::text {open_before} \
+                      LIMIT (SELECT n FROM room)) \
+                     LIMIT (SELECT n FROM room) \
+                   ) x \
+                 ), share AS ( \
+                   SELECT greatest(ceil(rm.n::numeric / greatest((SELECT count(*) FROM ring), 1)), 1)::bigint AS n \
+                   FROM room rm \
+                 ), fair AS ( \
+                   SELECT x.id, x.job_id, x.created_at, r.t, r.pos FROM ring r CROSS JOIN share sh \
+                   CROSS JOIN LATERAL ( \
+                     SELECT o.id, o.{{fk}} AS job_id, j.created_at \
+                     FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
+                     WHERE j.tenant_id = r.t AND {fresh} AND o.status = 'pending' AND o.available_at <= {{now}} \
+                       AND o.dispatch_attempts = 0 AND o.delivered_at IS NULL \
+                     ORDER BY j.created_at, j.id LIMIT {share} \
+                     FOR UPDATE OF o SKIP LOCKED \
+                   ) x \
+                 ), fill AS ( \
+                   SELECT o.id, o.{{fk}} AS job_id, o.available_at FROM {{outbox}} o \
+                   WHERE o.status = 'pending' AND o.available_at <= {{now}} \
+                     AND o.id <> ALL (ARRAY(SELECT id FROM retry UNION ALL SELECT id FROM fair)) \
+                   ORDER BY o.available_at \
+                   LIMIT greatest((SELECT n FROM room) - (SELECT count(*) FROM retry) - (SELECT count(*) FROM fair), 0) \
+                   FOR UPDATE OF o SKIP LOCKED \
+                 ), gated AS ( \
+                   SELECT id, {retry} AS class, available_at AS at, id AS k, \
+                     (SELECT j.tenant_id::text FROM {{job}} j WHERE j.id = retry.job_id) AS t, 0::bigint AS pos FROM retry \
+                   UNION ALL SELECT id, {fair_class}, created_at, job_id, t, pos FROM fair \
+                   UNION ALL SELECT id, {fill}, available_at, id, \
+                     (SELECT j.tenant_id::text FROM {{job}} j WHERE j.id = fill.job_id), 0::bigint FROM fill \
+                 ), ",
+                retry = class::RETRY,
+                fair_class = class::FAIR,
+                fill = class::FILL,
+            )
+        }
+        None => format!(
+            "fresh AS ( \
+               SELECT o.id, o.available_at FROM {{outbox}} o \
+               WHERE o.status = 'pending' AND o.available_at <= {{now}} \
+                 AND o.id <> ALL (ARRAY(SELECT id FROM retry)) \
+               ORDER BY o.available_at \
+               LIMIT greatest((SELECT n FROM room) - (SELECT count(*) FROM retry), 0) \
+               FOR UPDATE OF o SKIP LOCKED \
+             ), gated AS ( \
+               SELECT id, {retry} AS class, available_at AS at, id AS k, NULL::text AS t, 0::bigint AS pos FROM retry \
+               UNION ALL SELECT id, {fair}, available_at, id, NULL::text, 0::bigint FROM fresh \
+             ), ",
+            retry = class::RETRY,
+            fair = class::FAIR,
+        ),
+    };
+    // A tenant-less kind has no limit: its busy CTE would count every row as one tenant's.
+    let (busy, admitted, held) = if spec.fairness.is_some() {
+        (busy, admitted, held)
+    } else {
+        ("", "", "false")
+    };
+    format!(
+        "WITH RECURSIVE free AS ( \
+           SELECT greatest(least($1::bigint, $5::bigint - count(*)), 0) AS n \
+           FROM {{outbox}} WHERE status IN ('dispatching', 'dispatched') \
+         ), stuck AS ( \
+           SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
+           ORDER BY locked_until LIMIT $1 / 4 + 1 FOR UPDATE SKIP LOCKED \
+         ), lost AS ( \
+           SELECT id FROM {{outbox}} WHERE status = 'dispatched' AND available_at <= {{now}} \
+           ORDER BY available_at LIMIT $1 / 8 + 1 FOR UPDATE SKIP LOCKED \
+         ), expired AS ( \
+           SELECT id, available_at FROM {{outbox}} WHERE status = 'leased' AND available_at <= {{now}} \
+           ORDER BY available_at LIMIT (SELECT n FROM free) FOR UPDATE SKIP LOCKED \
+         ), room AS ( \
+           SELECT greatest(f.n - (SELECT count(*) FROM expired), 0) AS n FROM free f \
+         ), {busy}retry AS ( \
+           SELECT id, {{fk}} AS job_id, available_at FROM {{outbox}} \
+           WHERE status = 'pending' AND available_at <= {{now}} AND {URGENT_ROW} \
+           ORDER BY available_at LIMIT (SELECT n FROM room) FOR UPDATE SKIP LOCKED \
+         ), {fresh_ctes}ranked AS ( \
+           SELECT g.*, row_number() OVER (PARTITION BY g.t ORDER BY g.class, g.at, g.k) AS tr, \
+             row_number() OVER (PARTITION BY g.t, g.class ORDER BY g.at, g.k) AS rn \
+           FROM (SELECT DISTINCT ON (id) * FROM gated ORDER BY id, class) g \
+         ), taken AS ( \
+           SELECT k.id, k.class, k.t, k.rn, k.pos, k.at, k.k FROM ranked k {admitted} \
+           ORDER BY k.class, k.rn, k.pos, k.at, k.k LIMIT (SELECT n FROM room) \
+         ), claimed AS ( \
+           SELECT id, {republish} AS class, NULL::text AS t, 0::bigint AS ord FROM stuck \
+           UNION ALL SELECT id, {republish}, NULL::text, 0::bigint FROM lost \
+           UNION ALL SELECT id, {takeover}, NULL::text, row_number() OVER (ORDER BY available_at) FROM expired \
+           UNION ALL SELECT id, class, t, row_number() OVER (ORDER BY class, rn, pos, at, k) FROM taken \
+         ), upd AS ( \
+           UPDATE {{outbox}} o SET status = 'dispatching', lock_token = $2, locked_by = $3, \
+             locked_until = {{now+$4}}, dispatch_attempts = o.dispatch_attempts + 1, \
+             queue_job_id = gen_random_uuid()::text, updated_at = {{now}} \
+           WHERE o.id = ANY(ARRAY(SELECT id FROM claimed)) \
+           RETURNING o.id, o.{{fk}} AS job_id, o.payload, o.queue_job_id, o.dispatch_attempts, \
+             {revision} AS revision, o.schema_version \
+         ) \
+         SELECT u.id, u.job_id, u.payload, u.queue_job_id, u.dispatch_attempts, u.revision, u.schema_version, \
+           c.class, c.t, f.n AS free, {held} AS held \
+         FROM free f LEFT JOIN (upd u JOIN claimed c ON c.id = u.id) ON true \
+         ORDER BY c.class, c.ord",
+        republish = class::REPUBLISH,
+        takeover = class::TAKEOVER,
+    )
 }

@@ -72,6 +72,8 @@ async fn every_scenario_reports_all_its_work_done() {
         "50",
         "--kind-jobs",
         "4",
+        "--fair-backlog",
+        "30",
         "--workers",
         "2",
         // The tests beside this one share Postgres' connections: the bench's default depth
@@ -114,10 +116,24 @@ async fn every_scenario_reports_all_its_work_done() {
         "statements",
         "latency",
         "kinds",
+        "fairness",
+        "claim",
+        "takeover",
         "scaleout",
     ] {
         assert_run_complete(scenario(name), name);
     }
+    // With the window and without: the second tenant's five and the backlog, each done.
+    let fairness = scenario("fairness");
+    assert_eq!(
+        fairness["runs"].as_array().map(Vec::len),
+        Some(4),
+        "{fairness}"
+    );
+    for run in fairness["runs"].as_array().unwrap() {
+        assert_run_complete(run, "fairness");
+    }
+    assert_eq!(num(&fairness["settings"], "backlog"), 30.0, "{fairness}");
     assert_eq!(num(scenario("limit"), "n"), 200.0);
     assert_eq!(num(scenario("engine"), "n"), 200.0);
 

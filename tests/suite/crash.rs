@@ -1092,6 +1092,91 @@ async fn a_restart_under_the_same_id_is_a_new_incarnation_and_its_predecessor_co
     env.cleanup().await;
 }
 
+/// The id lock of `id` held by a session of the test, as a predecessor's session that Postgres
+/// has not yet seen die holds it.
+async fn hold_id_lock(env: &TestEnv, id: &str) -> sqlx::PgConnection {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::PgConnection::connect(&env.url).await.unwrap();
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
+        .bind(kfs_worker::liveness::ID_NAMESPACE)
+        .bind(id)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert!(got);
+    conn
+}
+
+/// A process restarted the moment its predecessor died may find the predecessor's session not
+/// yet gone, still holding the worker id's lock. It waits for it (up to the connect timeout)
+/// instead of exiting, so a crash-restart is not refused and its predecessor's jobs are taken
+/// over at once rather than after a crash-loop backoff.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_waits_for_its_dead_predecessors_session_instead_of_failing() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let predecessor = hold_id_lock(&env, "w1").await;
+    let mut w = spawn(&env, "w1", &["--consumer"], &base_env("probe=10s"));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        w.child.try_wait().unwrap().is_none(),
+        "the restart gave up while its predecessor's session lingered\n{}",
+        w.tail(20)
+    );
+    sqlx::Connection::close(predecessor).await.ok();
+    let live = env
+        .wait_until(Duration::from_secs(15), || async {
+            kfs_worker::liveness::count_live(&env.pool).await.unwrap() == 1
+        })
+        .await;
+    assert!(
+        live,
+        "w1 never took its id once it was free\n{}",
+        w.tail(20)
+    );
+    support::stop_cleanly([&mut w], Duration::from_secs(20)).await;
+    env.cleanup().await;
+}
+
+/// Two live processes never share a worker id: the second one waits the connect timeout for
+/// the id, then exits with one error that names the id, and the first runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_live_process_under_the_same_id_is_refused_with_one_clear_error() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let e = base_env("probe=10s");
+    let mut first = spawn(&env, "w1", &["--consumer"], &e);
+    let live = env
+        .wait_until(Duration::from_secs(15), || async {
+            kfs_worker::liveness::count_live(&env.pool).await.unwrap() == 1
+        })
+        .await;
+    assert!(live, "w1 never started\n{}", first.tail(20));
+    let mut second = spawn(
+        &env,
+        "w1",
+        &["--consumer"],
+        &[("KFS_CONNECT_TIMEOUT", "2s")],
+    );
+    let status = second.exited(Duration::from_secs(30)).await;
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "a second live w1 was not refused: {status:?}\n{}",
+        second.tail(20)
+    );
+    let log = second.log_text();
+    assert!(
+        log.contains("worker id \"w1\" is already in use by a live process"),
+        "{log}"
+    );
+    assert_eq!(
+        kfs_worker::liveness::count_live(&env.pool).await.unwrap(),
+        1
+    );
+    support::stop_cleanly([&mut first], Duration::from_secs(20)).await;
+    env.cleanup().await;
+}
+
 /// The focused reproduction of what stalls the same-id run. Worker w1 (consumer only) holds 4
 /// long jobs under a 10 s lease; R runs the relay and maintenance, no consumer. w1 is
 /// SIGKILLed; R's sweeper sees w1 dead and re-arms its leased outbox rows, and R's relay

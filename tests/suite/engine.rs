@@ -795,6 +795,7 @@ mod note {
         superseded_state: false,
         // As research and deletion: each step transaction plans its statements once.
         generic_plans: true,
+        fairness: None,
         revisions: true,
         policy: Policy {
             lease: Duration::from_secs(30),

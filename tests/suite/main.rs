@@ -30,6 +30,7 @@ mod deletion;
 mod demo;
 mod deploy;
 mod engine;
+mod fairness;
 mod http;
 mod leased;
 mod malformed;

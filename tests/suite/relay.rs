@@ -281,7 +281,8 @@ async fn a_due_pending_row_is_published_once_with_every_property_and_marked_disp
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
 
@@ -374,7 +375,8 @@ async fn every_claim_writes_a_new_delivery_id_and_a_republish_carries_it() {
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let second = outbox_state(&env.pool, outbox).await;
@@ -459,7 +461,8 @@ async fn the_delivery_id_is_committed_before_publishing_so_a_consumer_may_win_th
             claimed: 1,
             dispatched: 0,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     assert_eq!(
@@ -541,7 +544,8 @@ async fn mark_dispatched_is_fenced_by_the_lock_token_when_another_relay_reclaime
             claimed: 1,
             dispatched: 0,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         },
         "a stale lock token marks nothing"
     );
@@ -569,7 +573,8 @@ async fn mark_dispatched_is_fenced_by_the_lock_token_when_another_relay_reclaime
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let row = outbox_state(&env.pool, outbox).await;
@@ -617,7 +622,8 @@ async fn rows_whose_available_at_is_in_the_future_are_not_claimed() {
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     assert_eq!(outbox_state(&env.pool, due).await.status, "dispatched");
@@ -638,7 +644,8 @@ async fn rows_whose_available_at_is_in_the_future_are_not_claimed() {
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let published: Vec<Uuid> = drain(&env).await.iter().map(outbox_header).collect();
@@ -673,7 +680,8 @@ async fn a_dispatching_row_is_reclaimed_only_after_its_lock_expired() {
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let row = outbox_state(&env.pool, expired).await;
@@ -732,7 +740,8 @@ async fn dispatched_and_leased_rows_are_republished_with_a_new_delivery_id_once_
             claimed: 2,
             dispatched: 2,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let msgs = drain(&env).await;
@@ -816,7 +825,8 @@ async fn an_unroutable_publish_is_released_with_backoff_and_dead_after_the_last_
                 claimed: 1,
                 dispatched: 0,
                 released: 1,
-                dead: 0
+                dead: 0,
+                look_again: false
             },
             "attempt {attempt} released"
         );
@@ -862,7 +872,8 @@ async fn an_unroutable_publish_is_released_with_backoff_and_dead_after_the_last_
             claimed: 1,
             dispatched: 0,
             released: 0,
-            dead: 1
+            dead: 1,
+            look_again: false
         }
     );
     let row = outbox_state(&env.pool, outbox).await;
@@ -1012,7 +1023,8 @@ async fn odd_or_locked_rows_do_not_block_the_others() {
             claimed: 9,
             dispatched: 8,
             released: 0,
-            dead: 1
+            dead: 1,
+            look_again: false
         }
     );
     assert_eq!(outbox_state(&env.pool, huge).await.status, "dead");
@@ -1071,7 +1083,8 @@ async fn odd_or_locked_rows_do_not_block_the_others() {
             claimed: 1,
             dispatched: 1,
             released: 0,
-            dead: 0
+            dead: 0,
+            look_again: false
         }
     );
     let later = drain(&env).await;
@@ -1356,7 +1369,8 @@ async fn platform_rows_are_relayed_in_their_own_time_type_and_state_model() {
                 claimed: 1,
                 dispatched: 1,
                 released: 0,
-                dead: 0
+                dead: 0,
+                look_again: false
             },
             "{kind}"
         );
@@ -1457,7 +1471,8 @@ async fn dispatch_exhaustion_fails_each_platform_job_by_its_tables_rules() {
                 claimed: 1,
                 dispatched: 0,
                 released: 0,
-                dead: 1
+                dead: 1,
+                look_again: false
             },
             "{kind}"
         );
@@ -1720,12 +1735,16 @@ async fn dispatched_probes(pool: &PgPool) -> i64 {
 
 /// A relay process of the probe kind whose poll is an hour away, so that only wake-ups and its
 /// own looks publish; returned once it is up and listening, which its publishing a first row
-/// shows.
+/// shows. No consumer runs, so its window is set wider than every row these tests write.
 async fn relay_polling_hourly(env: &TestEnv, name: &str) -> support::Worker {
     let relay = env.spawn_worker(
         name,
         &["run", "--relay"],
-        &[("KFS_KINDS", "probe"), ("KFS_RELAY_POLL", "60m")],
+        &[
+            ("KFS_KINDS", "probe"),
+            ("KFS_RELAY_POLL", "60m"),
+            ("KFS_RELAY_WINDOW", "100000"),
+        ],
     );
     enqueue_one(&env.pool, &ProbeSpec::default()).await;
     assert!(

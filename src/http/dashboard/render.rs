@@ -164,7 +164,8 @@ pub fn render_kinds(o: &Overview) -> String {
              <div class=\"rates\"><div><b data-rate=\"completed\">{ok}</b><span>done / min</span></div>\
              <div><b data-rate=\"failed\" class=\"{failcls}\">{bad}</b><span>failed / min</span></div>\
              <div><b data-lag>{lag}</b><span>relay lag</span></div>\
-             <div><b data-queued>{queued}</b><span>queued msgs</span></div></div>\
+             <div><b data-queued>{queued}</b><span>queued msgs</span></div>\
+             <div><b data-backlog>{backlog}</b><span>backlog</span></div></div>\
              <table class=\"states\"><tbody>",
             kind = esc(&ks.kind),
             ok = fmt_rate(k.completed_per_minute),
@@ -172,10 +173,30 @@ pub fn render_kinds(o: &Overview) -> String {
             failcls = if k.failed_per_minute > 0.0 { "bad" } else { "" },
             lag = ks.oldest_due_seconds.map_or("0 s".into(), fmt_age),
             queued = ks.queued_messages.map_or("?".into(), |n| n.to_string()),
+            backlog = ks.backlog,
         );
         state_rows(&mut s, &ks.jobs);
         s.push_str("</tbody></table><p class=\"outbox\">outbox ");
         pills(&mut s, &ks.outbox, "data-outbox", "empty");
+        if ks.backlog_tenants > 0 {
+            // The tenants with the most work waiting, most first.
+            let _ = write!(
+                s,
+                "</p><p class=\"tenants\">backlog of {} tenant{} ",
+                ks.backlog_tenants,
+                if ks.backlog_tenants == 1 { "" } else { "s" }
+            );
+            for (tenant, n) in &ks.top_tenants {
+                let _ = write!(
+                    s,
+                    "<span class=\"pill\" data-tenant=\"{v}\">{v} {n}</span>",
+                    v = esc(tenant)
+                );
+            }
+            if ks.backlog_tenants > ks.top_tenants.len() as i64 {
+                s.push_str("<span class=\"muted\">…</span>");
+            }
+        }
         let _ = write!(
             s,
             "</p><p class=\"foot muted\">rates over the last {} min</p></section>",
@@ -433,6 +454,9 @@ mod tests {
                     outbox: BTreeMap::new(),
                     oldest_due_seconds: Some(3.5),
                     queued_messages: Some(4),
+                    backlog: 9,
+                    backlog_tenants: 2,
+                    top_tenants: vec![("acme<1>".into(), 7), ("globex".into(), 2)],
                 },
                 completed_per_minute: 1.25,
                 failed_per_minute: 0.0,
@@ -459,6 +483,11 @@ mod tests {
         assert!(html.contains("data-state=\"running\">2<"), "{html}");
         assert!(html.contains(">1.2<") || html.contains(">1.3<"), "{html}");
         assert!(html.contains(">3.5 s<"), "{html}");
+        assert!(html.contains("<b data-backlog>9</b>"), "{html}");
+        assert!(
+            html.contains("backlog of 2 tenants <span class=\"pill\" data-tenant=\"acme&lt;1&gt;\">acme&lt;1&gt; 7</span>"),
+            "{html}"
+        );
         assert!(render_dlq(&o).contains("empty"));
     }
 }

@@ -170,6 +170,7 @@ pub static COMPILE: KindSpec = KindSpec {
     },
     superseded_state: true,
     generic_plans: false,
+    fairness: Some(super::FRESH_RUN_STATE),
     revisions: false,
     policy: Policy {
         lease: Duration::from_secs(60),

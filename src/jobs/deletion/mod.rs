@@ -477,6 +477,7 @@ pub static DELETION: KindSpec = KindSpec {
     },
     superseded_state: false,
     generic_plans: true,
+    fairness: Some(super::FRESH_RUN_STATE),
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),

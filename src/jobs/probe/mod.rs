@@ -18,6 +18,7 @@ pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
     let present: bool = sqlx::query_scalar(
         "SELECT to_regclass('kfs_probe_jobs') IS NOT NULL AND to_regclass('kfs_probe_outbox') IS NOT NULL \
            AND to_regclass('kfs_probe_effects') IS NOT NULL AND to_regclass('kfs_probe_effects_job_idx') IS NOT NULL \
+           AND to_regclass('kfs_probe_outbox_urgent_idx') IS NOT NULL \
            AND EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'kfs_probe_outbox_kfs_notify')",
     )
     .fetch_one(pool)
@@ -288,6 +289,7 @@ pub static PROBE: KindSpec = KindSpec {
     },
     superseded_state: false,
     generic_plans: false,
+    fairness: None,
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),

@@ -65,6 +65,10 @@ CREATE TABLE IF NOT EXISTS "kfs_probe_outbox" (
 CREATE INDEX IF NOT EXISTS "kfs_probe_outbox_claim_idx"
   ON "kfs_probe_outbox" ("status", "available_at", "locked_until", "id");
 CREATE INDEX IF NOT EXISTS "kfs_probe_outbox_job_idx" ON "kfs_probe_outbox" ("probe_job_id");
+-- The rows due again (retries, continued slices, failed publishes), which the relay's claim
+-- takes before new rows (the platform outboxes' `urgent` indexes, see src/db/indexes.rs).
+CREATE INDEX IF NOT EXISTS "kfs_probe_outbox_urgent_idx" ON "kfs_probe_outbox" ("available_at", "id")
+  WHERE "status" = 'pending' AND ("dispatch_attempts" > 0 OR "delivered_at" IS NOT NULL);
 
 -- One row per applied step effect; the tests count them to prove exactly-once application.
 CREATE TABLE IF NOT EXISTS "kfs_probe_effects" (

@@ -445,6 +445,10 @@ pub static RESEARCH: KindSpec = KindSpec {
     states: States::Stage,
     superseded_state: false,
     generic_plans: true,
+    fairness: Some(super::Fairness {
+        // No mark moves a research job; a job a consumer never claimed has no attempt yet.
+        fresh: "j.stage = 'queued' AND j.execution_attempts = 0",
+    }),
     revisions: true,
     policy: Policy {
         lease: Duration::from_secs(30),

@@ -36,10 +36,13 @@ pub struct BenchArgs {
     #[arg(long)]
     pub json: bool,
     /// Scenarios to run: limit, relay, engine, statements, peer (a Celery 5 worker doing the
-    /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, scaleout
+    /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, fairness
+    /// (a second tenant's jobs behind a first tenant's backlog), claim (the fair claim at 100
+    /// and at 100,000 due rows; needs a superuser to make the backlog), takeover (a SIGKILLed worker's
+    /// jobs under that backlog, also after a restart under its id), scaleout
     #[arg(
         long,
-        default_value = "limit,relay,engine,statements,peer,latency,kinds,scaleout"
+        default_value = "limit,relay,engine,statements,peer,latency,kinds,fairness,claim,takeover,scaleout"
     )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
@@ -51,6 +54,10 @@ pub struct BenchArgs {
     /// Documents in the kinds scenario's space: each is compiled, researched once and deleted
     #[arg(long, default_value_t = 100)]
     pub kind_jobs: u32,
+    /// The first tenant's backlog of compiles in the fairness scenario (the second commits 5),
+    /// and of probe jobs in the takeover scenario
+    #[arg(long, default_value_t = 1500)]
+    pub fair_backlog: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -62,11 +69,14 @@ pub enum Scenario {
     Peer,
     Latency,
     Kinds,
+    Fairness,
+    Claim,
+    Takeover,
     Scaleout,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 8] = [
+    pub const ALL: [Scenario; 11] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Engine,
@@ -74,6 +84,9 @@ impl Scenario {
         Scenario::Peer,
         Scenario::Latency,
         Scenario::Kinds,
+        Scenario::Fairness,
+        Scenario::Claim,
+        Scenario::Takeover,
         Scenario::Scaleout,
     ];
 
@@ -86,6 +99,9 @@ impl Scenario {
             Scenario::Peer => "peer",
             Scenario::Latency => "latency",
             Scenario::Kinds => "kinds",
+            Scenario::Fairness => "fairness",
+            Scenario::Claim => "claim",
+            Scenario::Takeover => "takeover",
             Scenario::Scaleout => "scaleout",
         }
     }
@@ -99,7 +115,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, peer, latency, kinds or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, peer, latency, kinds, fairness, claim, takeover or scaleout")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -141,6 +157,12 @@ impl BenchArgs {
                 "must be between 1 and 5000",
             ));
         }
+        if !(1..=100_000).contains(&self.fair_backlog) {
+            return Err(ConfigError::new(
+                "--fair-backlog",
+                "must be between 1 and 100000",
+            ));
+        }
         if !(1..=10_000).contains(&self.kind_jobs) {
             return Err(ConfigError::new(
                 "--kind-jobs",
@@ -157,6 +179,7 @@ impl BenchArgs {
                 latency_secs: self.latency_secs,
                 latency_rate: self.latency_rate,
                 kind_jobs: self.kind_jobs,
+                fair_backlog: self.fair_backlog,
                 interactive: !self.json,
             },
         ))
@@ -259,6 +282,9 @@ async fn one(
     if s == Scenario::Scaleout {
         return scenarios::scaleout(services, p).await;
     }
+    if s == Scenario::Takeover {
+        return scenarios::takeover(services, p).await;
+    }
     let env = env::BenchEnv::new(services, s.name()).await?;
     let r = match s {
         Scenario::Limit => scenarios::limit(&env, p).await,
@@ -268,7 +294,9 @@ async fn one(
         Scenario::Peer => scenarios::peer(&env, p, limit).await,
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
-        Scenario::Scaleout => unreachable!("handled above"),
+        Scenario::Fairness => scenarios::fairness(&env, p).await,
+        Scenario::Claim => scenarios::claim(&env, p).await,
+        Scenario::Scaleout | Scenario::Takeover => unreachable!("handled above"),
     };
     env.cleanup().await;
     r
@@ -285,8 +313,10 @@ mod tests {
             vec![Scenario::Limit, Scenario::Engine]
         );
         assert_eq!(
-            Scenario::parse_list("limit,relay,engine,statements,peer,latency,kinds,scaleout")
-                .unwrap(),
+            Scenario::parse_list(
+                "limit,relay,engine,statements,peer,latency,kinds,fairness,claim,takeover,scaleout"
+            )
+            .unwrap(),
             Scenario::ALL.to_vec()
         );
         assert!(Scenario::parse_list("fast")

@@ -3,12 +3,15 @@
 //! asked), and takes its times from one clock: the bench's monotonic clock for the bare loops,
 //! Postgres' clock for jobs (created, claimed and completed timestamps of the rows themselves).
 
+mod claim;
 mod engine;
+mod fairness;
 mod kinds;
 mod limit;
 mod peer;
 mod relay;
 mod scaleout;
+mod takeover;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -28,12 +31,15 @@ use crate::maintenance::MaintenanceConfig;
 use crate::relay::{Relay, RelayConfig};
 use crate::runtime::{self, RunOptions};
 
+pub use claim::claim;
 pub use engine::{engine, latency, statements};
+pub use fairness::fairness;
 pub use kinds::kinds;
 pub use limit::limit;
 pub use peer::peer;
 pub use relay::relay;
 pub use scaleout::scaleout;
+pub use takeover::takeover;
 
 /// How long a scenario waits without a single job finishing before it reports what it has.
 const STALL: Duration = Duration::from_secs(60);
@@ -49,6 +55,8 @@ pub struct Params {
     pub latency_secs: u64,
     pub latency_rate: u32,
     pub kind_jobs: u32,
+    /// The first tenant's backlog in the fairness scenario.
+    pub fair_backlog: u32,
     pub interactive: bool,
 }
 
@@ -150,7 +158,16 @@ fn run_options(
         consumer: true,
         maintenance: false,
         leased: None,
-        relay_cfg: RelayConfig::default(),
+        // The window `kfs-worker run` has by default: a claim batch per consumer.
+        relay_cfg: RelayConfig {
+            windows: crate::relay::window::Windows {
+                default: crate::relay::window::Size::Auto {
+                    per_consumer: p.batch_max,
+                },
+                per_kind: Default::default(),
+            },
+            ..RelayConfig::default()
+        },
         consumer_cfg: ConsumerConfig {
             prefetch: p.inflight,
             batch_max: p.batch_max,

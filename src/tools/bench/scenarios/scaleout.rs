@@ -25,20 +25,31 @@ pub fn worker_counts(max: u32) -> Vec<u32> {
 }
 
 /// A `kfs-worker run` child process of this executable.
-struct WorkerProcess {
+pub(super) struct WorkerProcess {
     child: Child,
-    log: std::path::PathBuf,
+    pub(super) log: std::path::PathBuf,
 }
 
 impl WorkerProcess {
-    fn spawn(
+    pub(super) fn spawn(
         services: &Services,
         id: &str,
         inflight: u16,
         batch_max: u16,
     ) -> Result<WorkerProcess, String> {
+        Self::spawn_with(services, id, inflight, batch_max, &[])
+    }
+
+    /// [`WorkerProcess::spawn`] with more environment variables.
+    pub(super) fn spawn_with(
+        services: &Services,
+        id: &str,
+        inflight: u16,
+        batch_max: u16,
+        extra: &[(&str, &str)],
+    ) -> Result<WorkerProcess, String> {
         let exe = std::env::current_exe().map_err(|e| format!("own executable: {e}"))?;
-        let log = std::env::temp_dir().join(format!("{id}.log"));
+        let log = std::env::temp_dir().join(format!("{id}-{}.log", uuid::Uuid::new_v4().simple()));
         let file = std::fs::File::create(&log).map_err(|e| format!("log file: {e}"))?;
         let child = Command::new(exe)
             .args(["run", "--kinds", "probe"])
@@ -49,6 +60,7 @@ impl WorkerProcess {
             .env("KFS_PREFETCH", inflight.to_string())
             .env("KFS_BATCH_MAX", batch_max.to_string())
             .env("KFS_HTTP_ADDR", "off")
+            .envs(extra.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(file)
@@ -57,8 +69,14 @@ impl WorkerProcess {
         Ok(WorkerProcess { child, log })
     }
 
+    /// SIGKILL, and reaped.
+    pub(super) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
     /// SIGTERM, a clean exit within 30 s, or SIGKILL.
-    fn stop(&mut self) {
+    pub(super) fn stop(&mut self) {
         let _ = Command::new("kill")
             .args(["-TERM", &self.child.id().to_string()])
             .status();

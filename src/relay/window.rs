@@ -1,0 +1,216 @@
+//! The relay's broker window and tenant limits: their settings, and the wake-up a consumer
+//! sends when it frees room. Invariant: a kind's window is never below 1 message; `auto` is one
+//! claim batch waiting per live consumer (consumers of the kind's queue × `KFS_BATCH_MAX`, at
+//! least one consumer's worth): enough that a consumer whose slot frees finds a message at once
+//! while the relay refills, and no more, since every message waiting in the queue is one that a
+//! takeover, a retry or another tenant's job waits behind; a tenant limit is at least 1; a bad
+//! setting is one error naming the variable and the item.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+
+use tokio::sync::watch;
+
+use crate::jobs::Kind;
+
+/// How many messages of one kind may be published and not yet claimed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Size {
+    /// Consumers of the kind's queue × this many messages each (at least one consumer's worth).
+    Auto {
+        per_consumer: u16,
+    },
+    Fixed(u32),
+    /// No window: every due row is published (the relay alone, as in its benchmark).
+    Unbounded,
+}
+
+impl Size {
+    /// The window, given how many consumers the kind's queue has now.
+    pub fn messages(self, consumers: u32) -> i64 {
+        match self {
+            Size::Auto { per_consumer } => {
+                i64::from(consumers.max(1)) * i64::from(per_consumer.max(1))
+            }
+            Size::Fixed(n) => i64::from(n.max(1)),
+            Size::Unbounded => i64::MAX / 4,
+        }
+    }
+}
+
+/// Each kind's window: `default`, unless the kind has its own.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Windows {
+    pub default: Size,
+    pub per_kind: BTreeMap<Kind, Size>,
+}
+
+impl Windows {
+    pub fn unbounded() -> Self {
+        Self {
+            default: Size::Unbounded,
+            per_kind: BTreeMap::new(),
+        }
+    }
+
+    pub fn of(&self, kind: Kind) -> Size {
+        self.per_kind.get(&kind).copied().unwrap_or(self.default)
+    }
+
+    /// Parses `KFS_RELAY_WINDOW`: comma-separated items, each `auto`, a number of messages (the
+    /// default of every kind) or `KIND=auto|N`; `auto` is `per_consumer` messages per consumer.
+    /// Pure.
+    pub fn parse(text: &str, per_consumer: u16) -> Result<Self, String> {
+        let mut out = Self {
+            default: Size::Auto { per_consumer },
+            per_kind: BTreeMap::new(),
+        };
+        let size = |v: &str| -> Result<Size, String> {
+            match v.trim() {
+                "auto" => Ok(Size::Auto { per_consumer }),
+                n => match n.parse::<u32>() {
+                    Ok(0) => Err("a window must be at least 1 message".into()),
+                    Ok(n) => Ok(Size::Fixed(n)),
+                    Err(_) => Err(format!(
+                        "\"{n}\" is not a number of messages or \"auto\"; expected e.g. auto, 64 or compile=64,deletion=8"
+                    )),
+                },
+            }
+        };
+        for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+            match item.split_once('=') {
+                None => out.default = size(item)?,
+                Some((k, v)) => {
+                    let kind = one_kind(k)?;
+                    if out.per_kind.insert(kind, size(v)?).is_some() {
+                        return Err(format!("{kind} is given twice"));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Parses `KFS_TENANT_LIMITS`: comma-separated `KIND=N`, the most jobs of that kind one tenant
+/// may have published and not claimed, or running. Pure.
+pub fn parse_limits(text: &str) -> Result<BTreeMap<Kind, u32>, String> {
+    let mut out = BTreeMap::new();
+    for item in text.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let (k, v) = item.split_once('=').ok_or_else(|| {
+            format!("\"{item}\" is not KIND=N; expected e.g. compile=8,deletion=2")
+        })?;
+        let kind = one_kind(k)?;
+        let n = match v.trim().parse::<u32>() {
+            Ok(0) => return Err(format!("the limit of {kind} must be at least 1")),
+            Ok(n) => n,
+            Err(_) => return Err(format!("\"{}\" is not a number of jobs", v.trim())),
+        };
+        if out.insert(kind, n).is_some() {
+            return Err(format!("{kind} is given twice"));
+        }
+    }
+    Ok(out)
+}
+
+fn one_kind(text: &str) -> Result<Kind, String> {
+    let kinds = Kind::parse_list(text.trim())?;
+    match kinds.as_slice() {
+        [k] => Ok(*k),
+        _ => Err(format!("\"{}\" is not one kind", text.trim())),
+    }
+}
+
+/// Counts consumer-side events that may free room in a window or under a tenant limit: a claim
+/// (a message left the window) or a decided delivery (a job ended or went back). Relays in this
+/// process wait on it instead of polling; relays elsewhere poll every `window_poll`.
+static FREED: LazyLock<watch::Sender<u64>> = LazyLock::new(|| watch::channel(0).0);
+
+/// Room may have been freed: wakes every relay of this process that waits for room.
+pub fn freed() {
+    FREED.send_modify(|n| *n = n.wrapping_add(1));
+}
+
+/// A receiver of [`freed`] events.
+pub fn subscribe() -> watch::Receiver<u64> {
+    FREED.subscribe()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_settings_table() {
+        let compile = Kind::new("compile");
+        let deletion = Kind::new("deletion");
+        // (setting, default, compile's, deletion's) or the error's words
+        let ok: &[(&str, Size, Size, Size)] = &[
+            (
+                "",
+                Size::Auto { per_consumer: 16 },
+                Size::Auto { per_consumer: 16 },
+                Size::Auto { per_consumer: 16 },
+            ),
+            ("64", Size::Fixed(64), Size::Fixed(64), Size::Fixed(64)),
+            (
+                "compile=8",
+                Size::Auto { per_consumer: 16 },
+                Size::Fixed(8),
+                Size::Auto { per_consumer: 16 },
+            ),
+            (
+                "32, deletion = auto",
+                Size::Fixed(32),
+                Size::Fixed(32),
+                Size::Auto { per_consumer: 16 },
+            ),
+        ];
+        for (text, default, c, d) in ok {
+            let w = Windows::parse(text, 16).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(w.default, *default, "{text}");
+            assert_eq!(w.of(compile), *c, "{text}");
+            assert_eq!(w.of(deletion), *d, "{text}");
+        }
+        let bad: &[(&str, &str)] = &[
+            ("0", "at least 1"),
+            ("many", "\"many\" is not a number"),
+            ("compile=0", "at least 1"),
+            ("nosuch=4", "nosuch"),
+            ("compile=4,compile=5", "given twice"),
+        ];
+        for (text, words) in bad {
+            let e = Windows::parse(text, 16).expect_err(text);
+            assert!(e.contains(words), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn auto_is_a_batch_per_consumer_and_never_empty() {
+        let auto = Size::Auto { per_consumer: 16 };
+        // (consumers of the queue, window)
+        for (consumers, window) in [(0, 16), (1, 16), (3, 48)] {
+            assert_eq!(auto.messages(consumers), window, "{consumers} consumers");
+        }
+        assert_eq!(Size::Fixed(5).messages(9), 5);
+    }
+
+    #[test]
+    fn tenant_limit_settings_table() {
+        let limits = parse_limits("compile=8, deletion=2").unwrap();
+        assert_eq!(limits.get(&Kind::new("compile")), Some(&8));
+        assert_eq!(limits.get(&Kind::new("deletion")), Some(&2));
+        assert!(parse_limits("").unwrap().is_empty());
+        let bad: &[(&str, &str)] = &[
+            ("compile", "not KIND=N"),
+            ("compile=0", "at least 1"),
+            ("compile=x", "\"x\" is not a number"),
+            ("compile=1,compile=2", "given twice"),
+            ("nosuch=3", "nosuch"),
+        ];
+        for (text, words) in bad {
+            let e = parse_limits(text).expect_err(text);
+            assert!(e.contains(words), "{text}: {e}");
+        }
+    }
+}

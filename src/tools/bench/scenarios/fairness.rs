@@ -1,0 +1,211 @@
+//! Scenario `fairness`: one tenant commits a backlog of document compiles, then a second tenant
+//! commits five; how long the second tenant's five take from their commit to done, next to how
+//! long the backlog takes. Run twice in the same run: with the relay's default window (`auto`)
+//! and with no window (every due row published at once, as a relay that hands its backlog to the
+//! broker's FIFO queue does). Invariant: each variant has its own two fresh spaces; times come
+//! from Postgres' clock (the commit and the attempts' `completed_at`); a job counts as done only
+//! when its row says it succeeded.
+
+use std::time::Duration;
+
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use super::{run_options, wait_for, with_runtime, Params};
+use crate::config;
+use crate::jobs::{compile, Kind};
+use crate::relay::window::{Size, Windows};
+use crate::store::Store;
+use crate::tools::bench::env::BenchEnv;
+use crate::tools::bench::report::{Progress, Report, Run};
+use crate::tools::platform;
+
+const SUBJECT: &str = "bench-user";
+/// The second tenant's jobs.
+const SECOND: usize = 5;
+
+/// Requests the compilation of `docs` in one transaction; returns the attempts and Postgres'
+/// clock right after the commit.
+async fn commit_compiles(
+    pool: &PgPool,
+    docs: &[Uuid],
+) -> Result<(Vec<Uuid>, chrono::DateTime<chrono::Utc>), String> {
+    let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
+    let mut ids = Vec::with_capacity(docs.len());
+    for &doc in docs {
+        ids.push(
+            compile::request::request(&mut tx, doc, compile::request::RequestOptions::default())
+                .await
+                .map_err(|e| format!("compile request: {e}"))?,
+        );
+    }
+    tx.commit().await.map_err(|e| e.to_string())?;
+    let now: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+        .fetch_one(pool)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok((ids, now))
+}
+
+/// `(succeeded, finished, seconds from `since` to the last completion)` of `ids`.
+async fn finished(
+    pool: &PgPool,
+    ids: &[Uuid],
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<(u64, u64, f64), String> {
+    let (ok, fin, secs): (i64, i64, Option<f64>) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
+           count(*) FILTER (WHERE run_state IN ('succeeded', 'failed', 'canceled', 'superseded')), \
+           extract(epoch FROM max(completed_at) - $2)::float8 \
+         FROM document_compilation_attempts WHERE id = ANY($1)",
+    )
+    .bind(ids)
+    .bind(since)
+    .fetch_one(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok((ok as u64, fin as u64, secs.unwrap_or(0.0).max(0.0)))
+}
+
+/// One variant: the backlog, then the second tenant's five, with `windows`.
+async fn variant(
+    env: &BenchEnv,
+    p: &Params,
+    store: &Store,
+    store_url: &str,
+    name: &str,
+    windows: Windows,
+) -> Result<(Run, Run, i64), String> {
+    let backlog = p.fair_backlog as usize;
+    let (bulk, second) = {
+        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
+        let bulk = platform::create_notes_space(
+            &mut tx,
+            store,
+            &format!("bench-bulk-{name}"),
+            SUBJECT,
+            &format!("bulk-{name}"),
+            backlog,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let second = platform::create_notes_space(
+            &mut tx,
+            store,
+            &format!("bench-second-{name}"),
+            SUBJECT,
+            &format!("second-{name}"),
+            SECOND,
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        (bulk.documents, second.documents)
+    };
+    let mut opts = run_options(env, vec![Kind::Compile], p, store_url)?;
+    opts.relay_cfg.windows = windows;
+    let window = opts.relay_cfg.windows.of(Kind::Compile).messages(1);
+    let queue = env.topology.queue(Kind::Compile);
+    let (small, big) = with_runtime(opts, async {
+        env.wait_consumers(&queue, 1, Duration::from_secs(60))
+            .await?;
+        let (big_ids, big_at) = commit_compiles(&env.pool, &bulk).await?;
+        let (small_ids, small_at) = commit_compiles(&env.pool, &second).await?;
+        let progress = Progress::new(
+            format!("fairness: second tenant ({name})"),
+            SECOND as u64,
+            p.interactive,
+        );
+        let n = wait_for(
+            SECOND as u64,
+            &progress,
+            Duration::from_millis(20),
+            || async { finished(&env.pool, &small_ids, small_at).await.map(|f| f.1) },
+        )
+        .await?;
+        progress.finish(n);
+        let (ok, _, secs) = finished(&env.pool, &small_ids, small_at).await?;
+        let small = Run::new(
+            format!("second tenant's {SECOND}, commit to done ({name})"),
+            SECOND as u64,
+            ok,
+            secs,
+            "jobs/s",
+        );
+        let progress = Progress::new(
+            format!("fairness: backlog ({name})"),
+            backlog as u64,
+            p.interactive,
+        );
+        let n = wait_for(
+            backlog as u64,
+            &progress,
+            Duration::from_millis(100),
+            || async { finished(&env.pool, &big_ids, big_at).await.map(|f| f.1) },
+        )
+        .await?;
+        progress.finish(n);
+        let (ok, _, secs) = finished(&env.pool, &big_ids, big_at).await?;
+        let big = Run::new(
+            format!("first tenant's backlog of {backlog} ({name})"),
+            backlog as u64,
+            ok,
+            secs,
+            "jobs/s",
+        );
+        Ok((small, big))
+    })
+    .await?;
+    Ok((small, big, window))
+}
+
+/// The second tenant's jobs behind a first tenant's backlog, with the window and without.
+pub async fn fairness(env: &BenchEnv, p: &Params) -> Result<Report, String> {
+    let dir = std::env::temp_dir().join(format!("kfs-bench-{}", env.tag));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("object store directory: {e}"))?;
+    let store_url = format!("file://{}", dir.display());
+    let store = Store::open(&config::object_store(&store_url).map_err(|e| e.to_string())?)
+        .map_err(|e| e.to_string())?;
+    let auto = Windows {
+        default: Size::Auto {
+            per_consumer: p.batch_max,
+        },
+        per_kind: Default::default(),
+    };
+    let with = variant(env, p, &store, &store_url, "window", auto).await;
+    let without = match &with {
+        Ok(_) => {
+            variant(
+                env,
+                p,
+                &store,
+                &store_url,
+                "no window",
+                Windows::unbounded(),
+            )
+            .await
+        }
+        Err(e) => Err(e.clone()),
+    };
+    let _ = std::fs::remove_dir_all(&dir);
+    let (small, big, window) = with?;
+    let (small_fifo, big_fifo, _) = without?;
+    let settings = json!({
+        "backlog": p.fair_backlog,
+        "second": SECOND,
+        "inflight": p.inflight,
+        "window": window,
+        "second_secs": small.secs,
+        "second_secs_without_window": small_fifo.secs,
+        "backlog_secs": big.secs,
+        "backlog_secs_without_window": big_fifo.secs,
+        "target_second_secs": 5,
+    });
+    Ok(Report::of_runs(
+        "fairness",
+        "jobs/s",
+        vec![small, big, small_fifo, big_fifo],
+        settings,
+    ))
+}

@@ -1,0 +1,436 @@
+//! The order in which the relay publishes: a bounded window, round-robin between tenants,
+//! urgent rows first, per-tenant limits, and the indexes that keep the fair claim's cost flat.
+//! These tests assert the order itself, never times. Compile jobs of two tenants on the
+//! platform's own tables; a consumer's claim is played by moving a row to `leased`, as the
+//! consumer's claim does, so each step frees exactly the room the test means.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use kfs_worker::jobs::compile::{self, RequestOptions};
+use kfs_worker::jobs::Kind;
+use kfs_worker::relay::window::{Size, Windows};
+use kfs_worker::relay::{Relay, RelayConfig, Round};
+use kfs_worker::tools::platform;
+use lapin::options::{BasicGetOptions, QueuePurgeOptions};
+use sqlx::PgPool;
+use uuid::Uuid;
+
+use crate::support::space::{SpaceFx, OWNER};
+
+const HANG: Duration = Duration::from_secs(60);
+
+/// Two tenants' spaces in one database: `tenant-a` (the fixture's) and `tenant-b`.
+struct TwoTenants {
+    fx: SpaceFx,
+    b_space: Uuid,
+}
+
+impl TwoTenants {
+    async fn new() -> TwoTenants {
+        let fx = SpaceFx::new("tenant-a", "fair-a", "Fair A").await;
+        let mut conn = fx.pool().acquire().await.unwrap();
+        let b_space = platform::create_space(&mut conn, "tenant-b", "fair-b", "Fair B", OWNER)
+            .await
+            .unwrap();
+        drop(conn);
+        TwoTenants { fx, b_space }
+    }
+
+    fn pool(&self) -> &PgPool {
+        self.fx.pool()
+    }
+
+    /// Uploads `n` documents to `tenant`'s space and commits their compile requests in one
+    /// transaction, as a bulk upload does; returns the attempts in the order the relay takes a
+    /// tenant's jobs: by `created_at`, then id (one transaction's rows share `created_at`).
+    async fn commit_compiles(&self, tenant: &str, n: usize) -> Vec<Uuid> {
+        let space = if tenant == "tenant-a" {
+            self.fx.space
+        } else {
+            self.b_space
+        };
+        let mut docs = Vec::new();
+        let mut conn = self.pool().acquire().await.unwrap();
+        for i in 0..n {
+            let body = format!("# {tenant} note {i}\n\nA line about leases and fencing {i}.\n");
+            docs.push(
+                platform::add_document(
+                    &mut conn,
+                    &self.fx.store,
+                    space,
+                    None,
+                    &format!("{tenant}-{i}.md"),
+                    "text/markdown",
+                    Bytes::from(body),
+                )
+                .await
+                .unwrap(),
+            );
+        }
+        drop(conn);
+        let mut tx = self.pool().begin().await.unwrap();
+        let mut attempts = Vec::new();
+        for doc in docs {
+            attempts.push(
+                compile::request(&mut tx, doc, RequestOptions::default())
+                    .await
+                    .unwrap(),
+            );
+        }
+        tx.commit().await.unwrap();
+        sqlx::query_scalar(
+            "SELECT id FROM document_compilation_attempts WHERE id = ANY($1) ORDER BY created_at, id",
+        )
+        .bind(&attempts)
+        .fetch_all(self.pool())
+        .await
+        .unwrap()
+    }
+
+    fn relay(&self, window: u32, limits: &[(Kind, u32)]) -> Relay {
+        let cfg = RelayConfig {
+            windows: Windows {
+                default: Size::Fixed(window),
+                per_kind: BTreeMap::new(),
+            },
+            tenant_limits: limits.iter().copied().collect(),
+            ..RelayConfig::default()
+        };
+        Relay::new(
+            self.pool().clone(),
+            self.fx.env.topology.clone(),
+            "relay-fair",
+            cfg,
+            &[Kind::Compile],
+        )
+    }
+
+    /// Plays a consumer's claim of the oldest published row: it leaves the window.
+    async fn claim_oldest(&self) {
+        let n = sqlx::query(
+            "UPDATE document_compilation_outbox SET status = 'leased', delivered_at = now(), \
+               available_at = now() + interval '1 hour' \
+             WHERE id = (SELECT id FROM document_compilation_outbox WHERE status = 'dispatched' \
+                         ORDER BY updated_at, id LIMIT 1)",
+        )
+        .execute(self.pool())
+        .await
+        .unwrap()
+        .rows_affected();
+        assert_eq!(n, 1, "no published row to claim");
+    }
+
+    /// Rows of `tenant` published and not claimed, or running.
+    async fn in_flight(&self, tenant: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM document_compilation_outbox o \
+             JOIN document_compilation_attempts a ON a.id = o.attempt_id \
+             WHERE a.tenant_id = $1 AND o.status IN ('dispatching', 'dispatched', 'leased')",
+        )
+        .bind(tenant)
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
+    }
+
+    /// The tenants of rows published since `since`, in the order the relay published them.
+    async fn published_since(&self, since: &[Uuid]) -> Vec<(Uuid, String)> {
+        sqlx::query_as(
+            "SELECT a.id, a.tenant_id::text FROM document_compilation_outbox o \
+             JOIN document_compilation_attempts a ON a.id = o.attempt_id \
+             WHERE o.status <> 'pending' AND NOT (a.id = ANY($1)) ORDER BY o.updated_at, o.id",
+        )
+        .bind(since)
+        .fetch_all(self.pool())
+        .await
+        .unwrap()
+    }
+
+    async fn cleanup(self) {
+        self.fx.cleanup().await;
+    }
+}
+
+async fn round(relay: &Relay, channel: &lapin::Channel) -> Round {
+    tokio::time::timeout(HANG, relay.relay_once(channel, Kind::Compile))
+        .await
+        .expect("relay_once hung")
+        .expect("relay_once failed")
+}
+
+/// Every attempt the relay has let out of Postgres so far.
+async fn out_of_postgres(pool: &PgPool) -> Vec<Uuid> {
+    sqlx::query_scalar(
+        "SELECT attempt_id FROM document_compilation_outbox WHERE status <> 'pending'",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Tenant A's bulk upload fills the window; tenant B commits three compiles after it. From then
+/// on each freed slot goes to the tenant after the one served last: B's three are published
+/// in the next three turns, alternating with A, not after A's backlog.
+#[tokio::test]
+async fn a_second_tenants_jobs_are_published_within_one_round_robin_turn() {
+    let t = TwoTenants::new().await;
+    let a = t.commit_compiles("tenant-a", 12).await;
+    let relay = t.relay(2, &[]);
+    let ch = t.fx.env.confirm_channel().await;
+    let first = round(&relay, &ch).await;
+    assert_eq!(first.claimed, 2, "the window holds two messages: {first:?}");
+    assert!(
+        first.look_again,
+        "a full window asks to look again once room is freed"
+    );
+    assert_eq!(t.in_flight("tenant-a").await, 2);
+    let b = t.commit_compiles("tenant-b", 3).await;
+    assert_eq!(
+        round(&relay, &ch).await.claimed,
+        0,
+        "nothing is published while the window is full"
+    );
+
+    let before = out_of_postgres(t.pool()).await;
+    for _ in 0..8 {
+        t.claim_oldest().await;
+        let r = round(&relay, &ch).await;
+        assert_eq!(r.claimed, 1, "one slot freed, one row published: {r:?}");
+    }
+    let order: Vec<String> = t
+        .published_since(&before)
+        .await
+        .into_iter()
+        .map(|(_, tenant)| tenant)
+        .collect();
+    assert_eq!(
+        order,
+        [
+            "tenant-b", "tenant-a", "tenant-b", "tenant-a", "tenant-b", "tenant-a", "tenant-a",
+            "tenant-a"
+        ],
+        "freed slots go round-robin between the tenants with waiting work"
+    );
+    // Within each tenant, in commit order.
+    let published = t.published_since(&before).await;
+    let b_order: Vec<Uuid> = published
+        .iter()
+        .filter(|(_, tn)| tn == "tenant-b")
+        .map(|(id, _)| *id)
+        .collect();
+    assert_eq!(b_order, b, "a tenant's own jobs go oldest first");
+    let a_order: Vec<Uuid> = published
+        .iter()
+        .filter(|(_, tn)| tn == "tenant-a")
+        .map(|(id, _)| *id)
+        .collect();
+    assert_eq!(a_order, a[2..7].to_vec());
+    t.cleanup().await;
+}
+
+/// Rows due again (a job whose lease ran out, a retry that came due) go ahead of new work of
+/// the same kind, even with the backlog of new work older than them.
+#[tokio::test]
+async fn taken_over_and_retried_rows_are_published_before_new_rows() {
+    let t = TwoTenants::new().await;
+    let a = t.commit_compiles("tenant-a", 6).await;
+    let relay = t.relay(3, &[]);
+    let ch = t.fx.env.confirm_channel().await;
+    assert_eq!(round(&relay, &ch).await.claimed, 3);
+    let queue = t.fx.env.topology.queue(Kind::Compile);
+    ch.queue_purge(queue.as_str().into(), QueuePurgeOptions::default())
+        .await
+        .unwrap();
+    // a[0]: its holder died and its lease ran out; a[1]: its retry came due; a[2]: running.
+    for (attempt, set) in [
+        (
+            a[0],
+            "status = 'leased', delivered_at = now() - interval '20 seconds', \
+             available_at = now() - interval '1 second'",
+        ),
+        (
+            a[1],
+            "status = 'pending', delivered_at = now() - interval '20 seconds', \
+             dispatch_attempts = 0, available_at = now() - interval '1 second'",
+        ),
+        (
+            a[2],
+            "status = 'leased', delivered_at = now(), available_at = now() + interval '1 hour'",
+        ),
+    ] {
+        sqlx::query(&format!(
+            "UPDATE document_compilation_outbox SET {set} WHERE attempt_id = $1"
+        ))
+        .bind(attempt)
+        .execute(t.pool())
+        .await
+        .unwrap();
+    }
+
+    let r = round(&relay, &ch).await;
+    assert_eq!(r.claimed, 3, "{r:?}");
+    let mut order = Vec::new();
+    while let Some(m) = ch
+        .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+        .await
+        .unwrap()
+    {
+        let body: serde_json::Value = serde_json::from_slice(&m.delivery.data).unwrap();
+        order.push(body["attemptId"].as_str().unwrap().parse::<Uuid>().unwrap());
+    }
+    assert_eq!(
+        order,
+        [a[0], a[1], a[3]],
+        "the taken-over row, then the retry, then the oldest new row"
+    );
+    t.cleanup().await;
+}
+
+/// With `compile=2`, a tenant never has more than two compiles published or running: its
+/// third waits in Postgres, other tenants go on, and it is published once one of its jobs ends.
+#[tokio::test]
+async fn a_tenant_at_its_limit_gets_nothing_more_until_one_of_its_jobs_ends() {
+    let t = TwoTenants::new().await;
+    let a = t.commit_compiles("tenant-a", 5).await;
+    let _b = t.commit_compiles("tenant-b", 1).await;
+    let relay = t.relay(10, &[(Kind::Compile, 2)]);
+    let ch = t.fx.env.confirm_channel().await;
+    let r = round(&relay, &ch).await;
+    assert_eq!(
+        (t.in_flight("tenant-a").await, t.in_flight("tenant-b").await),
+        (2, 1),
+        "{r:?}"
+    );
+    assert!(
+        r.look_again,
+        "a held tenant asks to look again when room is freed"
+    );
+
+    // Claimed by consumers: still running, so still counted.
+    t.claim_oldest().await;
+    t.claim_oldest().await;
+    assert_eq!(
+        round(&relay, &ch).await.claimed,
+        0,
+        "tenant-a is at its limit"
+    );
+    assert_eq!(t.in_flight("tenant-a").await, 2);
+
+    // One of tenant-a's jobs ends.
+    sqlx::query(
+        "UPDATE document_compilation_outbox SET status = 'completed' \
+         WHERE attempt_id = ANY($1) AND status = 'leased' \
+           AND id = (SELECT id FROM document_compilation_outbox WHERE attempt_id = ANY($1) \
+                     AND status = 'leased' ORDER BY id LIMIT 1)",
+    )
+    .bind(&a)
+    .execute(t.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        round(&relay, &ch).await.claimed,
+        1,
+        "one ended, one more admitted"
+    );
+    assert_eq!(t.in_flight("tenant-a").await, 2);
+    t.cleanup().await;
+}
+
+/// `migrate` builds the relay's indexes outside any transaction (concurrently), leaves valid
+/// ones alone, and rebuilds one an interrupted build left invalid.
+#[tokio::test]
+async fn migrate_builds_the_fair_claims_indexes_and_rebuilds_an_invalid_one() {
+    let env = crate::support::TestEnv::new().await;
+    let valid: Vec<(String, bool)> = sqlx::query_as(
+        "SELECT c.relname::text, i.indisvalid FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE c.relname = ANY($1) ORDER BY 1",
+    )
+    .bind(
+        kfs_worker::db::indexes::OWN_INDEXES
+            .iter()
+            .map(|i| i.name)
+            .collect::<Vec<_>>(),
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        valid.len(),
+        kfs_worker::db::indexes::OWN_INDEXES.len(),
+        "{valid:?}"
+    );
+    assert!(valid.iter().all(|(_, v)| *v), "{valid:?}");
+
+    let again = kfs_worker::db::migrate(&env.pool).await.unwrap();
+    assert!(
+        again.indexes.created.is_empty() && again.indexes.rebuilt.is_empty(),
+        "{again:?}"
+    );
+
+    // What a build killed halfway leaves: the index exists and is not valid.
+    sqlx::query(
+        "UPDATE pg_index SET indisvalid = false \
+         WHERE indexrelid = 'kfs_document_compilation_attempts_fair_idx'::regclass",
+    )
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let repaired = kfs_worker::db::migrate(&env.pool).await.unwrap();
+    assert_eq!(
+        repaired.indexes.rebuilt,
+        ["kfs_document_compilation_attempts_fair_idx"]
+    );
+    let ok: bool = sqlx::query_scalar(
+        "SELECT indisvalid FROM pg_index WHERE indexrelid = 'kfs_document_compilation_attempts_fair_idx'::regclass",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert!(ok);
+    env.cleanup().await;
+}
+
+/// The KEDA ScaledObject scales on the backlog in Postgres: each of its queries runs on the
+/// platform's tables and counts what `status` (and `kfs_backlog` on /metrics) reports for the
+/// kind, with the tenants named.
+#[tokio::test]
+async fn the_keda_queries_count_the_backlog_that_status_reports_by_tenant() {
+    let t = TwoTenants::new().await;
+    t.commit_compiles("tenant-a", 3).await;
+    t.commit_compiles("tenant-b", 1).await;
+    let yaml = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("ops/deploy/kubernetes/keda.yaml"),
+    )
+    .unwrap();
+    let queries: Vec<&str> = yaml
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("query: "))
+        .map(|q| q.trim_matches('"'))
+        .collect();
+    assert_eq!(queries.len(), 3, "one trigger per platform kind: {yaml}");
+    let status = kfs_worker::status::read(t.pool(), &Kind::platform())
+        .await
+        .unwrap();
+    for q in queries {
+        let n: i64 = sqlx::query_scalar(q).fetch_one(t.pool()).await.unwrap();
+        let kind = if q.contains("document_compilation_outbox") {
+            "compile"
+        } else if q.contains("deletion_outbox") {
+            "deletion"
+        } else {
+            "research"
+        };
+        let ks = status.kinds.iter().find(|k| k.kind == kind).unwrap();
+        assert_eq!(n, ks.backlog, "{kind}: {q}");
+    }
+    let compile = status.kinds.iter().find(|k| k.kind == "compile").unwrap();
+    assert_eq!(compile.backlog, 4);
+    assert_eq!(compile.backlog_tenants, 2);
+    assert_eq!(
+        compile.top_tenants,
+        [("tenant-a".to_owned(), 3), ("tenant-b".to_owned(), 1)]
+    );
+    t.cleanup().await;
+}
