@@ -122,6 +122,22 @@ impl Room {
     }
 }
 
+impl KindState {
+    /// Folds the rows taken since the last period into the rate, once a period (250 ms) has
+    /// passed, half old and half new; returns the rate.
+    fn fold_rate(&mut self) -> f64 {
+        let now = std::time::Instant::now();
+        let since = *self.since.get_or_insert(now);
+        let period = now.duration_since(since).as_secs_f64();
+        if period >= 0.25 {
+            self.rate = 0.5 * self.rate + 0.5 * (self.taken as f64 / period);
+            self.taken = 0;
+            self.since = Some(now);
+        }
+        self.rate
+    }
+}
+
 /// What one round did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Round {
@@ -138,6 +154,12 @@ pub struct Round {
 struct KindState {
     /// Consumers of the kind's queue at the last look (for an `auto` window).
     consumers: u32,
+    /// Messages per second taken into the window (what the consumers take out of it while it
+    /// is full), averaged over the last periods (for an `auto` window).
+    rate: f64,
+    /// Rows taken into the window since `since`.
+    taken: u64,
+    since: Option<std::time::Instant>,
     /// The tenant whose new work was published last: the round-robin goes on after it.
     cursor: String,
 }
@@ -195,8 +217,11 @@ impl Relay {
 
     /// The kind's window now, in messages.
     pub fn window(&self, kind: Kind) -> i64 {
-        let consumers = self.state().get(&kind).map_or(0, |s| s.consumers);
-        self.cfg.windows.of(kind).messages(consumers)
+        let (consumers, rate) = self
+            .state()
+            .get_mut(&kind)
+            .map_or((0, 0.0), |s| (s.consumers, s.fold_rate()));
+        self.cfg.windows.of(kind).messages(consumers, rate)
     }
 
     /// Records how many consumers the kind's queue has, for an `auto` window.
@@ -505,6 +530,9 @@ impl Relay {
             if let Some(s) = self.state().get_mut(&kind) {
                 s.cursor = last;
             }
+        }
+        if let Some(s) = self.state().get_mut(&kind) {
+            s.taken += u64::try_from(room.used).unwrap_or(0);
         }
         Ok((rows, room))
     }

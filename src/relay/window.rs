@@ -13,6 +13,13 @@ use tokio::sync::watch;
 
 use crate::jobs::Kind;
 
+/// How much work an `auto` window keeps waiting in the queue, in time at the kind's current
+/// rate: a second tenant's first job waits behind about this much of a first tenant's backlog.
+pub const QUEUE_TIME: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The most an `auto` window grows to, in claim batches per consumer.
+pub const AUTO_CAP_BATCHES: i64 = 32;
+
 /// How many messages of one kind may be published and not yet claimed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Size {
@@ -26,11 +33,17 @@ pub enum Size {
 }
 
 impl Size {
-    /// The window, given how many consumers the kind's queue has now.
-    pub fn messages(self, consumers: u32) -> i64 {
+    /// The window, given how many consumers the kind's queue has now and how many messages
+    /// per second its consumers have been taking out of the window. `auto`: a claim batch per
+    /// consumer, and more while the consumers take more than that in [`QUEUE_TIME`] (up to
+    /// [`AUTO_CAP_BATCHES`] batches each), so a fast kind's consumers never wait for the relay
+    /// and a slow kind's queue never holds more than a batch per consumer. Pure.
+    pub fn messages(self, consumers: u32, rate: f64) -> i64 {
         match self {
             Size::Auto { per_consumer } => {
-                i64::from(consumers.max(1)) * i64::from(per_consumer.max(1))
+                let base = i64::from(consumers.max(1)) * i64::from(per_consumer.max(1));
+                let wanted = (rate.max(0.0) * QUEUE_TIME.as_secs_f64()).ceil() as i64;
+                wanted.clamp(base, base * AUTO_CAP_BATCHES)
             }
             Size::Fixed(n) => i64::from(n.max(1)),
             Size::Unbounded => i64::MAX / 4,
@@ -57,8 +70,8 @@ impl Windows {
         self.per_kind.get(&kind).copied().unwrap_or(self.default)
     }
 
-    /// Parses `KFS_RELAY_WINDOW`: comma-separated items, each `auto`, a number of messages (the
-    /// default of every kind) or `KIND=auto|N`; `auto` is `per_consumer` messages per consumer.
+    /// Parses `KFS_RELAY_WINDOW`: comma-separated items, each `auto`, `none` (no window), a
+    /// number of messages (the default of every kind) or `KIND=auto|none|N`; `auto` is `per_consumer` messages per consumer.
     /// Pure.
     pub fn parse(text: &str, per_consumer: u16) -> Result<Self, String> {
         let mut out = Self {
@@ -68,11 +81,12 @@ impl Windows {
         let size = |v: &str| -> Result<Size, String> {
             match v.trim() {
                 "auto" => Ok(Size::Auto { per_consumer }),
+                "none" => Ok(Size::Unbounded),
                 n => match n.parse::<u32>() {
                     Ok(0) => Err("a window must be at least 1 message".into()),
                     Ok(n) => Ok(Size::Fixed(n)),
                     Err(_) => Err(format!(
-                        "\"{n}\" is not a number of messages or \"auto\"; expected e.g. auto, 64 or compile=64,deletion=8"
+                        "\"{n}\" is not a number of messages, \"auto\" or \"none\"; expected e.g. auto, 64 or compile=64,deletion=8"
                     )),
                 },
             }
@@ -153,6 +167,7 @@ mod tests {
                 Size::Auto { per_consumer: 16 },
             ),
             ("64", Size::Fixed(64), Size::Fixed(64), Size::Fixed(64)),
+            ("none", Size::Unbounded, Size::Unbounded, Size::Unbounded),
             (
                 "compile=8",
                 Size::Auto { per_consumer: 16 },
@@ -186,13 +201,25 @@ mod tests {
     }
 
     #[test]
-    fn auto_is_a_batch_per_consumer_and_never_empty() {
+    fn auto_is_a_batch_per_consumer_growing_with_the_rate_up_to_its_cap() {
         let auto = Size::Auto { per_consumer: 16 };
-        // (consumers of the queue, window)
-        for (consumers, window) in [(0, 16), (1, 16), (3, 48)] {
-            assert_eq!(auto.messages(consumers), window, "{consumers} consumers");
+        // (consumers of the queue, messages/s taken, window)
+        for (consumers, rate, window) in [
+            (0, 0.0, 16),
+            (1, 0.0, 16),
+            (3, 0.0, 48),
+            (1, 8.0, 16),         // a slow kind: a batch per consumer
+            (1, 2_000.0, 200),    // 100 ms of a fast kind's work
+            (2, 100_000.0, 1024), // capped at 32 batches per consumer
+            (1, -5.0, 16),
+        ] {
+            assert_eq!(
+                auto.messages(consumers, rate),
+                window,
+                "{consumers} consumers at {rate}/s"
+            );
         }
-        assert_eq!(Size::Fixed(5).messages(9), 5);
+        assert_eq!(Size::Fixed(5).messages(9, 1e6), 5);
     }
 
     #[test]

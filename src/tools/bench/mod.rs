@@ -54,6 +54,10 @@ pub struct BenchArgs {
     /// Documents in the kinds scenario's space: each is compiled, researched once and deleted
     #[arg(long, default_value_t = 100)]
     pub kind_jobs: u32,
+    /// The relay's window in the scenarios that run the worker, as KFS_RELAY_WINDOW: auto (a
+    /// batch per consumer, what `kfs-worker run` does by default), none, or a number
+    #[arg(long, default_value = "auto")]
+    pub relay_window: String,
     /// The first tenant's backlog of compiles in the fairness scenario (the second commits 5),
     /// and of probe jobs in the takeover scenario
     #[arg(long, default_value_t = 1500)]
@@ -157,6 +161,11 @@ impl BenchArgs {
                 "must be between 1 and 5000",
             ));
         }
+        let windows = crate::relay::window::Windows::parse(
+            &self.relay_window,
+            self.batch_max.min(self.inflight),
+        )
+        .map_err(|e| ConfigError::new("--relay-window", e))?;
         if !(1..=100_000).contains(&self.fair_backlog) {
             return Err(ConfigError::new(
                 "--fair-backlog",
@@ -180,6 +189,8 @@ impl BenchArgs {
                 latency_rate: self.latency_rate,
                 kind_jobs: self.kind_jobs,
                 fair_backlog: self.fair_backlog,
+                windows,
+                window_setting: self.relay_window.clone(),
                 interactive: !self.json,
             },
         ))

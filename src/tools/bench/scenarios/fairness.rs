@@ -1,7 +1,7 @@
 //! Scenario `fairness`: one tenant commits a backlog of document compiles, then a second tenant
 //! commits five; how long the second tenant's five take from their commit to done, next to how
-//! long the backlog takes. Run twice in the same run: with the relay's default window (`auto`)
-//! and with no window (every due row published at once, as a relay that hands its backlog to the
+//! long the backlog takes. Run twice in the same run: with the relay's window (`--relay-window`,
+//! by default `auto`, as `kfs-worker run`) and with no window (every due row published at once, as a relay that hands its backlog to the
 //! broker's FIFO queue does). Invariant: each variant has its own two fresh spaces; times come
 //! from Postgres' clock (the commit and the attempts' `completed_at`); a job counts as done only
 //! when its row says it succeeded.
@@ -15,7 +15,7 @@ use uuid::Uuid;
 use super::{run_options, wait_for, with_runtime, Params};
 use crate::config;
 use crate::jobs::{compile, Kind};
-use crate::relay::window::{Size, Windows};
+use crate::relay::window::Windows;
 use crate::store::Store;
 use crate::tools::bench::env::BenchEnv;
 use crate::tools::bench::report::{Progress, Report, Run};
@@ -105,7 +105,7 @@ async fn variant(
     };
     let mut opts = run_options(env, vec![Kind::Compile], p, store_url)?;
     opts.relay_cfg.windows = windows;
-    let window = opts.relay_cfg.windows.of(Kind::Compile).messages(1);
+    let window = opts.relay_cfg.windows.of(Kind::Compile).messages(1, 0.0);
     let queue = env.topology.queue(Kind::Compile);
     let (small, big) = with_runtime(opts, async {
         env.wait_consumers(&queue, 1, Duration::from_secs(60))
@@ -167,13 +167,7 @@ pub async fn fairness(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let store_url = format!("file://{}", dir.display());
     let store = Store::open(&config::object_store(&store_url).map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
-    let auto = Windows {
-        default: Size::Auto {
-            per_consumer: p.batch_max,
-        },
-        per_kind: Default::default(),
-    };
-    let with = variant(env, p, &store, &store_url, "window", auto).await;
+    let with = variant(env, p, &store, &store_url, "window", p.windows.clone()).await;
     let without = match &with {
         Ok(_) => {
             variant(

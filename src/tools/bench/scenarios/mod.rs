@@ -57,6 +57,10 @@ pub struct Params {
     pub kind_jobs: u32,
     /// The first tenant's backlog in the fairness scenario.
     pub fair_backlog: u32,
+    /// The relay's window in the scenarios that run the worker (`--relay-window`), parsed and
+    /// as given (for child processes).
+    pub windows: crate::relay::window::Windows,
+    pub window_setting: String,
     pub interactive: bool,
 }
 
@@ -158,14 +162,8 @@ fn run_options(
         consumer: true,
         maintenance: false,
         leased: None,
-        // The window `kfs-worker run` has by default: a claim batch per consumer.
         relay_cfg: RelayConfig {
-            windows: crate::relay::window::Windows {
-                default: crate::relay::window::Size::Auto {
-                    per_consumer: p.batch_max,
-                },
-                per_kind: Default::default(),
-            },
+            windows: p.windows.clone(),
             ..RelayConfig::default()
         },
         consumer_cfg: ConsumerConfig {

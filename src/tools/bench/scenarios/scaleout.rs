@@ -31,15 +31,6 @@ pub(super) struct WorkerProcess {
 }
 
 impl WorkerProcess {
-    pub(super) fn spawn(
-        services: &Services,
-        id: &str,
-        inflight: u16,
-        batch_max: u16,
-    ) -> Result<WorkerProcess, String> {
-        Self::spawn_with(services, id, inflight, batch_max, &[])
-    }
-
     /// [`WorkerProcess::spawn`] with more environment variables.
     pub(super) fn spawn_with(
         services: &Services,
@@ -109,11 +100,12 @@ pub async fn scaleout(base: &Services, p: &Params) -> Result<Report, String> {
         let result = async {
             let mut workers = Vec::new();
             for i in 0..k {
-                workers.push(WorkerProcess::spawn(
+                workers.push(WorkerProcess::spawn_with(
                     &env.services,
                     &format!("kfs-bench-{}-w{i}", env.tag),
                     p.inflight,
                     p.batch_max,
+                    &[("KFS_RELAY_WINDOW", &p.window_setting)],
                 )?);
             }
             let queue = env.topology.queue(Kind::Probe);

@@ -46,7 +46,10 @@ fn spawn(env: &BenchEnv, id: &str, p: &Params) -> Result<WorkerProcess, String> 
         id,
         p.inflight,
         p.batch_max,
-        &[("KFS_LEASES", LEASE)],
+        &[
+            ("KFS_LEASES", LEASE),
+            ("KFS_RELAY_WINDOW", &p.window_setting),
+        ],
     )
 }
 
