@@ -434,3 +434,48 @@ async fn the_keda_queries_count_the_backlog_that_status_reports_by_tenant() {
     );
     t.cleanup().await;
 }
+
+/// A kind whose jobs have tenants lists its two indexes in `db::indexes` (the part of its
+/// migration built online): the `fair` one over exactly its spec's "never dispatched"
+/// predicate, which the claim's loose index scan needs, and the `urgent` one on its outbox.
+#[test]
+fn every_kind_with_tenants_has_its_fair_and_urgent_indexes() {
+    use kfs_worker::db::indexes::{OWN_INDEXES, URGENT_ROW};
+    let mut checked = 0;
+    for kind in Kind::all() {
+        let spec = kind.spec();
+        let Some(fairness) = &spec.fairness else {
+            continue;
+        };
+        let fair = OWN_INDEXES
+            .iter()
+            .find(|i| i.name == format!("kfs_{}_fair_idx", spec.job_table))
+            .unwrap_or_else(|| panic!("{kind}: no fair index"));
+        assert_eq!(fair.table, spec.job_table);
+        assert_eq!(
+            fair.definition,
+            format!(
+                "(tenant_id, created_at, id) WHERE {}",
+                fairness.fresh.replace("j.", "")
+            ),
+            "{kind}"
+        );
+        let urgent = OWN_INDEXES
+            .iter()
+            .find(|i| i.name == format!("kfs_{}_urgent_idx", spec.outbox_table))
+            .unwrap_or_else(|| panic!("{kind}: no urgent index"));
+        assert_eq!(urgent.table, spec.outbox_table);
+        assert!(
+            urgent
+                .definition
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+                == format!("(available_at, id) WHERE status = 'pending' AND {URGENT_ROW}"),
+            "{kind}: {}",
+            urgent.definition
+        );
+        checked += 1;
+    }
+    assert_eq!(checked, 3, "compile, deletion and research have tenants");
+}
