@@ -68,6 +68,26 @@ async fn finished(
     Ok((ok as u64, fin as u64, secs.unwrap_or(0.0).max(0.0)))
 }
 
+/// Waits until `ids` are finished (polling every `poll`) and reports them from `since`.
+async fn until_done(
+    env: &BenchEnv,
+    p: &Params,
+    ids: &[Uuid],
+    since: chrono::DateTime<chrono::Utc>,
+    poll: Duration,
+    label: String,
+) -> Result<Run, String> {
+    let n = ids.len() as u64;
+    let progress = Progress::new(format!("fairness: {label}"), n, p.interactive);
+    let got = wait_for(n, &progress, poll, || async {
+        finished(&env.pool, ids, since).await.map(|f| f.1)
+    })
+    .await?;
+    progress.finish(got);
+    let (ok, _, secs) = finished(&env.pool, ids, since).await?;
+    Ok(Run::new(label, n, ok, secs, "jobs/s"))
+}
+
 /// One variant: the backlog, then the second tenant's five, with `windows`.
 async fn variant(
     env: &BenchEnv,
@@ -112,48 +132,24 @@ async fn variant(
             .await?;
         let (big_ids, big_at) = commit_compiles(&env.pool, &bulk).await?;
         let (small_ids, small_at) = commit_compiles(&env.pool, &second).await?;
-        let progress = Progress::new(
-            format!("fairness: second tenant ({name})"),
-            SECOND as u64,
-            p.interactive,
-        );
-        let n = wait_for(
-            SECOND as u64,
-            &progress,
+        let small = until_done(
+            env,
+            p,
+            &small_ids,
+            small_at,
             Duration::from_millis(20),
-            || async { finished(&env.pool, &small_ids, small_at).await.map(|f| f.1) },
-        )
-        .await?;
-        progress.finish(n);
-        let (ok, _, secs) = finished(&env.pool, &small_ids, small_at).await?;
-        let small = Run::new(
             format!("second tenant's {SECOND}, commit to done ({name})"),
-            SECOND as u64,
-            ok,
-            secs,
-            "jobs/s",
-        );
-        let progress = Progress::new(
-            format!("fairness: backlog ({name})"),
-            backlog as u64,
-            p.interactive,
-        );
-        let n = wait_for(
-            backlog as u64,
-            &progress,
-            Duration::from_millis(100),
-            || async { finished(&env.pool, &big_ids, big_at).await.map(|f| f.1) },
         )
         .await?;
-        progress.finish(n);
-        let (ok, _, secs) = finished(&env.pool, &big_ids, big_at).await?;
-        let big = Run::new(
+        let big = until_done(
+            env,
+            p,
+            &big_ids,
+            big_at,
+            Duration::from_millis(100),
             format!("first tenant's backlog of {backlog} ({name})"),
-            backlog as u64,
-            ok,
-            secs,
-            "jobs/s",
-        );
+        )
+        .await?;
         Ok((small, big))
     })
     .await?;
