@@ -117,7 +117,7 @@ impl Engine {
         }
         if !jobs.is_empty() {
             // Messages left the relay's window.
-            crate::relay::window::freed();
+            crate::relay::window::claimed(kind, jobs.len() as u64);
         }
         if jobs.len() > 1 {
             crash::point("after-group-claim-commit");

@@ -62,7 +62,7 @@ pub struct Counters {
 }
 
 impl Counters {
-    fn claim(&self, c: &Claim) {
+    fn claim(&self, kind: Kind, c: &Claim) {
         let n = match c {
             Claim::Claimed(_) => &self.claimed,
             Claim::Stale(_) => &self.stale,
@@ -73,7 +73,7 @@ impl Counters {
         n.fetch_add(1, Ordering::Relaxed);
         if matches!(c, Claim::Claimed(_)) {
             // A message left the relay's window.
-            crate::relay::window::freed();
+            crate::relay::window::claimed(kind, 1);
         }
     }
 }
@@ -325,7 +325,7 @@ impl Engine {
                 }
             }
         };
-        self.counters.claim(&claim);
+        self.counters.claim(d.kind, &claim);
         crate::metrics::delivery(d.kind.name(), claim.outcome());
         let outcome = claim.outcome();
         let Claim::Claimed(job) = claim else {

@@ -265,6 +265,14 @@ impl Statements {
                     succeed: &succeed,
                     cont: &cont,
                     silent_for,
+                    brief: match spec.states {
+                        // `queued` too: after waiting for the relay's mark, the row is
+                        // checked again as the mark left it.
+                        States::RunState { .. } => {
+                            Some("j.run_state IN ('dispatch_pending', 'queued')")
+                        }
+                        States::Stage => None,
+                    },
                 },
             ),
             spec,

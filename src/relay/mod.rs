@@ -110,6 +110,8 @@ struct Room {
     free: i64,
     /// Rows the claim took into that room.
     used: i64,
+    /// Messages in the window before the claim (published or being published, not claimed).
+    in_window: i64,
     /// A tenant was at its limit.
     held: bool,
 }
@@ -162,6 +164,12 @@ struct KindState {
     since: Option<std::time::Instant>,
     /// The tenant whose new work was published last: the round-robin goes on after it.
     cursor: String,
+    /// Messages in the window after the last claim, the count of this process's consumers'
+    /// claims ([`window::left`]) read before it, and whether it held a tenant back: what
+    /// [`Relay::worth_a_look`] needs.
+    in_window: i64,
+    left_at_claim: u64,
+    held: bool,
 }
 
 /// The namespace of the advisory lock claims of one kind take turns on (the second key is the
@@ -222,6 +230,21 @@ impl Relay {
             .get_mut(&kind)
             .map_or((0, 0.0), |s| (s.consumers, s.fold_rate()));
         self.cfg.windows.of(kind).messages(consumers, rate)
+    }
+
+    /// Whether a relay waiting for room in `kind`'s window should claim again now
+    /// ([`window::worth_a_look`]).
+    pub fn worth_a_look(&self, kind: Kind) -> bool {
+        let window = self.window(kind);
+        let left = window::left(kind);
+        self.state().get(&kind).is_none_or(|s| {
+            window::worth_a_look(
+                s.in_window,
+                left.wrapping_sub(s.left_at_claim),
+                window,
+                s.held,
+            )
+        })
     }
 
     /// Records how many consumers the kind's queue has, for an `auto` window.
@@ -460,6 +483,9 @@ impl Relay {
         let limit = self.cfg.tenant_limits.get(&kind).copied();
         let fair = kind.spec().fairness.is_some();
         let limited = fair && limit.is_some();
+        // Read before the claim's snapshot: a consumer's claim in between is counted both as
+        // gone from the window and as left since, so the estimate errs towards looking early.
+        let left_at_claim = window::left(kind);
         let mut tx = self.index_planned().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
             .bind(CLAIM_LOCK_NAMESPACE)
@@ -476,6 +502,7 @@ impl Relay {
             Option<i32>,
             Option<i32>,
             Option<String>,
+            i64,
             i64,
             bool,
         );
@@ -500,8 +527,23 @@ impl Relay {
         tx.commit().await?;
         let mut room = Room::default();
         let mut rows = Vec::with_capacity(got.len());
-        for (id, job_id, payload, q, attempts, revision, schema, class, tenant, free, held) in got {
+        for (
+            id,
+            job_id,
+            payload,
+            q,
+            attempts,
+            revision,
+            schema,
+            class,
+            tenant,
+            free,
+            in_window,
+            held,
+        ) in got
+        {
             room.free = free;
+            room.in_window = in_window;
             room.held = held;
             let (Some(id), Some(job_id), Some(class)) = (id, job_id, class) else {
                 continue;
@@ -533,6 +575,9 @@ impl Relay {
         }
         if let Some(s) = self.state().get_mut(&kind) {
             s.taken += u64::try_from(room.used).unwrap_or(0);
+            s.in_window = room.in_window + room.used;
+            s.left_at_claim = left_at_claim;
+            s.held = room.held;
         }
         Ok((rows, room))
     }

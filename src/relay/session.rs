@@ -2,8 +2,9 @@
 //! the listener is only a wake-up (polling every `poll` wakes every kind whatever happens);
 //! after a failed round no new one starts, the rounds in flight settle what they claimed, and
 //! the session reconnects after a backoff that only a whole settled round resets. A kind whose
-//! window filled (or whose tenant reached its limit) is looked at again as soon as a consumer of
-//! this process frees room, and after `window_poll` at the latest.
+//! window filled (or whose tenant reached its limit) is looked at again as soon as consumers of
+//! this process have taken half its window (or any of its jobs ended, for a held tenant), and
+//! after `window_poll` at the latest.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -162,8 +163,17 @@ pub(crate) async fn relay_loop(
                         if changed.is_ok() {
                             freed.borrow_and_update();
                         }
-                        room_deadline = None;
-                        rounds.wake(std::mem::take(&mut waiting_room));
+                        // A kind refills when half its window has left, not at every claim.
+                        let ready: Vec<Kind> = waiting_room
+                            .iter()
+                            .copied()
+                            .filter(|&k| relay.worth_a_look(k))
+                            .collect();
+                        waiting_room.retain(|k| !ready.contains(k));
+                        if waiting_room.is_empty() {
+                            room_deadline = None;
+                        }
+                        rounds.wake(ready);
                     }
                     () = look_again(room_deadline), if !rounds.has_failed() => {
                         room_deadline = None;

@@ -254,7 +254,7 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
     };
     format!(
         "WITH RECURSIVE free AS ( \
-           SELECT greatest(least($1::bigint, $5::bigint - count(*)), 0) AS n \
+           SELECT greatest(least($1::bigint, $5::bigint - count(*)), 0) AS n, count(*) AS c \
            FROM {{outbox}} WHERE status IN ('dispatching', 'dispatched') \
          ), stuck AS ( \
            SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
@@ -292,7 +292,7 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
              {revision} AS revision, o.schema_version \
          ) \
          SELECT u.id, u.job_id, u.payload, u.queue_job_id, u.dispatch_attempts, u.revision, u.schema_version, \
-           c.class, c.t, f.n AS free, {held} AS held \
+           c.class, c.t, f.n AS free, f.c AS in_window, {held} AS held \
          FROM free f LEFT JOIN (upd u JOIN claimed c ON c.id = u.id) ON true \
          ORDER BY c.class, c.ord",
         republish = class::REPUBLISH,

@@ -6,7 +6,7 @@
 //! takeover, a retry or another tenant's job waits behind; a tenant limit is at least 1; a bad
 //! setting is one error naming the variable and the item.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::LazyLock;
 
 use tokio::sync::watch;
@@ -140,14 +140,50 @@ fn one_kind(text: &str) -> Result<Kind, String> {
 /// process wait on it instead of polling; relays elsewhere poll every `window_poll`.
 static FREED: LazyLock<watch::Sender<u64>> = LazyLock::new(|| watch::channel(0).0);
 
-/// Room may have been freed: wakes every relay of this process that waits for room.
+/// Per kind, the messages consumers of this process have claimed so far: what left the kind's
+/// window, for a relay to tell how much room its last claim left has grown.
+static LEFT: LazyLock<std::sync::Mutex<HashMap<Kind, u64>>> =
+    LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
+
+/// Jobs ended or went back: a tenant held at its limit may have room again. Wakes every relay
+/// of this process that waits for room.
 pub fn freed() {
     FREED.send_modify(|n| *n = n.wrapping_add(1));
 }
 
-/// A receiver of [`freed`] events.
+/// Consumers of this process claimed `n` messages of `kind`: they left its window.
+pub fn claimed(kind: Kind, n: u64) {
+    {
+        let mut left = LEFT
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let c = left.entry(kind).or_default();
+        *c = c.wrapping_add(n);
+    }
+    freed();
+}
+
+/// How many messages of `kind` consumers of this process have claimed so far.
+pub fn left(kind: Kind) -> u64 {
+    LEFT.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&kind)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// A receiver of [`freed`] and [`claimed`] events.
 pub fn subscribe() -> watch::Receiver<u64> {
     FREED.subscribe()
+}
+
+/// Whether a relay waiting for room in a window should claim again now: when a tenant was held
+/// (any ended job may let it in), or when what its last claim left in the window, less what
+/// consumers of this process claimed since, is down to half the window. Refilling at half
+/// rather than at every claim keeps a fast kind's claims a half window each instead of a
+/// consumer's batch each, and the half still waiting covers the refill. Pure.
+pub fn worth_a_look(in_window: i64, left_since: u64, window: i64, held: bool) -> bool {
+    held || in_window.saturating_sub(i64::try_from(left_since).unwrap_or(i64::MAX)) <= window / 2
 }
 
 #[cfg(test)]
@@ -220,6 +256,31 @@ mod tests {
             );
         }
         assert_eq!(Size::Fixed(5).messages(9, 1e6), 5);
+    }
+
+    #[test]
+    fn a_waiting_relay_claims_again_at_half_the_window_or_when_a_tenant_was_held() {
+        // (in the window after the last claim, claimed since, window, held, look)
+        for (in_window, left, window, held, look) in [
+            (200, 0, 200, false, false),  // just filled
+            (200, 16, 200, false, false), // a consumer's batch left: not yet
+            (200, 100, 200, false, true), // half left: refill half a window
+            (200, 150, 200, false, true), // more than half left
+            (200, 300, 200, false, true), // more left than counted (claims raced the count)
+            (16, 8, 16, false, true),     // a slow kind's window of one batch
+            (16, 7, 16, false, false),
+            (1, 0, 1, false, false), // a window of one message: not before it left
+            (1, 1, 1, false, true),
+            (200, 0, 200, true, true), // a tenant held: any ended job may let it in
+            (200, 0, 400, false, true), // the window grew to twice what it holds
+            (200, 0, 100, false, false), // the window shrank: wait for more to leave
+        ] {
+            assert_eq!(
+                worth_a_look(in_window, left, window, held),
+                look,
+                "{in_window} in a window of {window}, {left} left, held {held}"
+            );
+        }
     }
 
     #[test]

@@ -388,3 +388,120 @@ async fn a_group_end_takes_its_outbox_rows_in_id_order_so_it_cannot_deadlock_wit
     assert_eq!(ended, 2);
     env.cleanup().await;
 }
+
+/// Whether backend `pid` waits for a lock now.
+async fn waits_for_a_lock(pool: &PgPool, pid: i32) -> bool {
+    sqlx::query_scalar::<_, Option<String>>(
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
+    )
+    .bind(pid)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+    .as_deref()
+        == Some("Lock")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_that_arrive_while_the_relay_marks_their_rows_are_claimed_in_the_batch() {
+    let env = TestEnv::new().await;
+    let st = Statements::new(Kind::Probe.spec());
+    let refs = dispatched(&env, 4, &ProbeSpec::default()).await;
+    let jobs: Vec<Uuid> = refs.iter().map(|d| d.job_id).collect();
+    let outboxes: Vec<Uuid> = refs.iter().map(|d| d.outbox_id).collect();
+    // The relay's mark in progress: the outbox rows locked, the jobs moved to `queued`, not yet
+    // committed (a consumer is delivered a message as soon as it is published, before the
+    // broker's confirm reaches the relay).
+    let mut mark = env.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM kfs_probe_outbox WHERE id = ANY($1) ORDER BY id FOR UPDATE")
+        .bind(&outboxes)
+        .execute(&mut *mark)
+        .await
+        .unwrap();
+    sqlx::query(
+        "UPDATE kfs_probe_jobs SET run_state = 'queued', row_version = row_version + 1 \
+         WHERE id = ANY($1) AND run_state = 'dispatch_pending'",
+    )
+    .bind(&jobs)
+    .execute(&mut *mark)
+    .await
+    .unwrap();
+    let mut conn = env.pool.acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let claiming = tokio::spawn(async move {
+        let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
+        let jobs = lease::claim_many(&mut conn, &st, &pairs, "w", Duration::from_secs(60))
+            .await
+            .unwrap();
+        jobs.len()
+    });
+    // The claim waits for the mark instead of skipping its rows (and sending every delivery
+    // through the one-job claim).
+    let waited = env
+        .wait_until(HANG, || {
+            let pool = env.pool.clone();
+            async move { waits_for_a_lock(&pool, pid).await }
+        })
+        .await;
+    assert!(
+        waited,
+        "the batched claim did not wait for the relay's mark"
+    );
+    mark.commit().await.unwrap();
+    let claimed = tokio::time::timeout(HANG, claiming).await.unwrap().unwrap();
+    assert_eq!(claimed, 4, "every member is claimed by the batched claim");
+    let running: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM kfs_probe_jobs j JOIN kfs_probe_outbox o ON o.probe_job_id = j.id \
+         WHERE j.id = ANY($1) AND j.run_state = 'running' AND o.status = 'leased'",
+    )
+    .bind(&jobs)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(running, 4);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batched_claim_skips_a_job_row_a_step_may_hold_and_claims_the_others() {
+    let env = TestEnv::new().await;
+    let st = Statements::new(Kind::Probe.spec());
+    let refs = dispatched(&env, 3, &ProbeSpec::default()).await;
+    // The first job is running under a lease that ran out (claimable, as a takeover), and a
+    // transaction (a step, say, of any length) holds its row.
+    sqlx::query(
+        "UPDATE kfs_probe_jobs SET run_state = 'running', worker_id = 'gone', lease_token = gen_random_uuid(), \
+           lease_expires_at = now() - interval '1 minute', heartbeat_at = now() - interval '2 minutes' \
+         WHERE id = $1",
+    )
+    .bind(refs[0].job_id)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let mut step = env.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM kfs_probe_jobs WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(refs[0].job_id)
+        .execute(&mut *step)
+        .await
+        .unwrap();
+    let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
+    let mut conn = env.pool.acquire().await.unwrap();
+    // Returns while the step still holds the row: it is skipped, not waited for.
+    let claimed = tokio::time::timeout(
+        HANG,
+        lease::claim_many(&mut conn, &st, &pairs, "w", Duration::from_secs(60)),
+    )
+    .await
+    .expect("the batched claim waited for a row a step holds")
+    .unwrap();
+    let mut ids: Vec<Uuid> = claimed.iter().map(|j| j.job_id).collect();
+    ids.sort();
+    let mut others = vec![refs[1].job_id, refs[2].job_id];
+    others.sort();
+    assert_eq!(ids, others);
+    step.rollback().await.unwrap();
+    env.cleanup().await;
+}

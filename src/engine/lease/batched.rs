@@ -26,6 +26,9 @@ pub(super) struct Fragments<'a> {
     pub succeed: &'a str,
     pub cont: &'a str,
     pub silent_for: &'a str,
+    /// Job rows in this state are locked only by short transactions (the relay's mark moving
+    /// them to `queued`, a claim): the batched claim waits for them instead of skipping them.
+    pub brief: Option<&'a str>,
 }
 
 /// The rendered texts of the batched statements of one kind.
@@ -48,7 +51,28 @@ impl Batched {
             succeed,
             cont,
             silent_for,
+            brief,
         } = f;
+        // Job rows in a brief state are waited for (a delivery usually arrives while the relay
+        // still marks its row); the others (a step may hold them for long) are skipped. Both
+        // parts lock in id order, the waited ones first, so no cycle forms.
+        let prev = |filter: &str, skip: &str| {
+            format!(
+                "SELECT j.id, j.lease_token IS NOT NULL AS held, j.heartbeat_at FROM {{job}} j \
+                 WHERE j.id IN (SELECT job_id FROM req) AND {claimable} \
+                   AND j.execution_attempts < j.max_execution_attempts AND {filter} \
+                 ORDER BY j.id FOR UPDATE OF j{skip}"
+            )
+        };
+        let prev = match brief {
+            Some(b) => format!(
+                "prev_wait AS ({}), prev_skip AS ({}), \
+                 prev AS (SELECT * FROM prev_wait UNION ALL SELECT * FROM prev_skip)",
+                prev(b, ""),
+                prev(&format!("NOT ({b})"), " SKIP LOCKED")
+            ),
+            None => format!("prev AS ({})", prev("true", " SKIP LOCKED")),
+        };
         let end = |job_set: &str, outbox_set: &str| {
             spec.sql(&format!(
                 "WITH e AS ( \
@@ -70,23 +94,20 @@ impl Batched {
         };
         Batched {
             // As the one-job claim, for every delivery at once: the job rows locked in id order,
-            // then their outbox rows, both skipping rows another transaction holds (those
-            // deliveries are claimed one by one, where the diagnosis can wait for the lock).
+            // skipping rows a step may hold (those deliveries are claimed one by one, where the
+            // diagnosis can wait for the lock), then their outbox rows in id order, waited for:
+            // only short transactions hold an outbox row whose job row is free (the relay's
+            // mark, which itself skips what a claim holds).
             claim: spec.sql(&format!(
                 "WITH req AS ( \
                    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::uuid[]) \
                      AS r(job_id, outbox_id, delivery_id, token) \
-                 ), prev AS ( \
-                   SELECT j.id, j.lease_token IS NOT NULL AS held, j.heartbeat_at FROM {{job}} j \
-                   WHERE j.id IN (SELECT job_id FROM req) AND {claimable} \
-                     AND j.execution_attempts < j.max_execution_attempts \
-                   ORDER BY j.id FOR UPDATE OF j SKIP LOCKED \
-                 ), ob AS ( \
+                 ), {prev}, ob AS ( \
                    SELECT o.id, prev.id AS job_id, req.token FROM {{outbox}} o \
                    JOIN req ON req.outbox_id = o.id \
                    JOIN prev ON prev.id = req.job_id AND o.{{fk}} = prev.id \
                    WHERE o.queue_job_id = req.delivery_id AND o.status IN ('dispatching', 'dispatched', 'leased') \
-                   ORDER BY o.id FOR UPDATE OF o SKIP LOCKED \
+                   ORDER BY o.id FOR UPDATE OF o \
                  ), claimed AS ( \
                    UPDATE {{job}} AS j SET {running_set} \
                      worker_id = $5, lease_token = ob.token, lease_expires_at = {{now+$6}}, heartbeat_at = {{now}}, \
