@@ -69,12 +69,6 @@ struct PoolPlan {
     kinds: u32,
 }
 
-impl PoolPlan {
-    fn total(&self) -> u32 {
-        self.shared + self.per_kind * self.kinds
-    }
-}
-
 /// The connections of each kind's own pool in a consumer process of `kinds` kinds at
 /// `prefetch` (see [`plan`]); what the bench's engine scenarios mirror.
 pub fn kind_pool_size(prefetch: u16, kinds: usize) -> u32 {
@@ -114,6 +108,11 @@ fn plan(consumer: bool, prefetch: u16, kinds: usize, depth: usize) -> PoolPlan {
     }
 }
 
+/// A kind's own pool: what the process's division gives it, at most the kind's own bound.
+fn pool_of(per_kind: u32, max_connections: Option<u32>) -> u32 {
+    max_connections.map_or(per_kind, |m| per_kind.min(m.max(1)))
+}
+
 pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Result<()> {
     let s = &opts.services;
     let plan = plan(
@@ -145,7 +144,8 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
                 let named = options
                     .clone()
                     .application_name(&format!("kfs-worker {} {k}", opts.worker_id));
-                (k, db::lazy_pool(named, plan.per_kind, s.connect_timeout))
+                let size = pool_of(plan.per_kind, k.spec().max_connections);
+                (k, db::lazy_pool(named, size, s.connect_timeout))
             })
             .collect()
     } else {
@@ -208,7 +208,16 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     // show up only under load, as steps waiting for connections. Say so at start.
     // The pool (the relay's listener keeps one of its connections), the liveness lock and the
     // heartbeat connections.
-    let per_worker = plan.total()
+    let kinds_own: u32 = if opts.consumer {
+        opts.kinds
+            .iter()
+            .map(|k| pool_of(plan.per_kind, k.spec().max_connections))
+            .sum()
+    } else {
+        0
+    };
+    let per_worker = plan.shared
+        + kinds_own
         + u32::from(lock.is_some())
         + if opts.consumer {
             HEARTBEAT_CONNECTIONS
@@ -457,7 +466,30 @@ pub async fn signals(shutdown: CancellationToken) {
 
 #[cfg(test)]
 mod tests {
-    use super::{plan, PoolPlan};
+    use super::{plan, pool_of, PoolPlan};
+
+    #[test]
+    fn a_platform_kinds_pool_is_bounded_by_its_own_limit() {
+        use crate::jobs::Kind;
+        // One kind at prefetch 64: 56 connections from the division.
+        let per_kind = plan(true, 64, 1, 4).per_kind;
+        assert_eq!(per_kind, 56);
+        for (kind, size) in [
+            (Kind::new("compile"), 8),
+            (Kind::new("research"), 8),
+            (Kind::new("deletion"), 8),
+            (Kind::Probe, 56),
+        ] {
+            assert_eq!(
+                pool_of(per_kind, kind.spec().max_connections),
+                size,
+                "{kind}"
+            );
+        }
+        // Below the bound the division decides; a bound of 0 still leaves one connection.
+        assert_eq!(pool_of(4, Some(8)), 4);
+        assert_eq!(pool_of(4, Some(0)), 1);
+    }
 
     #[test]
     fn pool_plan_table() {

@@ -103,6 +103,13 @@ pub struct KindSpec {
     /// How the relay shares the kind's new work between tenants; `None`: the job table has no
     /// tenant, and new rows are published in commit order.
     pub fairness: Option<Fairness>,
+    /// The most connections the kind's own pool in a consumer process opens (`None`: what the
+    /// process's division of connections gives it). A platform kind's steps are Postgres' CPU
+    /// (retrieval, publish, deletion batches): past a few sessions per database core more of
+    /// them only queue for the cores and locks, and each new session plans the kind's
+    /// statements again (`BENCHMARKS.md`: 8 connections against 18 ran research's and
+    /// deletion's backlogs about 1.3 × faster on 2 cores).
+    pub max_connections: Option<u32>,
     pub policy: Policy,
     /// The kind's own record of a failure beyond its job and outbox rows, in the transaction
     /// that writes the failure (see [`failed`]); `None`: nothing more to record.
@@ -124,6 +131,9 @@ pub struct Fairness {
 pub const FRESH_RUN_STATE: Fairness = Fairness {
     fresh: "j.run_state = 'dispatch_pending'",
 };
+
+/// The connections a platform kind's own pool opens at most ([`KindSpec::max_connections`]).
+pub const PLATFORM_KIND_CONNECTIONS: u32 = 8;
 
 /// A kind's record of a failure: `(tx, job, code)`.
 pub type RecordFailure = for<'a> fn(

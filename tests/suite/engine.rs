@@ -797,6 +797,7 @@ mod note {
         generic_plans: true,
         fairness: None,
         revisions: true,
+        max_connections: None,
         policy: Policy {
             lease: Duration::from_secs(30),
             max_attempts: 3,

@@ -172,6 +172,7 @@ pub static COMPILE: KindSpec = KindSpec {
     generic_plans: false,
     fairness: Some(super::FRESH_RUN_STATE),
     revisions: false,
+    max_connections: Some(super::PLATFORM_KIND_CONNECTIONS),
     policy: Policy {
         lease: Duration::from_secs(60),
         max_attempts: 5,

@@ -479,6 +479,7 @@ pub static DELETION: KindSpec = KindSpec {
     generic_plans: true,
     fairness: Some(super::FRESH_RUN_STATE),
     revisions: true,
+    max_connections: Some(super::PLATFORM_KIND_CONNECTIONS),
     policy: Policy {
         lease: Duration::from_secs(30),
         max_attempts: 10,

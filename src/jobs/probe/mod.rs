@@ -291,6 +291,7 @@ pub static PROBE: KindSpec = KindSpec {
     generic_plans: false,
     fairness: None,
     revisions: true,
+    max_connections: None,
     policy: Policy {
         lease: Duration::from_secs(30),
         max_attempts: 5,

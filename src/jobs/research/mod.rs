@@ -450,6 +450,7 @@ pub static RESEARCH: KindSpec = KindSpec {
         fresh: "j.stage = 'queued' AND j.execution_attempts = 0",
     }),
     revisions: true,
+    max_connections: Some(super::PLATFORM_KIND_CONNECTIONS),
     policy: Policy {
         lease: Duration::from_secs(30),
         max_attempts: 5,
