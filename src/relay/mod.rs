@@ -235,9 +235,10 @@ impl Relay {
     /// Whether a relay waiting for room in `kind`'s window should claim again now
     /// ([`window::worth_a_look`]).
     pub fn worth_a_look(&self, kind: Kind) -> bool {
-        let window = self.window(kind);
         let left = window::left(kind);
-        self.state().get(&kind).is_none_or(|s| {
+        let size = self.cfg.windows.of(kind);
+        self.state().get_mut(&kind).is_none_or(|s| {
+            let window = size.messages(s.consumers, s.fold_rate());
             window::worth_a_look(
                 s.in_window,
                 left.wrapping_sub(s.left_at_claim),

@@ -348,17 +348,7 @@ async fn a_group_end_takes_its_outbox_rows_in_id_order_so_it_cannot_deadlock_wit
     let waiting = env
         .wait_until(HANG, || {
             let pool = env.pool.clone();
-            async move {
-                sqlx::query_scalar::<_, Option<String>>(
-                    "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1",
-                )
-                .bind(pid)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-                .as_deref()
-                    == Some("Lock")
-            }
+            async move { waits_for_a_lock(&pool, pid).await }
         })
         .await;
     assert!(

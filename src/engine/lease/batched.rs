@@ -96,8 +96,9 @@ impl Batched {
             // As the one-job claim, for every delivery at once: the job rows locked in id order,
             // skipping rows a step may hold (those deliveries are claimed one by one, where the
             // diagnosis can wait for the lock), then their outbox rows in id order, waited for:
-            // only short transactions hold an outbox row whose job row is free (the relay's
-            // mark, which itself skips what a claim holds).
+            // only short transactions hold an outbox row whose job row is free (above all the
+            // relay's mark, which takes outbox rows in id order too and skips job rows a claim
+            // holds, so it never waits for this claim's job rows).
             claim: spec.sql(&format!(
                 "WITH req AS ( \
                    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::uuid[]) \
