@@ -1,7 +1,11 @@
 //! The group slice runner: the slices of several claimed jobs of one kind, stepped together in
 //! one transaction per step. Invariant: a group step commits only when every member's fence,
-//! checkpoint advance and end matched, so each commit holds, for each member, its step's
-//! effects together with its fenced checkpoint, exactly as a slice of its own would; on any
+//! and every stepped member's checkpoint advance and end, matched, so each commit holds, for
+//! each member, its step's effects together with its fenced checkpoint (or nothing, for a
+//! member the step did not reach), exactly as a slice of its own would; a group step's members
+//! step only while another step still fits in a heartbeat interval, and a step cut short
+//! disbands the group, so a group's transaction (which keeps the heartbeat off its rows) lasts
+//! no longer than that interval or one member's step, as a slice of its own would; on any
 //! error, mismatch or end the group cannot write (a failure, a wait) the transaction is rolled
 //! back and each member is replayed alone through [`runner::run_slice`], from the state the
 //! rolled-back step started from, so a failing member never undoes or blocks the others; a
@@ -17,7 +21,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 use uuid::Uuid;
 
-use super::kind::{JobCtx, JobError, Step};
+use super::kind::{JobCtx, JobError, Step, Until};
 use super::lease::{End, GroupEnd};
 use super::runner::{self, Env, Slot, Transitions, LEASE_LOST};
 use super::slice::{self, Next, Progress};
@@ -32,6 +36,7 @@ pub trait GroupTransitions: Transitions {
         &self,
         tx: &mut PgConnection,
         jobs: &[JobCtx],
+        until: Until,
     ) -> Result<Vec<Step>, JobError>;
     /// Locks the members' job rows for one step; returns `(id, row version)` of those fenced.
     async fn fence_many(
@@ -92,11 +97,14 @@ pub fn plan(nexts: &[Next]) -> Option<Plan> {
     Some(p)
 }
 
-/// Why a group step did not commit together.
+/// Why the members stopped stepping together.
 #[derive(Debug)]
 enum Apart {
     /// Rolled back (or never begun): replay every member from where the step began.
     RolledBack(&'static str),
+    /// A group step committed only the members that fit in its time: steps this long gain
+    /// nothing from sharing a transaction, so each member goes on alone from where it is.
+    Disbanded,
     /// The commit's outcome is unknown: read each member back first.
     Uncertain,
 }
@@ -134,7 +142,7 @@ pub async fn run_group(
             .instrument(span)
             .await;
         match stepped {
-            Ok(done) => {
+            Ok((done, cut)) => {
                 crash::point("after-group-step-commit");
                 for (id, end) in done {
                     beats.forget(id);
@@ -146,6 +154,9 @@ pub async fn run_group(
                 }
                 if !env.keep_connection {
                     conn = None;
+                }
+                if cut {
+                    break Apart::Disbanded;
                 }
             }
             Err(apart) => {
@@ -159,15 +170,19 @@ pub async fn run_group(
     if jobs.is_empty() {
         return ended;
     }
-    if let Apart::RolledBack(why) = &apart {
-        if jobs.len() > 1 {
-            tracing::debug!(
-                kind = name,
-                members = jobs.len(),
-                why,
-                "group step rolled back; replaying each member alone"
-            );
-        }
+    match &apart {
+        Apart::RolledBack(why) if jobs.len() > 1 => tracing::debug!(
+            kind = name,
+            members = jobs.len(),
+            why,
+            "group step rolled back; replaying each member alone"
+        ),
+        Apart::Disbanded => tracing::debug!(
+            kind = name,
+            members = jobs.len(),
+            "group steps outlast a heartbeat interval; each member goes on alone"
+        ),
+        _ => {}
     }
     // Each member alone, from where the group left it: its own fence finds out whether the
     // lease is still its own.
@@ -200,8 +215,10 @@ pub async fn run_group(
     ended
 }
 
-/// One group step: fence all, step each, advance and end all, commit. Returns the members that
-/// ended (removed from `jobs`), with how; the others moved to their new checkpoints.
+/// One group step: fence all, step each (while they fit in a heartbeat interval), advance and
+/// end those stepped, commit. Returns the members that ended (removed from `jobs`), with how,
+/// and whether the step was cut short (some members not stepped: they are left as they were);
+/// the others moved to their new checkpoints.
 async fn step_together(
     tr: &dyn GroupTransitions,
     jobs: &mut Vec<JobCtx>,
@@ -209,7 +226,10 @@ async fn step_together(
     env: Env<'_>,
     steps_done: &mut u32,
     started: Instant,
-) -> Result<Vec<(Uuid, &'static str)>, Apart> {
+) -> Result<(Vec<(Uuid, &'static str)>, bool), Apart> {
+    // Until this commits, the group's row locks keep the heartbeat from extending any
+    // member's lease: its steps must end within a heartbeat interval.
+    let until = Until::new(Instant::now() + tr.policy().heartbeat());
     if conn.is_none() {
         *conn = Some(
             crate::db::acquire(env.pool)
@@ -232,13 +252,16 @@ async fn step_together(
     let span = tracing::info_span!("steps", kind = tr.kind_name(), members = jobs.len());
     // On an error the transaction may be aborted, and the failure is the member's own to write.
     let results = tr
-        .step_many(&mut tx, jobs.as_slice())
+        .step_many(&mut tx, jobs.as_slice(), until)
         .instrument(span)
         .await
         .map_err(|_| Apart::RolledBack("a member's step failed"))?;
-    if results.len() != jobs.len() {
+    if results.is_empty() || results.len() > jobs.len() {
         return Err(Apart::RolledBack("a step is missing"));
     }
+    // Members past the prefix were not stepped: no advance, no end, and the commit only
+    // releases their fence.
+    let cut = results.len() < jobs.len();
     *steps_done += 1;
     let policy = tr.policy();
     let nexts: Vec<Next> = results
@@ -325,7 +348,7 @@ async fn step_together(
         }
     }
     *jobs = rest;
-    Ok(done)
+    Ok((done, cut))
 }
 
 fn lease_lost(name: &'static str, job: &JobCtx) -> &'static str {

@@ -5,7 +5,7 @@
 //! of these types, not an edit here.
 
 use std::fmt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -384,6 +384,33 @@ impl From<sqlx::Error> for JobError {
     }
 }
 
+/// How long the members of a group may go on stepping in its one transaction: until a step
+/// like the last one would end past a deadline. The group sets the deadline a heartbeat
+/// interval after its step began, so its transaction ends while every member's lease still has
+/// a third of its length left.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Until {
+    deadline: Instant,
+}
+
+impl Until {
+    pub fn new(deadline: Instant) -> Self {
+        Self { deadline }
+    }
+
+    /// A deadline `period` from now.
+    pub fn after(period: Duration) -> Self {
+        Self::new(Instant::now() + period)
+    }
+
+    /// Whether another member's step, taking as long as `last` did, ends by the deadline when
+    /// it begins at `now`.
+    pub fn fits(&self, now: Instant, last: Duration) -> bool {
+        now.checked_add(last)
+            .is_some_and(|end| end <= self.deadline)
+    }
+}
+
 /// One job kind's work. `step` runs inside the engine's transaction, after the engine has
 /// fenced the job row (lease token, row version, live lease) and locked it; its writes commit
 /// together with the checkpoint it returns, or not at all.
@@ -427,16 +454,27 @@ pub trait Handler: Send + Sync + 'static {
     /// The steps of several jobs that share one transaction (see
     /// [`Handler::shares_transaction`]), in the order given: what calling [`Handler::step`] on
     /// each in turn would do, and the default does just that. A kind may write them in fewer
-    /// statements. Any error means the group's transaction is rolled back and each job is
-    /// stepped alone.
+    /// statements. Returns the steps of a prefix of `jobs`, at least the first: before each
+    /// further member whose step takes time, it stops once [`Until::fits`] says a step like
+    /// the last one no longer fits, and it writes nothing for the members it did not step.
+    /// (The group's transaction holds every member's row, so no heartbeat can extend their
+    /// leases until it ends.) Any error means the group's transaction is rolled back and each
+    /// job is stepped alone.
     async fn step_many(
         &self,
         tx: &mut PgConnection,
         jobs: &[JobCtx],
+        until: Until,
     ) -> Result<Vec<Step>, JobError> {
         let mut steps = Vec::with_capacity(jobs.len());
+        let mut last = Duration::ZERO;
         for job in jobs {
+            if !steps.is_empty() && !until.fits(Instant::now(), last) {
+                break;
+            }
+            let began = Instant::now();
             steps.push(self.step(tx, job).await?);
+            last = began.elapsed();
         }
         Ok(steps)
     }
@@ -469,5 +507,34 @@ pub async fn failed(
     match hook {
         Some(h) => h.on_fail(tx, job, code).await,
         None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn another_member_steps_only_when_a_step_like_the_last_ends_by_the_deadline() {
+        let start = Instant::now();
+        let until = Until::new(start + Duration::from_secs(3));
+        let s = Duration::from_secs;
+        // (seconds since the group step began, the last member's step) → another fits
+        let table = [
+            (s(0), s(0), true),
+            (s(1), s(1), true),
+            (s(1), s(2), true),
+            (s(1), s(3), false),
+            (s(3), s(0), true),
+            (s(3), Duration::from_millis(1), false),
+            (s(4), s(0), false),
+        ];
+        for (at, last, fits) in table {
+            assert_eq!(
+                until.fits(start + at, last),
+                fits,
+                "at {at:?}, last step {last:?}"
+            );
+        }
     }
 }

@@ -24,7 +24,7 @@ use std::sync::{Arc, RwLock};
 
 pub use crate::engine::kind::{
     failed, Clock, Fairness, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RecordFailure,
-    States, Step, FRESH_RUN_STATE, PLATFORM_KIND_CONNECTIONS,
+    States, Step, Until, FRESH_RUN_STATE, PLATFORM_KIND_CONNECTIONS,
 };
 pub use crate::engine::retry::{self, RetryPolicy};
 pub use compile::COMPILE;

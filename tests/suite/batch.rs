@@ -239,6 +239,69 @@ async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others
     env.cleanup().await;
 }
 
+/// The group's transaction holds every member's row, so no heartbeat extends a member's lease
+/// while it runs. Four members whose steps take 700 ms each, under a 2 s lease, would keep it
+/// open past every lease (2.8 s): the group must commit what fits in a heartbeat interval and
+/// let the members go on alone, each finishing on the lease of its first claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_whose_steps_outlast_a_heartbeat_interval_commits_what_fits_and_every_member_finishes_on_its_first_lease(
+) {
+    let env = TestEnv::new().await;
+    let spec = ProbeSpec {
+        steps: 2,
+        step_sleep: Duration::from_millis(700),
+        ..ProbeSpec::default()
+    };
+    let refs = dispatched(&env, 4, &spec).await;
+    let lease = Duration::from_secs(2);
+    let st = Arc::new(Statements::new(Kind::Probe.spec()));
+    let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
+    let mut conn = env.pool.acquire().await.unwrap();
+    let jobs = lease::claim_many(&mut conn, &st, &pairs, "batch-worker", lease)
+        .await
+        .unwrap();
+    assert_eq!(jobs.len(), 4, "the batched claim takes every job");
+    drop(conn);
+    let tr = Delivered {
+        statements: st,
+        handler: Arc::new(ProbeHandler),
+        policy: kfs_worker::jobs::Policy {
+            lease,
+            ..Kind::Probe.spec().policy
+        },
+    };
+    let shutdown = CancellationToken::new();
+    let env_ = Env {
+        pool: &env.pool,
+        heartbeat_pool: &env.pool,
+        budget: Default::default(),
+        shutdown: &shutdown,
+        points: &POINTS,
+        keep_connection: true,
+    };
+    let ends = tokio::time::timeout(HANG, group::run_group(&tr, jobs, None, env_))
+        .await
+        .expect("the group hung");
+    assert_eq!(ends.len(), 4);
+    for (id, end) in ends {
+        assert_eq!(end, Some("succeeded"), "{id}");
+        assert_eq!(
+            effects_of(&env.pool, id).await,
+            vec![(1, 1), (2, 1)],
+            "{id}"
+        );
+        let attempts: i32 =
+            sqlx::query_scalar("SELECT execution_attempts FROM kfs_probe_jobs WHERE id = $1")
+                .bind(id)
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        assert_eq!(attempts, 1, "{id} was claimed again");
+    }
+    support::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_claims_each_job_once_and_judges_stale_and_repeated_deliveries_alone() {
     let env = TestEnv::new().await;

@@ -798,7 +798,8 @@ async fn tasks_stepped_together_read_their_space_and_snapshot_once_and_write_eac
         }
         let fences_before = scans(&mut tx, "deletion_jobs").await;
         let policies_before = scans(&mut tx, "knowledge_space_access_policies").await;
-        let steps = handler.step_many(&mut tx, &ctxs).await.unwrap();
+        let until = kfs_worker::jobs::Until::after(Duration::from_secs(3600));
+        let steps = handler.step_many(&mut tx, &ctxs, until).await.unwrap();
         assert_eq!(
             scans(&mut tx, "deletion_jobs").await - fences_before,
             1,

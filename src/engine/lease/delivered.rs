@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{End, GroupEnd, Statements};
 use crate::engine::group::{GroupHeartbeat, GroupTransitions};
-use crate::engine::kind::{failed, Handler, JobCtx, JobError, Policy, Step};
+use crate::engine::kind::{failed, Handler, JobCtx, JobError, Policy, Step, Until};
 use crate::engine::runner::{Heartbeat, Transitions};
 
 /// One outbox kind's job, as the slice runner sees it.
@@ -111,8 +111,9 @@ impl GroupTransitions for Delivered {
         &self,
         tx: &mut PgConnection,
         jobs: &[JobCtx],
+        until: Until,
     ) -> Result<Vec<Step>, JobError> {
-        self.handler.step_many(tx, jobs).await
+        self.handler.step_many(tx, jobs, until).await
     }
 
     async fn fence_many(

@@ -2,12 +2,14 @@
 //! not depend on the real handlers. Invariant: each step inserts exactly one effect row in the
 //! step's transaction, so `count(*) per (job, step) = 1` proves each effect was applied once.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::{Clock, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step};
+use super::{
+    Clock, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step, Until,
+};
 
 const SCHEMA: &str = include_str!("schema.sql");
 
@@ -157,12 +159,14 @@ impl Handler for ProbeHandler {
         Ok(outcome(step, steps_total))
     }
 
-    /// The same as stepping each job in turn, with the straight-through steps of all of them
-    /// written by one statement.
+    /// The same as stepping each job in turn, with the straight-through steps before the
+    /// first one that is not (a sleep, a failure to play) written by one statement. From that
+    /// one on, each member steps in turn while `until` says a step like the last still fits.
     async fn step_many(
         &self,
         tx: &mut PgConnection,
         jobs: &[JobCtx],
+        until: Until,
     ) -> Result<Vec<Step>, JobError> {
         let steps = jobs
             .iter()
@@ -175,13 +179,16 @@ impl Handler for ProbeHandler {
         let rows: Vec<(Uuid, i32, i32, String, bool)> = sqlx::query_as(
             "WITH m AS ( \
                SELECT * FROM unnest($1::uuid[], $2::int[], $3::text[], $4::uuid[], $5::int[]) \
-                 AS m(id, step, worker_id, token, attempts) \
+                 WITH ORDINALITY AS m(id, step, worker_id, token, attempts, ord) \
              ), spec AS ( \
-               SELECT m.*, j.steps_total, j.step_sleep_ms, j.fail_mode FROM m JOIN kfs_probe_jobs j ON j.id = m.id \
+               SELECT m.*, j.steps_total, j.step_sleep_ms, j.fail_mode, \
+                 j.step_sleep_ms = 0 AND (j.fail_mode = 'none' OR (j.fail_mode = 'retry_once' AND m.attempts > 1)) \
+                   AS straight \
+               FROM m JOIN kfs_probe_jobs j ON j.id = m.id \
              ), effect AS ( \
                INSERT INTO kfs_probe_effects (job_id, step, worker_id, lease_token) \
                SELECT id, step, worker_id, token FROM spec \
-               WHERE step_sleep_ms = 0 AND (fail_mode = 'none' OR (fail_mode = 'retry_once' AND attempts > 1)) \
+               WHERE straight AND ord < coalesce((SELECT min(ord) FROM spec WHERE NOT straight), ord + 1) \
                RETURNING job_id \
              ) \
              SELECT spec.id, spec.steps_total, spec.step_sleep_ms, spec.fail_mode, \
@@ -195,6 +202,7 @@ impl Handler for ProbeHandler {
         .fetch_all(&mut *tx)
         .await?;
         let mut out = Vec::with_capacity(jobs.len());
+        let mut last = Duration::ZERO;
         for (job, step) in jobs.iter().zip(steps) {
             let Some((_, steps_total, sleep_ms, fail_mode, written)) =
                 rows.iter().find(|r| r.0 == job.job_id)
@@ -205,7 +213,13 @@ impl Handler for ProbeHandler {
                 ));
             };
             if !written {
+                // Every member from here on is unwritten: stopping leaves them untouched.
+                if !out.is_empty() && !until.fits(Instant::now(), last) {
+                    break;
+                }
+                let began = Instant::now();
                 slow_step(tx, job, step, *sleep_ms, fail_mode).await?;
+                last = began.elapsed();
             }
             out.push(outcome(step, *steps_total));
         }

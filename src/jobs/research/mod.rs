@@ -67,6 +67,7 @@ pub use walk::Stage;
 
 use super::{
     Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
+    Until,
 };
 use crate::embed::Embedder;
 use progress::{payload, EventType, JobScope};
@@ -296,7 +297,9 @@ impl Handler for ResearchHandler {
     }
 
     async fn step(&self, tx: &mut PgConnection, ctx: &JobCtx) -> Result<Step, JobError> {
-        let mut steps = self.step_many(tx, std::slice::from_ref(ctx)).await?;
+        // One member: it is always stepped, whatever the deadline.
+        let until = Until::new(std::time::Instant::now());
+        let mut steps = self.step_many(tx, std::slice::from_ref(ctx), until).await?;
         steps
             .pop()
             .ok_or_else(|| JobError::fatal("job_missing", "the research task row is gone"))
@@ -305,11 +308,14 @@ impl Handler for ResearchHandler {
     /// The tasks' steps in one pass over the group: their rows loaded in one statement, each
     /// space's fence and each snapshot's revalidation read once ([`access::Reads`]), the claim
     /// events looked up in one statement, and every write collected and made in one statement
-    /// per table ([`stages::Group`]). One task alone goes the same way.
+    /// per table ([`stages::Group`]). One task alone goes the same way. The pass steps every
+    /// task, whatever `until` says: a stage here is a few short statements per task, and the
+    /// pass has no point between tasks where it could stop.
     async fn step_many(
         &self,
         tx: &mut PgConnection,
         ctxs: &[JobCtx],
+        _until: Until,
     ) -> Result<Vec<Step>, JobError> {
         let mut rows = load(tx, ctxs).await?;
         let scopes: Vec<JobScope> = ctxs
