@@ -5,7 +5,7 @@
 //! member the step did not reach), exactly as a slice of its own would; a group step's members
 //! step only while another step still fits in a heartbeat interval, and a step cut short
 //! disbands the group, so a group's transaction (which keeps the heartbeat off its rows) lasts
-//! no longer than that interval or one member's step, as a slice of its own would; on any
+//! at most that interval and one member's step, not the sum of all their steps; on any
 //! error, mismatch or end the group cannot write (a failure, a wait) the transaction is rolled
 //! back and each member is replayed alone through [`runner::run_slice`], from the state the
 //! rolled-back step started from, so a failing member never undoes or blocks the others; a
