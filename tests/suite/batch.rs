@@ -10,7 +10,7 @@ use kfs_worker::engine::group;
 use kfs_worker::engine::lease::{self, Delivered, DeliveryRef, Statements};
 use kfs_worker::engine::runner::{CrashPoints, Env, LEASE_LOST};
 use kfs_worker::jobs::probe::{ProbeHandler, ProbeSpec};
-use kfs_worker::jobs::Kind;
+use kfs_worker::jobs::{JobCtx, Kind, Policy};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -178,40 +178,26 @@ static POINTS: CrashPoints = CrashPoints {
     before_end: None,
 };
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others_commit_once() {
-    let env = TestEnv::new().await;
-    let spec = ProbeSpec {
-        steps: 2,
-        ..ProbeSpec::default()
-    };
-    let refs = dispatched(&env, 5, &spec).await;
-    let st = Arc::new(Statements::new(Kind::Probe.spec()));
+/// Claims the jobs of `refs` in one batched claim under `lease`, as the consumer would.
+async fn claim_all(env: &TestEnv, refs: &[DeliveryRef], lease: Duration) -> Vec<JobCtx> {
+    let st = Statements::new(Kind::Probe.spec());
     let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
     let mut conn = env.pool.acquire().await.unwrap();
-    let jobs = lease::claim_many(
-        &mut conn,
-        &st,
-        &pairs,
-        "batch-worker",
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    assert_eq!(jobs.len(), 5, "the batched claim takes every job");
-    drop(conn);
-    // Between the claim and the group's first fence, another writer (a pause, a takeover)
-    // moves one member's row on.
-    let fenced_out = refs[3].job_id;
-    sqlx::query("UPDATE kfs_probe_jobs SET row_version = row_version + 1 WHERE id = $1")
-        .bind(fenced_out)
-        .execute(&env.pool)
+    lease::claim_many(&mut conn, &st, &pairs, "batch-worker", lease)
         .await
-        .unwrap();
+        .unwrap()
+}
+
+/// Runs claimed probe jobs as one group under `policy`; returns each member's end.
+async fn run_group(
+    env: &TestEnv,
+    jobs: Vec<JobCtx>,
+    policy: Policy,
+) -> Vec<(Uuid, Option<&'static str>)> {
     let tr = Delivered {
-        statements: st,
+        statements: Arc::new(Statements::new(Kind::Probe.spec())),
         handler: Arc::new(ProbeHandler),
-        policy: Kind::Probe.spec().policy,
+        policy,
     };
     let shutdown = CancellationToken::new();
     let env_ = Env {
@@ -222,9 +208,31 @@ async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others
         points: &POINTS,
         keep_connection: true,
     };
-    let ends = tokio::time::timeout(HANG, group::run_group(&tr, jobs, None, env_))
+    tokio::time::timeout(HANG, group::run_group(&tr, jobs, None, env_))
         .await
-        .expect("the group hung");
+        .expect("the group hung")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others_commit_once() {
+    let env = TestEnv::new().await;
+    let spec = ProbeSpec {
+        steps: 2,
+        ..ProbeSpec::default()
+    };
+    let refs = dispatched(&env, 5, &spec).await;
+    let policy = Kind::Probe.spec().policy;
+    let jobs = claim_all(&env, &refs, Duration::from_secs(30)).await;
+    assert_eq!(jobs.len(), 5, "the batched claim takes every job");
+    // Between the claim and the group's first fence, another writer (a pause, a takeover)
+    // moves one member's row on.
+    let fenced_out = refs[3].job_id;
+    sqlx::query("UPDATE kfs_probe_jobs SET row_version = row_version + 1 WHERE id = $1")
+        .bind(fenced_out)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let ends = run_group(&env, jobs, policy).await;
     assert_eq!(ends.len(), 5);
     for (id, end) in ends {
         let effects = effects_of(&env.pool, id).await;
@@ -254,34 +262,13 @@ async fn a_group_whose_steps_outlast_a_heartbeat_interval_commits_what_fits_and_
     };
     let refs = dispatched(&env, 4, &spec).await;
     let lease = Duration::from_secs(2);
-    let st = Arc::new(Statements::new(Kind::Probe.spec()));
-    let pairs: Vec<(&DeliveryRef, Uuid)> = refs.iter().map(|d| (d, Uuid::new_v4())).collect();
-    let mut conn = env.pool.acquire().await.unwrap();
-    let jobs = lease::claim_many(&mut conn, &st, &pairs, "batch-worker", lease)
-        .await
-        .unwrap();
+    let jobs = claim_all(&env, &refs, lease).await;
     assert_eq!(jobs.len(), 4, "the batched claim takes every job");
-    drop(conn);
-    let tr = Delivered {
-        statements: st,
-        handler: Arc::new(ProbeHandler),
-        policy: kfs_worker::jobs::Policy {
-            lease,
-            ..Kind::Probe.spec().policy
-        },
+    let policy = Policy {
+        lease,
+        ..Kind::Probe.spec().policy
     };
-    let shutdown = CancellationToken::new();
-    let env_ = Env {
-        pool: &env.pool,
-        heartbeat_pool: &env.pool,
-        budget: Default::default(),
-        shutdown: &shutdown,
-        points: &POINTS,
-        keep_connection: true,
-    };
-    let ends = tokio::time::timeout(HANG, group::run_group(&tr, jobs, None, env_))
-        .await
-        .expect("the group hung");
+    let ends = run_group(&env, jobs, policy).await;
     assert_eq!(ends.len(), 4);
     for (id, end) in ends {
         assert_eq!(end, Some("succeeded"), "{id}");
