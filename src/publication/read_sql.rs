@@ -39,6 +39,10 @@ macro_rules! read_live_documents {
     };
 }
 
+/// The query's tsquery (and the dense path's query vector) is made in a scalar subquery, which
+/// Postgres runs once per execution: written inline, a generic plan (which research's
+/// statements use) parsed it again for every row the filter looked at.
+///
 /// The platform's full-text read path, as its retrieval runs it: from the named publication
 /// (`$4`, which must be `published` or `superseded`) through its `index-projection` members to
 /// `ready` `fts` projections and their nodes, of parsed, active documents whose source (if any)
@@ -48,11 +52,11 @@ macro_rules! read_live_documents {
 pub const FTS_READ_SQL: &str = concat!(
     "\n",
     read_columns!(),
-    r#"       ts_rank(p.fts_document, plainto_tsquery('simple', $2))::float8 AS score
+    r#"       ts_rank(p.fts_document, (SELECT plainto_tsquery('simple', $2)))::float8 AS score
 "#,
     read_joins!(),
     r#"WHERE p.knowledge_space_id = $1 AND p.type = 'fts' AND p.status = 'ready'
-  AND p.fts_document @@ plainto_tsquery('simple', $2)
+  AND p.fts_document @@ (SELECT plainto_tsquery('simple', $2))
 "#,
     read_live_documents!(),
     r#"  AND (jsonb_array_length(n.permission_scope) = 0 OR $5::jsonb @> n.permission_scope)
@@ -66,7 +70,7 @@ ORDER BY score DESC, n.id
 pub const DENSE_READ_SQL: &str = concat!(
     "\n",
     read_columns!(),
-    r#"       (1 - (p.dense_vector <=> $2::vector))::float8 AS score
+    r#"       (1 - (p.dense_vector <=> (SELECT $2::vector)))::float8 AS score
 "#,
     read_joins!(),
     r#"WHERE p.knowledge_space_id = $1 AND p.type = 'dense-vector' AND p.status = 'ready'
@@ -74,6 +78,6 @@ pub const DENSE_READ_SQL: &str = concat!(
 "#,
     read_live_documents!(),
     r#"  AND (jsonb_array_length(n.permission_scope) = 0 OR $7::jsonb @> n.permission_scope)
-ORDER BY p.dense_vector <=> $2::vector, n.id
+ORDER BY p.dense_vector <=> (SELECT $2::vector), n.id
 "#
 );

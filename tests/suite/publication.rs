@@ -143,3 +143,80 @@ async fn first_publishers_of_a_space_queue_to_create_its_head_and_the_next_finds
     second.rollback().await.unwrap();
     env.cleanup().await;
 }
+
+/// Every expression of `plan` (an `EXPLAIN (VERBOSE, FORMAT JSON)` node) that runs for its rows,
+/// leaving out the InitPlans, which run once per execution.
+fn per_row_expressions(plan: &serde_json::Value, out: &mut Vec<String>) {
+    if plan["Parent Relationship"] == "InitPlan" {
+        return;
+    }
+    for (key, value) in plan.as_object().into_iter().flatten() {
+        match (key.as_str(), value) {
+            ("Plans", serde_json::Value::Array(children)) => {
+                for child in children {
+                    per_row_expressions(child, out);
+                }
+            }
+            (_, serde_json::Value::String(s)) => out.push(s.clone()),
+            (_, serde_json::Value::Array(items)) => {
+                out.extend(items.iter().filter_map(|i| i.as_str().map(str::to_owned)));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Under a generic plan (research runs its statements on generic plans), each read path makes
+/// its query once per execution: the tsquery, and the query vector from its text, are
+/// InitPlans. Written inline, the plan parsed the query again for every row its filter and its
+/// sort looked at, which was most of a retrieval's time.
+#[tokio::test]
+async fn the_read_paths_make_their_query_once_per_execution_under_a_generic_plan() {
+    let env = TestEnv::new().await;
+    let mut c = env.pool.acquire().await.unwrap();
+    sqlx::query("SET plan_cache_mode = force_generic_plan")
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    let nil = Uuid::nil();
+    let reads = [
+        (
+            "fts",
+            publication::FTS_READ_SQL,
+            "(uuid, text, text, uuid, jsonb)",
+            format!("'{nil}', 'lease fencing', 't', '{nil}', '[]'"),
+            "plainto_tsquery",
+        ),
+        (
+            "dense",
+            publication::DENSE_READ_SQL,
+            "(uuid, text, text, uuid, int4, text, jsonb)",
+            format!("'{nil}', '[1,2]', 't', '{nil}', 2, 'vs', '[]'"),
+            "::vector",
+        ),
+    ];
+    for (name, sql, types, args, made) in reads {
+        sqlx::query(&format!("PREPARE read_{name} {types} AS {sql}"))
+            .execute(&mut *c)
+            .await
+            .unwrap();
+        let explained: serde_json::Value = sqlx::query_scalar(&format!(
+            "EXPLAIN (VERBOSE, FORMAT JSON) EXECUTE read_{name}({args})"
+        ))
+        .fetch_one(&mut *c)
+        .await
+        .unwrap();
+        let plan = &explained[0]["Plan"];
+        let text = plan.to_string();
+        assert!(
+            text.contains(made),
+            "{name}: the query is made somewhere: {text}"
+        );
+        let mut per_row = Vec::new();
+        per_row_expressions(plan, &mut per_row);
+        let again: Vec<&String> = per_row.iter().filter(|e| e.contains(made)).collect();
+        assert!(again.is_empty(), "{name}: made for every row in {again:?}");
+    }
+    drop(c);
+    env.cleanup().await;
+}
