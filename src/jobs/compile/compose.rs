@@ -20,6 +20,23 @@ use crate::publication::{
     self, Head, Member, DOCUMENT_OUTLINE, INDEX_PROJECTION, KNOWLEDGE_PATH, MULTIMODAL_MANIFEST,
 };
 
+/// The source snapshot of each document a publication `$1` of space `$2` holds (outline
+/// members, `$3` = `document-outline`): a rebased candidate's, for its fingerprint.
+///
+/// Each outline's document and artifact are looked up from the outline, one row each. As
+/// plain joins, the planner may start from every document of the space instead (it did on
+/// tables not yet analysed, as a new space's are: a probe of every outline member for each
+/// document, 5 ms of each publish under the head lock); the fenced subqueries keep the
+/// lookups per outline whatever the statistics say.
+pub const MEMBER_SNAPSHOTS_SQL: &str = "SELECT o.document_asset_id AS document, o.version, d.sha256, pa.artifact_hash \
+         FROM projection_set_publication_members m \
+         JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = $2 \
+         CROSS JOIN LATERAL (SELECT d.sha256 FROM document_assets d \
+           WHERE d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id OFFSET 0) d \
+         LEFT JOIN LATERAL (SELECT pa.artifact_hash FROM parse_artifacts pa \
+           WHERE pa.document_asset_id = o.document_asset_id AND pa.version = o.version OFFSET 0) pa ON true \
+         WHERE m.publication_id = $1 AND m.component_type = $3";
+
 /// This document's own members of the attempt's generation.
 async fn own_members(conn: &mut PgConnection, a: &Attempt) -> Result<Vec<Member>, sqlx::Error> {
     let rows: Vec<(String, Uuid)> = sqlx::query_as(
@@ -288,19 +305,12 @@ pub(crate) async fn rebase(
     .bind(INDEX_PROJECTION)
     .fetch_all(&mut *conn)
     .await?;
-    let snapshots: Vec<SourceSnapshot> = sqlx::query_as(
-        "SELECT o.document_asset_id AS document, o.version, d.sha256, pa.artifact_hash \
-         FROM projection_set_publication_members m \
-         JOIN document_outlines o ON o.id = m.component_key AND o.knowledge_space_id = $2 \
-         JOIN document_assets d ON d.id = o.document_asset_id AND d.knowledge_space_id = o.knowledge_space_id \
-         LEFT JOIN parse_artifacts pa ON pa.document_asset_id = o.document_asset_id AND pa.version = o.version \
-         WHERE m.publication_id = $1 AND m.component_type = $3",
-    )
-    .bind(candidate)
-    .bind(a.space)
-    .bind(DOCUMENT_OUTLINE)
-    .fetch_all(&mut *conn)
-    .await?;
+    let snapshots: Vec<SourceSnapshot> = sqlx::query_as(MEMBER_SNAPSHOTS_SQL)
+        .bind(candidate)
+        .bind(a.space)
+        .bind(DOCUMENT_OUTLINE)
+        .fetch_all(&mut *conn)
+        .await?;
     let Described {
         fingerprint,
         metadata,

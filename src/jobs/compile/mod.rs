@@ -57,6 +57,8 @@ use sqlx::PgConnection;
 use super::{
     Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
 };
+pub use compose::MEMBER_SNAPSHOTS_SQL;
+pub use publish::SMOKE_COUNTS_SQL;
 pub use request::{
     release, request, retry, search_published, show, wait, AttemptStatus, CompileError, Hit,
     RequestOptions, Requester,

@@ -35,25 +35,24 @@ const HEAD_BUSY_RETRY: std::time::Duration = std::time::Duration::from_millis(20
 /// How long a publish waits for a deletion of a document its candidate serves.
 const DELETION_FENCE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// The first structural fault of the attempt's document in a candidate, or `None`. The
-/// candidate's other documents are the head's, each checked as its own attempt's document.
-async fn fault(
-    conn: &mut PgConnection,
-    a: &Attempt,
-    candidate: Uuid,
-) -> Result<Option<String>, JobError> {
-    let profile = embedding_profile(conn, &a.tenant, a.space).await?;
-    let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
-    // The members are named down to the document, the whole key of the platform's
-    // (tenant, space, publication, document) index: named by less, the planner may pick the
-    // index led by (tenant, space) alone and scan every member of the space.
-    // Exactly one outline member, its outline row, a complete page index, and full-text (and,
-    // with a profile, dense) projections that are members of this generation: one row, none
-    // when the candidate has no member of the document.
-    let counts: Option<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(
-        "WITH m AS (SELECT * FROM projection_set_publication_members \
-                    WHERE tenant_id = $6 AND knowledge_space_id = $1 AND publication_id = $2 \
-                      AND document_asset_id = $5), \
+/// The smoke evaluation's counts for document `$5` in publication `$2` of tenant `$6`, space
+/// `$1` (`$3` the page index's tokenizer version, `$4` the embedding profile's vector space or
+/// NULL).
+///
+/// The members are found by publication and document only, so that the one index led by
+/// the publication serves them and no more than the publication's members are read. Named
+/// by tenant and space as well, two of the platform's indexes, (tenant, space, generation,
+/// publication, …) and (tenant, space, publication, document, …), cost the same while the
+/// table has no statistics, as a new space's has not, and the planner took the first: a
+/// scan of the members of every publication the space ever had, 2–10 ms a smoke step. The
+/// tenant and space are checked on the rows found.
+///
+/// Exactly one outline member, its outline row, a complete page index, and full-text (and,
+/// with a profile, dense) projections that are members of this generation: one row, none
+/// when the candidate has no member of the document.
+pub const SMOKE_COUNTS_SQL: &str = "WITH found AS MATERIALIZED (SELECT * FROM projection_set_publication_members \
+                    WHERE publication_id = $2 AND document_asset_id = $5), \
+         m AS (SELECT * FROM found WHERE tenant_id = $6 AND knowledge_space_id = $1), \
          outlines AS ( \
            SELECT m.document_asset_id AS doc, count(*) AS n, \
              count(*) FILTER (WHERE pim.status IN ('building', 'ready') AND pim.tokenizer_version = $3 \
@@ -79,16 +78,26 @@ async fn fault(
          SELECT d.doc, coalesce(o.n, 0), coalesce(o.indexed, 0), coalesce(p.broken, 0), coalesce(p.fts, 0), \
            coalesce(p.dense, 0) \
          FROM (SELECT DISTINCT document_asset_id AS doc FROM m) d \
-         LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc",
-    )
-    .bind(a.space)
-    .bind(candidate)
-    .bind(TOKENIZER_VERSION)
-    .bind(&vsid)
-    .bind(a.document)
-    .bind(&a.tenant)
-    .fetch_optional(&mut *conn)
-    .await?;
+         LEFT JOIN outlines o ON o.doc = d.doc LEFT JOIN projections p ON p.doc = d.doc";
+
+/// The first structural fault of the attempt's document in a candidate, or `None`. The
+/// candidate's other documents are the head's, each checked as its own attempt's document.
+async fn fault(
+    conn: &mut PgConnection,
+    a: &Attempt,
+    candidate: Uuid,
+) -> Result<Option<String>, JobError> {
+    let profile = embedding_profile(conn, &a.tenant, a.space).await?;
+    let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
+    let counts: Option<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(SMOKE_COUNTS_SQL)
+        .bind(a.space)
+        .bind(candidate)
+        .bind(TOKENIZER_VERSION)
+        .bind(&vsid)
+        .bind(a.document)
+        .bind(&a.tenant)
+        .fetch_optional(&mut *conn)
+        .await?;
     let Some((doc, outlines, indexed, broken, fts, dense)) = counts else {
         return Ok(Some(format!(
             "the candidate has no members of document {}",
