@@ -2117,16 +2117,8 @@ async fn explained_scans(
     args: &str,
 ) -> Vec<(String, String, f64)> {
     let mut c = pool.acquire().await.unwrap();
-    sqlx::query(&format!("PREPARE {name} {types} AS {sql}"))
-        .execute(&mut *c)
-        .await
-        .unwrap();
-    let explained: serde_json::Value = sqlx::query_scalar(&format!(
-        "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}({args})"
-    ))
-    .fetch_one(&mut *c)
-    .await
-    .unwrap();
+    let explained =
+        support::explain_prepared(&mut c, "ANALYZE, FORMAT JSON", name, types, sql, args).await;
     let mut out = Vec::new();
     scans(&explained[0]["Plan"], &mut out);
     assert!(!out.is_empty(), "{name}: no scans in {explained}");

@@ -10,7 +10,7 @@ use sqlx::{Connection, PgPool};
 use tokio::sync::Barrier;
 use uuid::Uuid;
 
-use crate::support::TestEnv;
+use crate::support::{self, TestEnv};
 
 const TENANT: &str = "tenant-heads";
 
@@ -196,16 +196,15 @@ async fn the_read_paths_make_their_query_once_per_execution_under_a_generic_plan
         ),
     ];
     for (name, sql, types, args, made) in reads {
-        sqlx::query(&format!("PREPARE read_{name} {types} AS {sql}"))
-            .execute(&mut *c)
-            .await
-            .unwrap();
-        let explained: serde_json::Value = sqlx::query_scalar(&format!(
-            "EXPLAIN (VERBOSE, FORMAT JSON) EXECUTE read_{name}({args})"
-        ))
-        .fetch_one(&mut *c)
-        .await
-        .unwrap();
+        let explained = support::explain_prepared(
+            &mut c,
+            "VERBOSE, FORMAT JSON",
+            &format!("read_{name}"),
+            types,
+            sql,
+            &args,
+        )
+        .await;
         let plan = &explained[0]["Plan"];
         let text = plan.to_string();
         assert!(

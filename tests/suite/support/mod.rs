@@ -469,6 +469,27 @@ pub async fn dispatch(
     }
 }
 
+/// `sql` prepared on `conn` as `name` with parameter `types`, then its execution with `args`
+/// explained with `options` (say `ANALYZE, FORMAT JSON`): the plan as JSON. The statement runs
+/// as the worker runs it, a prepared statement, so the plan is the one its parameters get.
+pub async fn explain_prepared(
+    conn: &mut sqlx::PgConnection,
+    options: &str,
+    name: &str,
+    types: &str,
+    sql: &str,
+    args: &str,
+) -> serde_json::Value {
+    sqlx::query(&format!("PREPARE {name} {types} AS {sql}"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    sqlx::query_scalar(&format!("EXPLAIN ({options}) EXECUTE {name}({args})"))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap()
+}
+
 /// The whole probe job row as text: "changes nothing" compares these.
 pub async fn job_text(pool: &PgPool, job: uuid::Uuid) -> String {
     sqlx::query_scalar("SELECT j::text FROM kfs_probe_jobs j WHERE id = $1")
