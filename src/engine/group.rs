@@ -166,6 +166,20 @@ pub async fn run_group(
             }
         }
     };
+    // The members going on alone carry the group's last renewal of their leases, so their own
+    // heartbeats fall due one interval after it, not one interval after they go alone. That
+    // renewal extended every member but those the beats found lost, which end here.
+    for lost in beats.take_lost() {
+        if let Some(i) = jobs.iter().position(|j| j.job_id == lost) {
+            let job = jobs.remove(i);
+            ended.push((job.job_id, Some(lease_lost(name, &job))));
+        }
+    }
+    if let Some(renewed) = beats.renewed() {
+        for job in &mut jobs {
+            job.renewed = job.renewed.max(renewed);
+        }
+    }
     drop(beats);
     if jobs.is_empty() {
         return ended;
@@ -363,6 +377,8 @@ struct GroupBeat {
     stop: CancellationToken,
     live: Arc<Mutex<Vec<JobCtx>>>,
     lost: Arc<Mutex<Vec<Uuid>>>,
+    /// When the last beat that extended every live member was sent.
+    renewed: Arc<Mutex<Option<Instant>>>,
 }
 
 impl GroupBeat {
@@ -370,29 +386,41 @@ impl GroupBeat {
         let stop = CancellationToken::new();
         let live = Arc::new(Mutex::new(jobs.to_vec()));
         let lost = Arc::new(Mutex::new(Vec::new()));
+        let renewed = Arc::new(Mutex::new(None));
         let beat = tr.group_heartbeat();
-        let (stopped, pool, members, gone) = (
+        let (stopped, pool, members, gone, last) = (
             stop.clone(),
             env.heartbeat_pool.clone(),
             live.clone(),
             lost.clone(),
+            renewed.clone(),
         );
+        let every = every.max(Duration::from_millis(100));
+        // One interval after the oldest member's lease was last renewed.
+        let mut due = jobs
+            .iter()
+            .map(|j| j.beat_due(every))
+            .min()
+            .unwrap_or_else(|| Instant::now() + every);
         tokio::spawn(async move {
-            let every = every.max(Duration::from_millis(100));
             loop {
-                if !super::backoff::nap(every, &stopped).await {
+                let wait = due.saturating_duration_since(Instant::now());
+                if !super::backoff::nap(wait, &stopped).await {
                     return;
                 }
+                due = Instant::now() + every;
                 let now: Vec<JobCtx> = members.lock().expect("not poisoned").clone();
                 if now.is_empty() {
                     continue;
                 }
+                let sent = Instant::now();
                 let extended = async {
                     let mut conn = crate::db::acquire(&pool).await?;
                     beat.extend_many(&mut conn, &now).await
                 };
                 match extended.await {
                     Ok(ids) => {
+                        due = sent + every;
                         let missing: Vec<Uuid> = now
                             .iter()
                             .map(|j| j.job_id)
@@ -405,6 +433,8 @@ impl GroupBeat {
                                 .retain(|j| !missing.contains(&j.job_id));
                             gone.lock().expect("not poisoned").extend(missing);
                         }
+                        // After the lost are known: a reader of this renewal finds them.
+                        *last.lock().expect("not poisoned") = Some(sent);
                     }
                     Err(e) => {
                         tracing::warn!(members = now.len(), error = %e, "group heartbeat failed; will try again");
@@ -412,7 +442,17 @@ impl GroupBeat {
                 }
             }
         });
-        Self { stop, live, lost }
+        Self {
+            stop,
+            live,
+            lost,
+            renewed,
+        }
+    }
+
+    /// When the last beat that extended every member still live was sent, if one did.
+    fn renewed(&self) -> Option<Instant> {
+        *self.renewed.lock().expect("not poisoned")
     }
 
     fn take_lost(&self) -> Vec<Uuid> {

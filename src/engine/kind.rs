@@ -287,6 +287,12 @@ pub struct JobCtx {
     pub execution_attempts: i32,
     pub max_execution_attempts: i32,
     pub worker_id: String,
+    /// When this worker last renewed the lease (claimed or extended it), on this process's
+    /// clock, read before the renewing statement was sent, so never later than the renewal
+    /// itself. Heartbeats count their interval from here, not from when a slice began: a job
+    /// that goes on in another slice runner of the same worker (a group's member going on
+    /// alone) is never left a whole interval without one.
+    pub renewed: Instant,
 }
 
 impl JobCtx {
@@ -312,7 +318,13 @@ impl JobCtx {
             execution_attempts,
             max_execution_attempts,
             worker_id: String::new(),
+            renewed: Instant::now(),
         }
+    }
+
+    /// When the next heartbeat is due: one `interval` after the last renewal.
+    pub fn beat_due(&self, interval: Duration) -> Instant {
+        self.renewed + interval
     }
 
     /// Whether a lease holder writes for this job.

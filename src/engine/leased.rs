@@ -470,6 +470,8 @@ impl LeasedSlice<'_> {
             execution_attempts: l.attempt,
             max_execution_attempts: l.max_attempts,
             worker_id: l.worker_id,
+            // Claimed just before its slice runs.
+            renewed: std::time::Instant::now(),
         }
     }
 

@@ -464,21 +464,27 @@ impl HeartbeatGuard {
         let stopped = stop.clone();
         tokio::spawn(async move {
             let every = policy.heartbeat().max(Duration::from_millis(100));
+            // One interval after the lease was last renewed, which may be well before this
+            // slice began (a group's member going on alone).
+            let mut due = job.beat_due(every);
             loop {
-                if !super::backoff::nap(every, &stopped).await {
+                let wait = due.saturating_duration_since(Instant::now());
+                if !super::backoff::nap(wait, &stopped).await {
                     return;
                 }
+                let sent = Instant::now();
                 let extended = async {
                     let mut conn = crate::db::acquire(&pool).await?;
                     beat.extend(&mut conn, &job).await
                 };
                 match extended.await {
-                    Ok(true) => {}
+                    Ok(true) => due = sent + every,
                     Ok(false) => {
                         lost.cancel();
                         return;
                     }
                     Err(e) => {
+                        due = Instant::now() + every;
                         tracing::warn!(job_id = %job.job_id, error = %e, "heartbeat failed; will try again")
                     }
                 }

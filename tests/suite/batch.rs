@@ -289,6 +289,70 @@ async fn a_group_whose_steps_outlast_a_heartbeat_interval_commits_what_fits_and_
     env.cleanup().await;
 }
 
+/// A lease's heartbeats fall due one interval (lease/3) after it was last renewed, wherever
+/// the job runs meanwhile. Here the group begins 0.9 s into its members' 2 s leases (a worker
+/// waiting for a connection, say), and its steps of 250 ms disband it before its own interval
+/// has passed. Counting from when each member went on alone, its first heartbeat would come
+/// 0.67 s later, past the end of the lease it was claimed under: every member would lose it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_going_on_alone_late_in_their_leases_are_heartbeaten_by_the_claims_clock_and_finish(
+) {
+    let env = TestEnv::new().await;
+    let spec = ProbeSpec {
+        steps: 4,
+        step_sleep: Duration::from_millis(250),
+        ..ProbeSpec::default()
+    };
+    let refs = dispatched(&env, 4, &spec).await;
+    let lease = Duration::from_secs(2);
+    let jobs = claim_all(&env, &refs, lease).await;
+    assert_eq!(jobs.len(), 4, "the batched claim takes every job");
+    let mut ids: Vec<Uuid> = jobs.iter().map(|j| j.job_id).collect();
+    ids.sort();
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let policy = Policy {
+        lease,
+        ..Kind::Probe.spec().policy
+    };
+    let ends = run_group(&env, jobs, policy).await;
+    assert_eq!(ends.len(), 4);
+    for (id, end) in ends {
+        assert_eq!(end, Some("succeeded"), "{id}");
+        assert_eq!(
+            effects_of(&env.pool, id).await,
+            vec![(1, 1), (2, 1), (3, 1), (4, 1)],
+            "{id}"
+        );
+    }
+    // The group did go apart: its one step took the first two members (in id order), and the
+    // other two took their first steps alone.
+    let first_steps: Vec<String> = sqlx::query_scalar(
+        "SELECT xmin::text FROM kfs_probe_effects WHERE step = 1 AND job_id = ANY($1) \
+         ORDER BY job_id",
+    )
+    .bind(&ids)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(first_steps.len(), 4);
+    assert_eq!(
+        first_steps[0], first_steps[1],
+        "the group stepped the first two"
+    );
+    assert_ne!(first_steps[1], first_steps[2], "the third went on alone");
+    assert_ne!(first_steps[2], first_steps[3], "the fourth went on alone");
+    let claimed_again: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM kfs_probe_jobs WHERE id = ANY($1) AND execution_attempts <> 1",
+    )
+    .bind(&ids)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(claimed_again, 0, "no member was claimed again");
+    support::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_claims_each_job_once_and_judges_stale_and_repeated_deliveries_alone() {
     let env = TestEnv::new().await;

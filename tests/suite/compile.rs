@@ -1581,6 +1581,7 @@ async fn repeating_every_step_yields_the_same_rows_once() {
             execution_attempts: 1,
             max_execution_attempts: 5,
             worker_id: "w".into(),
+            renewed: std::time::Instant::now(),
         };
         let mut tx = fx.pool().begin().await.unwrap();
         let first = handler.step(&mut tx, &ctx).await.unwrap();

@@ -187,6 +187,7 @@ pub async fn claim_many(
         .map(|(d, _)| d.delivery_id.as_str())
         .collect();
     let tokens: Vec<Uuid> = deliveries.iter().map(|&(_, t)| t).collect();
+    let sent = std::time::Instant::now();
     let rows: Vec<Row> = sqlx::query_as(&st.batched.claim)
         .bind(&ids)
         .bind(&outbox)
@@ -207,6 +208,7 @@ pub async fn claim_many(
             token,
             worker_id,
             (checkpoint, row_version, attempts, max_attempts),
+            sent,
         ));
     }
     Ok(claimed)

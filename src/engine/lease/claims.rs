@@ -4,7 +4,7 @@
 //! diagnosed in a transaction of its own, and whatever the diagnosis writes (a settled outbox
 //! row, an exhausted job failed with the kind's hook, a re-armed row) commits together.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::{PgConnection, Postgres, Transaction};
 use uuid::Uuid;
@@ -41,6 +41,7 @@ pub async fn claim_as(
     hook: Option<&dyn Handler>,
 ) -> Result<Claim, sqlx::Error> {
     type Row = (String, i32, i32, i32, bool, Option<f64>);
+    let sent = Instant::now();
     let row: Option<Row> = sqlx::query_as(&st.claim)
         .bind(d.job_id)
         .bind(d.outbox_id)
@@ -57,6 +58,7 @@ pub async fn claim_as(
             token,
             worker_id,
             (checkpoint, row_version, attempts, max_attempts),
+            sent,
         )));
     }
     let ours: Option<(String, i32, i32, i32)> = sqlx::query_as(&st.ours)
@@ -68,7 +70,10 @@ pub async fn claim_as(
         .fetch_optional(&mut *conn)
         .await?;
     if let Some(row) = ours {
-        return Ok(Claim::Claimed(leased(d, token, worker_id, row)));
+        // An earlier try committed this lease, at a time not known here: the first heartbeat
+        // is due at once.
+        let unknown = sent.checked_sub(lease).unwrap_or(sent);
+        return Ok(Claim::Claimed(leased(d, token, worker_id, row, unknown)));
     }
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     let verdict = diagnose(&mut tx, st, d, hook).await?;
@@ -77,12 +82,13 @@ pub async fn claim_as(
 }
 
 /// The job a claim leased under `token`, from its `(checkpoint, row version, attempts, max
-/// attempts)` as the claim returned them.
+/// attempts)` as the claim returned them; `renewed`: when the claim was sent.
 pub(super) fn leased(
     d: &DeliveryRef,
     token: Uuid,
     worker_id: &str,
     (checkpoint, row_version, attempts, max_attempts): (String, i32, i32, i32),
+    renewed: Instant,
 ) -> JobCtx {
     JobCtx {
         kind: d.kind,
@@ -95,6 +101,7 @@ pub(super) fn leased(
         execution_attempts: attempts,
         max_execution_attempts: max_attempts,
         worker_id: worker_id.to_owned(),
+        renewed,
     }
 }
 
