@@ -54,6 +54,14 @@ const PROCESS_CONNECTIONS: u32 = 64;
 /// listener, maintenance, the leased kinds' poller, the HTTP server, undecodable deliveries.
 const SHARED_CONNECTIONS: u32 = 8;
 
+/// Connections the shared pool keeps open: the relay's listener holds one for good, and the
+/// relay's rounds, `/readyz` and maintenance need at least one more.
+const SHARED_FLOOR: u32 = 2;
+
+/// Connections each kind's own pool keeps open, so that past the connection limit its claims
+/// and slices wait for its own connections rather than for sessions held by other pools.
+const KIND_POOL_FLOOR: u32 = 1;
+
 /// The fewest connections a kind's own pool is given when the process's connections are
 /// divided.
 const KIND_FLOOR: u32 = 4;
@@ -135,7 +143,12 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         &format!("kfs-worker {}", opts.worker_id),
         idle,
     )?;
-    let pool = db::lazy_pool(options.clone(), plan.shared, s.connect_timeout);
+    let pool = db::lazy_pool_with_floor(
+        options.clone(),
+        plan.shared,
+        SHARED_FLOOR,
+        s.connect_timeout,
+    );
     let kind_pools: HashMap<Kind, PgPool> = if opts.consumer {
         opts.kinds
             .iter()
@@ -145,14 +158,28 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
                     .clone()
                     .application_name(&format!("kfs-worker {} {k}", opts.worker_id));
                 let size = pool_of(plan.per_kind, k.spec().max_connections);
-                (k, db::lazy_pool(named, size, s.connect_timeout))
+                (
+                    k,
+                    db::lazy_pool_with_floor(named, size, KIND_POOL_FLOOR, s.connect_timeout),
+                )
             })
             .collect()
     } else {
         HashMap::new()
     };
-    // Heartbeats have connections of their own: the slices hold theirs for a whole slice.
-    let heartbeat_pool = db::lazy_pool(options.clone(), HEARTBEAT_CONNECTIONS, s.connect_timeout);
+    // Heartbeats have connections of their own: the slices hold theirs for a whole slice. A
+    // consumer keeps them open from its start, so that past the connection limit its slices,
+    // which may take every other session, never leave a lease without its heartbeat.
+    let heartbeat_pool = db::lazy_pool_with_floor(
+        options.clone(),
+        HEARTBEAT_CONNECTIONS,
+        if opts.consumer {
+            HEARTBEAT_CONNECTIONS
+        } else {
+            0
+        },
+        s.connect_timeout,
+    );
     let topology = Topology::new(&s.queue_prefix);
     let mut tasks = JoinSet::new();
     let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
@@ -204,6 +231,17 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             }
         }
     }
+    // Each pool's floor, before the relay and the consumers start: once they run, a burst of
+    // one kind may take every session Postgres still allows.
+    let floors = std::iter::once(("shared", &pool))
+        .chain(kind_pools.iter().map(|(k, p)| (k.name(), p)))
+        .chain(std::iter::once(("heartbeat", &heartbeat_pool)))
+        .map(|(name, p)| async move {
+            if let Err(e) = db::open_floor(p, s.connect_timeout).await {
+                tracing::warn!(pool = name, error = %e, "cannot open the connections this pool keeps; it opens them when it can");
+            }
+        });
+    futures_util::future::join_all(floors).await;
     // Every worker's pool grows on demand, so too many of them for Postgres' connection limit
     // show up only under load, as steps waiting for connections. Say so at start.
     // The pool (the relay's listener keeps one of its connections), the liveness lock and the

@@ -144,14 +144,49 @@ pub async fn probe(
 
 /// A pool that connects on first use.
 pub fn lazy_pool(options: PgConnectOptions, max_connections: u32, timeout: Duration) -> PgPool {
+    lazy_pool_with_floor(options, max_connections, 0, timeout)
+}
+
+/// A pool that connects on first use and, once [`open_floor`] has opened them, keeps `floor`
+/// connections (sqlx opens them again when one is closed). Past Postgres' connection limit a
+/// pool with no connection of its own can get none: every session is held by the process's
+/// other pools, which keep their idle ones. A floor opened at start is what such a pool always
+/// has, and [`acquire`] waits for it to come back instead of for a session Postgres refuses.
+pub fn lazy_pool_with_floor(
+    options: PgConnectOptions,
+    max_connections: u32,
+    floor: u32,
+    timeout: Duration,
+) -> PgPool {
     // No ping before each acquire: it is a round trip on every use of the pool, and every
     // caller already treats a failed statement as retryable. sqlx still pings a connection
     // when it is returned, off the caller's path, and drops a broken one.
-    PgPoolOptions::new()
+    let mut pool = PgPoolOptions::new()
         .max_connections(max_connections)
+        .min_connections(floor.min(max_connections))
         .test_before_acquire(false)
-        .acquire_timeout(timeout.max(Duration::from_secs(30)))
-        .connect_lazy_with(options)
+        .acquire_timeout(timeout.max(Duration::from_secs(30)));
+    if floor >= max_connections {
+        // A pool that is all floor keeps its connections for good: closing one for its age
+        // or idleness would hand its session to whichever pool asks next.
+        pool = pool.idle_timeout(None).max_lifetime(None);
+    }
+    pool.connect_lazy_with(options)
+}
+
+/// Opens the floor of `pool` (see [`lazy_pool_with_floor`]): holds that many of its
+/// connections at once, then lets them go idle in it. Gives up after `within`.
+pub async fn open_floor(pool: &PgPool, within: Duration) -> Result<(), sqlx::Error> {
+    let floor = pool.options().get_min_connections();
+    tokio::time::timeout(within, async {
+        let mut held = Vec::new();
+        while held.len() < usize::try_from(floor).unwrap_or(usize::MAX) {
+            held.push(pool.acquire().await?);
+        }
+        Ok(())
+    })
+    .await
+    .unwrap_or(Err(sqlx::Error::PoolTimedOut))
 }
 
 /// How long [`acquire`] waits as sqlx does before it also looks for the pool's own connections

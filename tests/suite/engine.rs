@@ -402,22 +402,9 @@ async fn a_relay_whose_listener_never_comes_up_publishes_by_polling() {
 /// keep theirs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_and_stays_ready() {
-    let role = DropRole {
-        name: format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()),
-        _services: support::isolation::shared().await,
-    };
-    let env = TestEnv::new().await;
-    let role = &role.name;
     let limit: i64 = 8;
-    for sql in [
-        format!("CREATE ROLE \"{role}\" LOGIN NOSUPERUSER CONNECTION LIMIT {limit}"),
-        format!("GRANT pg_read_all_data, pg_write_all_data TO \"{role}\""),
-    ] {
-        sqlx::query(&sql).execute(&env.pool).await.unwrap();
-    }
-    let mut url = url::Url::parse(&env.url).unwrap();
-    url.set_username(role).unwrap();
-    url.set_password(None).unwrap();
+    let (role, env, url) = capped_role(limit).await;
+    let role = &role.name;
     let jobs = 300;
     probe::enqueue_many(
         &env.pool,
@@ -551,9 +538,10 @@ async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
         Some(4),
         "the probe's slices did not run on a pool of their own, of its prefetch: {peaks:?}"
     );
+    // Compile's pool keeps the one connection it opened at start, and no more.
     assert_eq!(
-        peaks.get("kfs-worker pools compile"),
-        None,
+        peaks.get("kfs-worker pools compile").copied(),
+        Some(1),
         "the probe's burst took connections of compile's pool: {peaks:?}"
     );
     assert!(
@@ -562,6 +550,83 @@ async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
     );
     support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
+}
+
+/// A role that may open at most `limit` sessions, a `TestEnv`, and the env's URL as that role.
+async fn capped_role(limit: i64) -> (DropRole, TestEnv, url::Url) {
+    let role = DropRole {
+        name: format!("kfs_capped_{}", uuid::Uuid::new_v4().simple()),
+        _services: support::isolation::shared().await,
+    };
+    let env = TestEnv::new().await;
+    let name = &role.name;
+    for sql in [
+        format!("CREATE ROLE \"{name}\" LOGIN NOSUPERUSER CONNECTION LIMIT {limit}"),
+        format!("GRANT pg_read_all_data, pg_write_all_data TO \"{name}\""),
+    ] {
+        sqlx::query(&sql).execute(&env.pool).await.unwrap();
+    }
+    let mut url = url::Url::parse(&env.url).unwrap();
+    url.set_username(name).unwrap();
+    url.set_password(None).unwrap();
+    (role, env, url)
+}
+
+/// Past the connection limit, the slices of one kind must not take the sessions the worker's
+/// other duties need: the heartbeats above all, without which every slice longer than a lease
+/// loses it. Eight lone slices of 4 s under a 3 s lease, with a role allowed 8 sessions: the
+/// kind's pool may open 16, so it takes every session left once they start; a heartbeat pool
+/// that opened its connections only when the first heartbeat fell due found none, and the
+/// jobs lost their leases and ran again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_at_the_connection_limit_keeps_heartbeating_while_its_slices_hold_every_other_session(
+) {
+    let (role, env, url) = capped_role(8).await;
+    let jobs = 8;
+    probe::enqueue_many(
+        &env.pool,
+        jobs,
+        &ProbeSpec {
+            steps: 10,
+            step_sleep: Duration::from_millis(400),
+            ..ProbeSpec::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut w = env.spawn_worker(
+        "capped-beats",
+        &["run", "--kinds", "probe", "--worker-id", "capped-beats"],
+        &[
+            ("DATABASE_URL", url.as_str()),
+            ("KFS_PREFETCH", "16"),
+            ("KFS_BATCH_MAX", "1"),
+            ("KFS_RELAY_WINDOW", "64"),
+            ("KFS_LEASES", "probe=3s"),
+        ],
+    );
+    let finished = env
+        .wait_until(Duration::from_secs(120), || async {
+            support::probe_succeeded(&env.pool).await == jobs
+        })
+        .await;
+    assert!(finished, "{}", w.tail(30));
+    support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
+    let log = w.log_text();
+    assert!(
+        !log.contains("lease lost") && !log.contains("heartbeat failed"),
+        "a slice went without its heartbeats:\n{}",
+        w.tail(40)
+    );
+    let retried: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE execution_attempts <> 1")
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+    assert_eq!(retried, 0, "every job ran once");
+    support::assert_probe_invariants(&env.pool).await;
+    env.cleanup().await;
+    drop(role);
 }
 
 /// Drops a role created by a test when the test ends, passed or failed; after the test's
