@@ -125,12 +125,7 @@ pub async fn run_group(
     let started = Instant::now();
     let mut steps_done = 0u32;
     let apart = loop {
-        for lost in beats.take_lost() {
-            if let Some(i) = jobs.iter().position(|j| j.job_id == lost) {
-                let job = jobs.remove(i);
-                ended.push((job.job_id, Some(lease_lost(name, &job))));
-            }
-        }
+        beats.end_lost(name, &mut jobs, &mut ended);
         if jobs.len() <= 1 {
             break Apart::RolledBack("one member left");
         }
@@ -169,12 +164,7 @@ pub async fn run_group(
     // The members going on alone carry the group's last renewal of their leases, so their own
     // heartbeats fall due one interval after it, not one interval after they go alone. That
     // renewal extended every member but those the beats found lost, which end here.
-    for lost in beats.take_lost() {
-        if let Some(i) = jobs.iter().position(|j| j.job_id == lost) {
-            let job = jobs.remove(i);
-            ended.push((job.job_id, Some(lease_lost(name, &job))));
-        }
-    }
+    beats.end_lost(name, &mut jobs, &mut ended);
     if let Some(renewed) = beats.renewed() {
         for job in &mut jobs {
             job.renewed = job.renewed.max(renewed);
@@ -455,8 +445,20 @@ impl GroupBeat {
         *self.renewed.lock().expect("not poisoned")
     }
 
-    fn take_lost(&self) -> Vec<Uuid> {
-        std::mem::take(&mut *self.lost.lock().expect("not poisoned"))
+    /// Moves the members the beats found lost from `jobs` to `ended`, as lease lost.
+    fn end_lost(
+        &self,
+        name: &'static str,
+        jobs: &mut Vec<JobCtx>,
+        ended: &mut Vec<(Uuid, Option<&'static str>)>,
+    ) {
+        let lost = std::mem::take(&mut *self.lost.lock().expect("not poisoned"));
+        for id in lost {
+            if let Some(i) = jobs.iter().position(|j| j.job_id == id) {
+                let job = jobs.remove(i);
+                ended.push((job.job_id, Some(lease_lost(name, &job))));
+            }
+        }
     }
 
     fn forget(&self, id: Uuid) {

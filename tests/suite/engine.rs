@@ -464,12 +464,7 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
         "a delivery waited for a refused connection:\n{}",
         w.tail(40)
     );
-    let retried: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE execution_attempts <> 1")
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-    assert_eq!(retried, 0, "every job ran once");
+    assert_eq!(ran_again(&env.pool).await, 0, "every job ran once");
     assert!(
         was_ready.into_inner(),
         "/readyz never answered 200:\n{}",
@@ -552,6 +547,14 @@ async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
     env.cleanup().await;
 }
 
+/// How many probe jobs were claimed more than once.
+async fn ran_again(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE execution_attempts <> 1")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// A role that may open at most `limit` sessions, a `TestEnv`, and the env's URL as that role.
 async fn capped_role(limit: i64) -> (DropRole, TestEnv, url::Url) {
     let role = DropRole {
@@ -618,12 +621,7 @@ async fn a_worker_at_the_connection_limit_keeps_heartbeating_while_its_slices_ho
         "a slice went without its heartbeats:\n{}",
         w.tail(40)
     );
-    let retried: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM kfs_probe_jobs WHERE execution_attempts <> 1")
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-    assert_eq!(retried, 0, "every job ran once");
+    assert_eq!(ran_again(&env.pool).await, 0, "every job ran once");
     support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
     drop(role);
