@@ -1862,3 +1862,122 @@ async fn no_row_waits_for_the_poll_while_writers_come_and_go_around_the_watch() 
     assert!(watched, "the writers' bursts never made the relay watch");
     env.cleanup().await;
 }
+
+/// The sequential scans of `table` counted so far, read afresh.
+async fn seq_scans(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relid = $1::regclass")
+        .bind(table)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// A connection keeps the plans it made of a statement at its first executions. The relay's
+/// claim and mark were planned while the outbox held a handful of rows and no analyse had run,
+/// so they counted the window, updated the claimed rows and found the marked jobs by reading
+/// the whole outbox and job table; as both grew, every lone job's claim read more (2.7 ms
+/// after 6,000 jobs). Planned for the indexes, neither statement reads a table through.
+///
+/// Counted with `pg_stat_user_tables.seq_scan` over rounds that only the relay's own
+/// connection runs: the relay planned its statements on 8 rows, then relays 12 more one at a
+/// time over 5,000 rows.
+#[tokio::test]
+async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_whole_of_it_later()
+{
+    let env = TestEnv::new().await;
+    for table in ["kfs_probe_outbox", "kfs_probe_jobs"] {
+        sqlx::query(&format!(
+            "ALTER TABLE {table} SET (autovacuum_enabled = false)"
+        ))
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    }
+    // One connection, so every claim and mark runs on the connection that planned them.
+    let own = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            PgConnectOptions::from_str(&env.url)
+                .unwrap()
+                .application_name("relay-plans"),
+        )
+        .await
+        .unwrap();
+    let r = Relay::new(
+        own.clone(),
+        env.topology.clone(),
+        "relay-plans",
+        RelayConfig { batch: 1, ..cfg() },
+        &[Kind::Probe],
+    );
+    let ch = env.confirm_channel().await;
+    let one_at_a_time = |n: usize| {
+        let (r, ch) = (&r, &ch);
+        async move {
+            for _ in 0..n {
+                let got = round(r, ch, Kind::Probe).await;
+                assert_eq!((got.claimed, got.dispatched), (1, 1), "{got:?}");
+            }
+        }
+    };
+    probe::enqueue_many(&env.pool, 8, &ProbeSpec::default())
+        .await
+        .unwrap();
+    one_at_a_time(8).await;
+    // The outbox and the jobs grow; nothing analyses them.
+    probe::enqueue_many(&env.pool, 5_000, &ProbeSpec::default())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE kfs_probe_outbox SET status = 'canceled' WHERE status = 'pending'")
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    probe::enqueue_many(&env.pool, 12, &ProbeSpec::default())
+        .await
+        .unwrap();
+    let analysed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('kfs_probe_outbox', 'kfs_probe_jobs') \
+           AND (last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL)",
+    )
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(analysed, 0, "the tables must have no statistics");
+    // Sessions report their table counters within a second of going idle: wait until every
+    // other session's scans are in, then count from zero.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    for table in ["kfs_probe_outbox", "kfs_probe_jobs"] {
+        sqlx::query("SELECT pg_stat_reset_single_table_counters($1::regclass)")
+            .bind(table)
+            .execute(&env.pool)
+            .await
+            .unwrap();
+    }
+
+    one_at_a_time(12).await;
+
+    // A session that ends reports its counters first.
+    own.close().await;
+    let gone = env
+        .wait_until(HANG, || async {
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-plans'",
+            )
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+            left == 0
+        })
+        .await;
+    assert!(gone, "the relay's session did not end");
+    let (outbox, jobs) = (
+        seq_scans(&env.pool, "kfs_probe_outbox").await,
+        seq_scans(&env.pool, "kfs_probe_jobs").await,
+    );
+    assert_eq!(
+        (outbox, jobs),
+        (0, 0),
+        "12 lone claims and marks read the whole outbox {outbox} times and the whole job table {jobs} times"
+    );
+    env.cleanup().await;
+}
