@@ -1,8 +1,10 @@
 //! The relay's statement texts of one kind, rendered once. Invariant: a claim takes rows with
 //! `SKIP LOCKED`, at most 1.5 × `batch` + 3 of them; every later write to a claimed row
 //! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a job row
-//! another transaction holds is skipped, never waited for; outbox rows a statement waits for are
-//! taken in id order, as the consumer's batched statements take them, so none of them deadlock.
+//! another transaction holds is skipped, never waited for; the mark skips outbox rows another
+//! transaction holds (a consumer's claim, which leases the row itself), so it never waits;
+//! outbox rows the release waits for are taken in id order, as the consumer's batched
+//! statements take them, so none of them deadlock.
 
 use crate::db::indexes::URGENT_ROW;
 use crate::engine::lease::LEASE_CLEAR;
@@ -69,11 +71,16 @@ impl Statements {
         Statements {
             claim: spec.sql(&claim(spec, revision, false)),
             claim_limited: spec.sql(&claim(spec, revision, true)),
+            // The rows are found by id alone (the primary key); their status is checked as they
+            // are written. With the status among the lock's conditions, the outbox's claim index
+            // (led by the status, the id last) served it, and each of the batch's ids scanned
+            // every `dispatching` row of the window: 5 ms of CPU per mark of 40 rows at
+            // 3,000 jobs/s, the relay's largest statement.
             mark: spec.sql(&format!(
                 "WITH lk AS ( \
                    SELECT o.id FROM {{outbox}} o \
-                   WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $2 AND o.status = 'dispatching' \
-                   ORDER BY o.id FOR UPDATE OF o \
+                   WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $2 \
+                   ORDER BY o.id FOR UPDATE OF o SKIP LOCKED \
                  ), marked AS ( \
                    UPDATE {{outbox}} o SET status = 'dispatched', lock_token = NULL, locked_by = NULL, \
                      locked_until = NULL, available_at = {{now+$3}}, last_error = NULL, updated_at = {{now}} \

@@ -1981,3 +1981,82 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
     );
     env.cleanup().await;
 }
+
+/// The mark never waits for a row a consumer's claim holds: that claim leases the row itself.
+/// Waiting, the mark held the rows it had already locked until the claim ended, and the claims
+/// and ends of those rows queued behind it. The skipped row stays `dispatching` under the
+/// relay's lock; if its claim does not commit, the row is published again once that lock has
+/// expired, with a new delivery id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_mark_skips_a_row_a_claim_holds_and_marks_the_others_without_waiting() {
+    let env = TestEnv::new().await;
+    let mut rows = Vec::new();
+    for _ in 0..3 {
+        rows.push(enqueue_one(&env.pool, &ProbeSpec::default()).await.1);
+    }
+    rows.sort();
+    let held = rows[1];
+    Gate::install(&env).await;
+    let gate = Gate::close(&env, "kfs-test-gate-skip").await;
+    let gated = gate.pool(&env).await;
+    let r = Relay::new(
+        gated.clone(),
+        env.topology.clone(),
+        "relay-skip",
+        cfg(),
+        &[Kind::Probe],
+    );
+    let ch = env.confirm_channel().await;
+    let relaying = tokio::spawn(async move { r.relay_once(&ch, Kind::Probe).await });
+    gate.wait_until_held(&env).await;
+    let first = outbox_state(&env.pool, held).await;
+    assert_eq!(first.status, "dispatching");
+
+    // A consumer's claim of the middle row is in flight, holding its outbox row.
+    let mut claim = env.pool.begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM kfs_probe_outbox WHERE id = $1 FOR UPDATE")
+        .bind(held)
+        .execute(&mut *claim)
+        .await
+        .unwrap();
+    gate.open().await;
+    let got = tokio::time::timeout(HANG, relaying)
+        .await
+        .expect("the mark waited for the row the claim holds")
+        .unwrap()
+        .unwrap();
+    assert_eq!((got.claimed, got.dispatched), (3, 2), "{got:?}");
+    for id in [rows[0], rows[2]] {
+        assert_eq!(outbox_state(&env.pool, id).await.status, "dispatched");
+    }
+
+    // The claim does not commit: the row is still the relay's, and once its lock has expired
+    // it is published again under a new delivery id.
+    claim.rollback().await.unwrap();
+    let skipped = outbox_state(&env.pool, held).await;
+    assert_eq!(skipped.status, "dispatching");
+    assert!(!skipped.lock_cleared, "{skipped:?}");
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET locked_until = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(held)
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    drain(&env).await;
+    let again = round(
+        &relay(&env, "relay-after", cfg()),
+        &env.confirm_channel().await,
+        Kind::Probe,
+    )
+    .await;
+    assert_eq!((again.claimed, again.dispatched), (1, 1), "{again:?}");
+    let republished = outbox_state(&env.pool, held).await;
+    assert_eq!(republished.status, "dispatched");
+    assert_ne!(republished.queue_job_id, first.queue_job_id);
+    let msgs = drain(&env).await;
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(Some(message_id(&msgs[0])), republished.queue_job_id);
+    gated.close().await;
+    env.cleanup().await;
+}

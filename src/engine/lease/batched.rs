@@ -5,7 +5,8 @@
 //! the wall clock, a live job), takes job row locks before outbox row locks, each in id order
 //! (or skips locked rows), and returns the ids it changed, so a caller sees precisely which
 //! members matched. Every statement that waits for several outbox rows (these, and the relay's
-//! mark and release) takes them in id order, so two of them never deadlock.
+//! release) takes them in id order, so two of them never deadlock; the relay's mark waits for
+//! none.
 
 use std::time::Duration;
 
@@ -97,8 +98,8 @@ impl Batched {
             // skipping rows a step may hold (those deliveries are claimed one by one, where the
             // diagnosis can wait for the lock), then their outbox rows in id order, waited for:
             // only short transactions hold an outbox row whose job row is free (above all the
-            // relay's mark, which takes outbox rows in id order too and skips job rows a claim
-            // holds, so it never waits for this claim's job rows).
+            // relay's mark, which skips every row a claim holds, so it never waits for this
+            // claim).
             claim: spec.sql(&format!(
                 "WITH req AS ( \
                    SELECT * FROM unnest($1::uuid[], $2::uuid[], $3::text[], $4::uuid[]) \
