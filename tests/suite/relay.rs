@@ -17,7 +17,7 @@ use kfs_worker::broker::Topology;
 use kfs_worker::consumer::{ConsumerConfig, Engine, Handled};
 use kfs_worker::jobs::probe::{self, ProbeHandler, ProbeSpec};
 use kfs_worker::jobs::{Kind, RetryPolicy};
-use kfs_worker::relay::{Relay, RelayConfig, Round};
+use kfs_worker::relay::{Relay, RelayConfig, RelayError, Round};
 use kfs_worker::wire::{int_header, str_header};
 use lapin::message::Delivery;
 use lapin::options::{BasicGetOptions, ExchangeDeclareOptions, ExchangeDeleteOptions};
@@ -90,6 +90,17 @@ async fn outbox_state(pool: &PgPool, outbox: Uuid) -> OutboxState {
     .fetch_one(pool)
     .await
     .unwrap()
+}
+
+/// Makes the relay's lock on an outbox row run out.
+async fn expire_lock(pool: &PgPool, outbox: Uuid) {
+    sqlx::query(
+        "UPDATE kfs_probe_outbox SET locked_until = now() - interval '1 second' WHERE id = $1",
+    )
+    .bind(outbox)
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 async fn job_state(pool: &PgPool, job: Uuid) -> (String, i32) {
@@ -248,6 +259,27 @@ impl Gate {
         assert!(held, "the relay behind gate {app} never reached its mark");
     }
 
+    /// Starts one relay round on this gate's sessions and waits until it stops before its mark
+    /// (claimed, published, confirmed). Returns the round and the relay's pool.
+    async fn hold_a_round(
+        &self,
+        env: &TestEnv,
+        relay_id: &str,
+    ) -> (tokio::task::JoinHandle<Result<Round, RelayError>>, PgPool) {
+        let pool = self.pool(env).await;
+        let r = Relay::new(
+            pool.clone(),
+            env.topology.clone(),
+            relay_id,
+            cfg(),
+            &[Kind::Probe],
+        );
+        let ch = env.confirm_channel().await;
+        let round = tokio::spawn(async move { r.relay_once(&ch, Kind::Probe).await });
+        self.wait_until_held(env).await;
+        (round, pool)
+    }
+
     async fn open(mut self) {
         sqlx::query("SELECT pg_advisory_unlock(hashtext($1)::bigint)")
             .bind(self.app)
@@ -400,17 +432,7 @@ async fn the_delivery_id_is_committed_before_publishing_so_a_consumer_may_win_th
     let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
     Gate::install(&env).await;
     let gate = Gate::close(&env, "kfs-test-gate-relay").await;
-    let gated = gate.pool(&env).await;
-    let r = Relay::new(
-        gated.clone(),
-        env.topology.clone(),
-        "relay-gated",
-        cfg(),
-        &[Kind::Probe],
-    );
-    let ch = env.confirm_channel().await;
-    let relaying = tokio::spawn(async move { r.relay_once(&ch, Kind::Probe).await });
-    gate.wait_until_held(&env).await;
+    let (relaying, gated) = gate.hold_a_round(&env, "relay-gated").await;
 
     // Published and confirmed, not yet marked: the claim with the delivery id is committed.
     let row = outbox_state(&env.pool, outbox).await;
@@ -488,39 +510,13 @@ async fn mark_dispatched_is_fenced_by_the_lock_token_when_another_relay_reclaime
 
     // Relay A claims and publishes, then stops before its mark.
     let gate_a = Gate::close(&env, "kfs-test-gate-a").await;
-    let pool_a = gate_a.pool(&env).await;
-    let a = Relay::new(
-        pool_a.clone(),
-        env.topology.clone(),
-        "relay-a",
-        cfg(),
-        &[Kind::Probe],
-    );
-    let ch_a = env.confirm_channel().await;
-    let relaying_a = tokio::spawn(async move { a.relay_once(&ch_a, Kind::Probe).await });
-    gate_a.wait_until_held(&env).await;
+    let (relaying_a, pool_a) = gate_a.hold_a_round(&env, "relay-a").await;
     let first_id = outbox_state(&env.pool, outbox).await.queue_job_id.unwrap();
 
     // A's lock runs out; relay B reclaims the row under its own token and stops before its mark.
-    sqlx::query(
-        "UPDATE kfs_probe_outbox SET locked_until = now() - interval '1 second' WHERE id = $1",
-    )
-    .bind(outbox)
-    .execute(&env.pool)
-    .await
-    .unwrap();
+    expire_lock(&env.pool, outbox).await;
     let gate_b = Gate::close(&env, "kfs-test-gate-b").await;
-    let pool_b = gate_b.pool(&env).await;
-    let b = Relay::new(
-        pool_b.clone(),
-        env.topology.clone(),
-        "relay-b",
-        cfg(),
-        &[Kind::Probe],
-    );
-    let ch_b = env.confirm_channel().await;
-    let relaying_b = tokio::spawn(async move { b.relay_once(&ch_b, Kind::Probe).await });
-    gate_b.wait_until_held(&env).await;
+    let (relaying_b, pool_b) = gate_b.hold_a_round(&env, "relay-b").await;
     let reclaimed = outbox_state(&env.pool, outbox).await;
     let second_id = reclaimed.queue_job_id.clone().unwrap();
     assert_ne!(first_id, second_id, "B's claim wrote a new delivery id");
@@ -1998,17 +1994,7 @@ async fn the_mark_skips_a_row_a_claim_holds_and_marks_the_others_without_waiting
     let held = rows[1];
     Gate::install(&env).await;
     let gate = Gate::close(&env, "kfs-test-gate-skip").await;
-    let gated = gate.pool(&env).await;
-    let r = Relay::new(
-        gated.clone(),
-        env.topology.clone(),
-        "relay-skip",
-        cfg(),
-        &[Kind::Probe],
-    );
-    let ch = env.confirm_channel().await;
-    let relaying = tokio::spawn(async move { r.relay_once(&ch, Kind::Probe).await });
-    gate.wait_until_held(&env).await;
+    let (relaying, gated) = gate.hold_a_round(&env, "relay-skip").await;
     let first = outbox_state(&env.pool, held).await;
     assert_eq!(first.status, "dispatching");
 
@@ -2036,13 +2022,7 @@ async fn the_mark_skips_a_row_a_claim_holds_and_marks_the_others_without_waiting
     let skipped = outbox_state(&env.pool, held).await;
     assert_eq!(skipped.status, "dispatching");
     assert!(!skipped.lock_cleared, "{skipped:?}");
-    sqlx::query(
-        "UPDATE kfs_probe_outbox SET locked_until = now() - interval '1 second' WHERE id = $1",
-    )
-    .bind(held)
-    .execute(&env.pool)
-    .await
-    .unwrap();
+    expire_lock(&env.pool, held).await;
     drain(&env).await;
     let again = round(
         &relay(&env, "relay-after", cfg()),
