@@ -204,6 +204,8 @@ pub async fn consume(
             FieldTable::default(),
         )
         .await?;
+    // The relay of this process sizes and refills the kind's window from these consumers.
+    let _consuming = crate::relay::window::consuming(kind);
     let mut running: JoinSet<(Instant, Vec<(Delivery, Handled)>)> = JoinSet::new();
     let mut window = Window::default();
     let mut unsettled: HashMap<u64, Unsettled> = HashMap::new();

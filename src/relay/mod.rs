@@ -125,16 +125,22 @@ impl Room {
 }
 
 impl KindState {
-    /// Folds the rows taken since the last period into the rate, once a period (250 ms) has
-    /// passed, half old and half new; returns the rate.
-    fn fold_rate(&mut self) -> f64 {
-        let now = std::time::Instant::now();
+    /// Folds the demand since the last period into the rate, once a period (250 ms) has
+    /// passed, half old and half new; returns the rate. The demand is the rows this relay took
+    /// into the window or its process's consumers' claims `left` [`window::across`] the
+    /// queue's consumers, whichever is more: relays side by side each take a share of the
+    /// rows, and the window is the whole queue's.
+    fn fold_rate(&mut self, now: std::time::Instant, left: u64, own: u32) -> f64 {
         let since = *self.since.get_or_insert(now);
+        let at_fold = *self.left_at_fold.get_or_insert(left);
         let period = now.duration_since(since).as_secs_f64();
         if period >= 0.25 {
-            self.rate = 0.5 * self.rate + 0.5 * (self.taken as f64 / period);
+            let claims = window::across(left.wrapping_sub(at_fold), own, self.consumers);
+            let demand = self.taken.max(claims);
+            self.rate = 0.5 * self.rate + 0.5 * (demand as f64 / period);
             self.taken = 0;
             self.since = Some(now);
+            self.left_at_fold = Some(left);
         }
         self.rate
     }
@@ -162,6 +168,8 @@ struct KindState {
     /// Rows taken into the window since `since`.
     taken: u64,
     since: Option<std::time::Instant>,
+    /// This process's consumers' claims ([`window::left`]) at `since`.
+    left_at_fold: Option<u64>,
     /// The tenant whose new work was published last: the round-robin goes on after it.
     cursor: String,
     /// Messages in the window after the last claim, the count of this process's consumers'
@@ -229,23 +237,29 @@ impl Relay {
 
     /// The kind's window now, in messages.
     pub fn window(&self, kind: Kind) -> i64 {
-        let (consumers, rate) = self
-            .state()
-            .get_mut(&kind)
-            .map_or((0, 0.0), |s| (s.consumers, s.fold_rate()));
+        let (left, own) = (window::left(kind), window::own_consumers(kind));
+        let (consumers, rate) = self.state().get_mut(&kind).map_or((0, 0.0), |s| {
+            (
+                s.consumers,
+                s.fold_rate(std::time::Instant::now(), left, own),
+            )
+        });
         self.cfg.windows.of(kind).messages(consumers, rate)
     }
 
     /// Whether a relay waiting for room in `kind`'s window should claim again now
     /// ([`window::worth_a_look`]).
     pub fn worth_a_look(&self, kind: Kind) -> bool {
-        let left = window::left(kind);
+        let (left, own) = (window::left(kind), window::own_consumers(kind));
         let size = self.cfg.windows.of(kind);
         self.state().get_mut(&kind).is_none_or(|s| {
-            let window = size.messages(s.consumers, s.fold_rate());
+            let window = size.messages(
+                s.consumers,
+                s.fold_rate(std::time::Instant::now(), left, own),
+            );
             window::worth_a_look(
                 s.in_window,
-                left.wrapping_sub(s.left_at_claim),
+                window::across(left.wrapping_sub(s.left_at_claim), own, s.consumers),
                 window,
                 s.held,
             )
@@ -764,5 +778,62 @@ fn message(kind: Kind, row: &Claimed) -> OutboundMessage {
         schema_version: row.schema_version,
         traceparent,
         body: serde_json::to_vec(&row.payload).unwrap_or_default(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// One period of a relay's rate: its own takes and its process's consumers' claims, with
+    /// `own` of `consumers` on the queue; returns the rate after the period.
+    fn rate_after(taken: u64, claims: u64, own: u32, consumers: u32) -> f64 {
+        let t0 = Instant::now();
+        let mut s = KindState {
+            consumers,
+            ..KindState::default()
+        };
+        s.fold_rate(t0, 1_000, own);
+        s.taken = taken;
+        s.fold_rate(t0 + Duration::from_secs(1), 1_000 + claims, own)
+    }
+
+    #[test]
+    fn a_relay_beside_others_folds_the_whole_queues_drain_into_its_rate_table() {
+        // (taken by this relay, claimed by this process's consumers, own, consumers, rate)
+        let cases: &[(u64, u64, u32, u32, f64)] = &[
+            // Alone: what it took and what was claimed agree.
+            (400, 400, 1, 1, 200.0),
+            // One of two processes: it took half the rows; its consumer claimed half.
+            (200, 200, 1, 2, 200.0),
+            (100, 200, 1, 4, 400.0),
+            // A relay-only process: what it took.
+            (300, 0, 0, 2, 150.0),
+            // Consumers claimed less than it published (a filling window): what it took.
+            (400, 100, 1, 1, 200.0),
+        ];
+        for &(taken, claims, own, consumers, want) in cases {
+            let got = rate_after(taken, claims, own, consumers);
+            assert!(
+                (got - want).abs() < 1e-9,
+                "took {taken}, {claims} claims, {own} of {consumers} consumers: {got}, want {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_rate_waits_for_a_whole_period_before_it_folds() {
+        let t0 = Instant::now();
+        let mut s = KindState {
+            consumers: 2,
+            ..KindState::default()
+        };
+        s.fold_rate(t0, 0, 1);
+        s.taken = 500;
+        assert_eq!(s.fold_rate(t0 + Duration::from_millis(100), 500, 1), 0.0);
+        // The claims counted from the period's start, not from the early look.
+        let r = s.fold_rate(t0 + Duration::from_millis(500), 500, 1);
+        assert!((r - 0.5 * 1000.0 / 0.5).abs() < 1e-9, "{r}");
     }
 }

@@ -172,6 +172,55 @@ pub fn left(kind: Kind) -> u64 {
         .unwrap_or(0)
 }
 
+static OWN: LazyLock<std::sync::Mutex<HashMap<Kind, u32>>> =
+    LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
+
+/// This process consumes `kind`'s queue while the value lives (one per consumer).
+pub struct Consuming(Kind);
+
+/// Registers one of this process's consumers of `kind`, until the value is dropped.
+pub fn consuming(kind: Kind) -> Consuming {
+    *OWN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .entry(kind)
+        .or_default() += 1;
+    Consuming(kind)
+}
+
+impl Drop for Consuming {
+    fn drop(&mut self) {
+        if let Some(n) = OWN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_mut(&self.0)
+        {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
+/// How many consumers of `kind`'s queue this process runs now.
+pub fn own_consumers(kind: Kind) -> u32 {
+    OWN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get(&kind)
+        .copied()
+        .unwrap_or(0)
+}
+
+/// What `claims` by this process's `own` consumers stand for across all `consumers` of the
+/// queue: the broker shares a backlog between consumers of equal prefetch evenly, and a relay
+/// hears only of its own process's claims, so with two processes it would otherwise see half
+/// the drain, keep half the window it means to and refill it late. With no consumer of its own
+/// (a relay-only process), the claims stand for themselves. Pure.
+pub fn across(claims: u64, own: u32, consumers: u32) -> u64 {
+    if own == 0 {
+        return claims;
+    }
+    let all = u64::from(consumers.max(own));
+    claims.saturating_mul(all) / u64::from(own)
+}
+
 /// A receiver of [`freed`] and [`claimed`] events.
 pub fn subscribe() -> watch::Receiver<u64> {
     FREED.subscribe()
@@ -179,7 +228,8 @@ pub fn subscribe() -> watch::Receiver<u64> {
 
 /// Whether a relay waiting for room in a window should claim again now: when a tenant was held
 /// (any ended job may let it in), or when what its last claim left in the window, less what
-/// consumers of this process claimed since, is down to half the window. Refilling at half
+/// consumers claimed since (this process's claims [`across`] the queue), is down to half the
+/// window. Refilling at half
 /// rather than at every claim keeps a fast kind's claims a half window each instead of a
 /// consumer's batch each, and the half still waiting covers the refill. Pure.
 pub fn worth_a_look(in_window: i64, left_since: u64, window: i64, held: bool) -> bool {
@@ -281,6 +331,44 @@ mod tests {
                 "{in_window} in a window of {window}, {left} left, held {held}"
             );
         }
+    }
+
+    #[test]
+    fn claims_stand_for_the_whole_queue_in_the_share_of_this_process_table() {
+        // (claims, own consumers, consumers of the queue, what they stand for)
+        let cases: &[(u64, u32, u32, u64)] = &[
+            (100, 1, 1, 100),
+            (100, 1, 2, 200),
+            (100, 2, 4, 200),
+            (90, 1, 3, 270),
+            // A relay-only process: its claims, none, stand for themselves.
+            (0, 0, 4, 0),
+            (7, 0, 2, 7),
+            // The broker's count lags a consumer this process just started.
+            (50, 2, 1, 50),
+            (50, 2, 0, 50),
+            (u64::MAX, 1, 2, u64::MAX),
+        ];
+        for &(claims, own, consumers, want) in cases {
+            assert_eq!(
+                across(claims, own, consumers),
+                want,
+                "{claims} claims, {own} of {consumers} consumers"
+            );
+        }
+    }
+
+    #[test]
+    fn a_consumer_counts_for_its_process_while_it_lives() {
+        let kind = Kind::new("probe-own-consumers");
+        assert_eq!(own_consumers(kind), 0);
+        let a = consuming(kind);
+        let b = consuming(kind);
+        assert_eq!(own_consumers(kind), 2);
+        drop(a);
+        assert_eq!(own_consumers(kind), 1);
+        drop(b);
+        assert_eq!(own_consumers(kind), 0);
     }
 
     #[test]
