@@ -296,6 +296,9 @@ async fn one(
     if s == Scenario::Takeover {
         return scenarios::takeover(services, p).await;
     }
+    if s == Scenario::Fairness {
+        return scenarios::fairness(services, p).await;
+    }
     let env = env::BenchEnv::new(services, s.name()).await?;
     let r = match s {
         Scenario::Limit => scenarios::limit(&env, p).await,
@@ -305,9 +308,10 @@ async fn one(
         Scenario::Peer => scenarios::peer(&env, p, limit).await,
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
-        Scenario::Fairness => scenarios::fairness(&env, p).await,
         Scenario::Claim => scenarios::claim(&env, p).await,
-        Scenario::Scaleout | Scenario::Takeover => unreachable!("handled above"),
+        Scenario::Scaleout | Scenario::Takeover | Scenario::Fairness => {
+            unreachable!("handled above")
+        }
     };
     env.cleanup().await;
     r
