@@ -11,6 +11,7 @@ use crate::config::SecretUrl;
 
 pub mod indexes;
 pub mod migrate;
+pub mod statistics;
 
 pub use migrate::{migrate, MigrateError, MIGRATOR};
 

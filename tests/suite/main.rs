@@ -40,5 +40,6 @@ mod publication;
 mod relay;
 mod research;
 mod schema;
+mod statistics;
 mod status;
 mod tracing;
