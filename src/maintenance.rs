@@ -1,7 +1,6 @@
-//! Maintenance: early takeover of dead workers' jobs, retention of finished outbox rows, and
-//! the planner's statistics of the tables that grow ([`crate::db::statistics`]). Invariant:
-//! maintenance only ever makes a row due sooner, deletes rows that are finished (`completed`,
-//! `canceled`) and old, or analyses a table; it never decides who runs a job: the claim does.
+//! Maintenance: early takeover of dead workers' jobs, and retention of finished outbox rows.
+//! Invariant: maintenance only ever makes a row due sooner or deletes rows that are finished
+//! (`completed`, `canceled`) and old; it never decides who runs a job: the claim does.
 
 use std::time::Duration;
 
@@ -19,8 +18,6 @@ pub struct MaintenanceConfig {
     pub retention: Duration,
     pub retention_batch: i64,
     pub retention_every: Duration,
-    /// How often the tables that changed most are looked at for an analysis.
-    pub analyze_every: Duration,
 }
 
 impl Default for MaintenanceConfig {
@@ -31,7 +28,6 @@ impl Default for MaintenanceConfig {
             retention: Duration::from_secs(7 * 24 * 3600),
             retention_batch: 500,
             retention_every: Duration::from_secs(60),
-            analyze_every: Duration::from_secs(5),
         }
     }
 }
@@ -155,7 +151,6 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let mut last_retention = tokio::time::Instant::now();
-    let mut last_analysis = tokio::time::Instant::now();
     // A dead worker's unacked deliveries come back from the broker at once, and usually win;
     // only jobs still held by a dead worker after a grace period are published again.
     let mut seen: std::collections::HashMap<(Kind, uuid::Uuid), tokio::time::Instant> =
@@ -194,16 +189,6 @@ pub async fn run(
             }
         }
         seen = still;
-        if last_analysis.elapsed() >= cfg.analyze_every {
-            last_analysis = tokio::time::Instant::now();
-            match crate::db::statistics::keep(&pool).await {
-                Ok(tables) if !tables.is_empty() => {
-                    tracing::debug!(?tables, "analysed tables that grew")
-                }
-                Ok(_) => {}
-                Err(e) => tracing::debug!(error = %e, "statistics look failed"),
-            }
-        }
         if last_retention.elapsed() >= cfg.retention_every {
             last_retention = tokio::time::Instant::now();
             for &kind in &kinds {

@@ -340,6 +340,13 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             shutdown.clone(),
         ));
     }
+    if opts.consumer {
+        tasks.spawn(db::statistics::run(
+            pool.clone(),
+            db::statistics::EVERY,
+            shutdown.clone(),
+        ));
+    }
     if opts.maintenance {
         tasks.spawn(maintenance::run(
             pool.clone(),

@@ -15,8 +15,7 @@ pub struct RunArgs {
     /// Run the consumers
     #[arg(long)]
     pub consumer: bool,
-    /// Run maintenance: early takeover of dead workers' jobs, outbox retention, and analysing
-    /// the tables that grew
+    /// Run maintenance: early takeover of dead workers' jobs and outbox retention
     #[arg(long)]
     pub maintenance: bool,
     /// Run the jobs leased straight from Postgres: legacy space bootstraps, profile backfills and

@@ -1,8 +1,8 @@
 //! The planner's statistics of the tables that grow under the worker. Invariant: a table of the
-//! current schema that this role may analyse, whose rows changed since its last analysis by
-//! more than autovacuum's default threshold (50 rows and a tenth of the table), is analysed at
-//! the next look; a look never waits for a lock (another session analysing the table is left
-//! to it) and a failure only logs.
+//! current schema that this role owns, whose rows changed since its last analysis by more than
+//! 50 and more than the table held then (so its statistics describe less than half of it), is
+//! analysed at the next look; a look never waits for a lock (another session analysing the
+//! table is left to it) and a failure only logs.
 //!
 //! Why: a connection keeps the plans of its statements, and Postgres keeps the plans of the
 //! foreign-key checks its triggers run, for as long as nothing invalidates them. On tables
@@ -12,9 +12,19 @@
 //! member copied. Autovacuum looks at a database once a minute; a compile backlog of 600
 //! documents in a new space took 89 s before it did, and 44 s when the tables were analysed
 //! as they grew. An analysis invalidates the plans made on the table, so each connection plans
-//! again with what the table holds now.
+//! again with what the table holds now. Only a table that outgrew its statistics twice over is
+//! analysed, so a growing table is analysed a handful of times (at each doubling) and then left
+//! to autovacuum: analysing at autovacuum's own threshold (a tenth) every 5 s made every
+//! connection plan its statements again every few seconds, and raised the p99 to claim at
+//! 200 jobs/s from 8-9 to 13-16 ms.
+
+use std::time::Duration;
 
 use sqlx::PgPool;
+use tokio_util::sync::CancellationToken;
+
+/// How often a consumer's process looks at the statistics.
+pub const EVERY: Duration = Duration::from_secs(5);
 
 /// At most this many tables are analysed per look, the most changed first.
 const PER_LOOK: i64 = 4;
@@ -23,15 +33,15 @@ const PER_LOOK: i64 = 4;
 const DUE: &str = "SELECT format('%I.%I', s.schemaname, s.relname) \
      FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid \
      WHERE s.schemaname = current_schema() \
-       AND s.n_mod_since_analyze > 50 + 0.1 * greatest(c.reltuples, s.n_live_tup, 0) \
+       AND s.n_mod_since_analyze > 50 + greatest(c.reltuples, 0) \
        AND pg_has_role(current_user, c.relowner, 'MEMBER') \
      ORDER BY s.n_mod_since_analyze DESC LIMIT $1";
 
-/// Whether a table with `live` rows (at least as many as its last statistics say) that had
-/// `changed` rows written since its last analysis is due for one: autovacuum's default
-/// threshold. Pure; the statement above says the same.
-pub fn due(changed: i64, live: f64) -> bool {
-    changed as f64 > 50.0 + 0.1 * live.max(0.0)
+/// Whether a table whose last statistics counted `known` rows (-1: never analysed) and that
+/// had `changed` rows written since is due for an analysis. Pure; the statement above says the
+/// same.
+pub fn due(changed: i64, known: f64) -> bool {
+    changed as f64 > 50.0 + known.max(0.0)
 }
 
 /// Analyses the tables that are due; returns the ones it analysed.
@@ -60,24 +70,46 @@ pub async fn keep(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
     Ok(done)
 }
 
+/// Looks every `every` until shutdown; runs in every process with consumers, whose steps write
+/// the tables that grow.
+pub async fn run(pool: PgPool, every: Duration, shutdown: CancellationToken) {
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        match keep(&pool).await {
+            Ok(tables) if !tables.is_empty() => {
+                tracing::debug!(?tables, "analysed tables that outgrew their statistics")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "statistics look failed"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::due;
 
     #[test]
-    fn a_table_is_due_past_fifty_rows_and_a_tenth_of_its_size_table() {
-        // (rows changed since the last analysis, rows in the table, due)
-        for (changed, live, want) in [
+    fn a_table_is_due_once_it_outgrew_its_statistics_twice_over_table() {
+        // (rows changed since the last analysis, rows it counted then, due)
+        for (changed, known, want) in [
             (0, 0.0, false),
             (50, 0.0, false),
             (51, 0.0, true),
-            (150, 1_000.0, false),
-            (151, 1_000.0, true),
-            (100_050, 1_000_000.0, false),
-            (100_051, 1_000_000.0, true),
             (60, -1.0, true), // never analysed: reltuples is -1
+            (1_050, 1_000.0, false),
+            (1_051, 1_000.0, true),
+            (150_000, 1_000_000.0, false), // autovacuum's business
+            (1_000_051, 1_000_000.0, true),
         ] {
-            assert_eq!(due(changed, live), want, "{changed} changed of {live}");
+            assert_eq!(
+                due(changed, known),
+                want,
+                "{changed} changed, {known} known"
+            );
         }
     }
 }

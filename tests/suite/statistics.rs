@@ -1,6 +1,6 @@
 //! The planner's statistics of the tables that grow under the worker, against a real Postgres:
 //! plans made while a space had no publications stop walking every publication of the space
-//! once maintenance has analysed the tables, and a look at the statistics never waits for a
+//! once a consumer's process has analysed the tables, and a look at the statistics never waits for a
 //! lock.
 
 use kfs_worker::db::statistics;

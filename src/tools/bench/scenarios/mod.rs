@@ -160,7 +160,7 @@ fn run_options(
         kinds,
         relay: true,
         consumer: true,
-        maintenance: true,
+        maintenance: false,
         leased: None,
         relay_cfg: RelayConfig {
             windows: p.windows.clone(),
