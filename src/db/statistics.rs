@@ -27,19 +27,20 @@ use tokio_util::sync::CancellationToken;
 pub const EVERY: Duration = Duration::from_secs(5);
 
 /// At most this many tables are analysed per look, the most changed first.
-const PER_LOOK: i64 = 4;
+const PER_LOOK: usize = 4;
 
-/// The tables due for an analysis, the most changed first, each as a quoted name.
-const DUE: &str = "SELECT format('%I.%I', s.schemaname, s.relname) \
+/// The tables of the schema this role owns that changed since their last analysis, each as a
+/// quoted name with the rows changed and the rows its statistics counted (-1: never analysed),
+/// the most changed first.
+const CHANGED: &str = "SELECT format('%I.%I', s.schemaname, s.relname), s.n_mod_since_analyze, \
+       c.reltuples::float8 \
      FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid \
-     WHERE s.schemaname = current_schema() \
-       AND s.n_mod_since_analyze > 50 + greatest(c.reltuples, 0) \
+     WHERE s.schemaname = current_schema() AND s.n_mod_since_analyze > 50 \
        AND pg_has_role(current_user, c.relowner, 'MEMBER') \
-     ORDER BY s.n_mod_since_analyze DESC LIMIT $1";
+     ORDER BY s.n_mod_since_analyze DESC";
 
 /// Whether a table whose last statistics counted `known` rows (-1: never analysed) and that
-/// had `changed` rows written since is due for an analysis. Pure; the statement above says the
-/// same.
+/// had `changed` rows written since is due for an analysis. Pure.
 pub fn due(changed: i64, known: f64) -> bool {
     changed as f64 > 50.0 + known.max(0.0)
 }
@@ -47,26 +48,36 @@ pub fn due(changed: i64, known: f64) -> bool {
 /// Analyses the tables that are due; returns the ones it analysed.
 pub async fn keep(pool: &PgPool) -> Result<Vec<String>, sqlx::Error> {
     let mut conn = crate::db::acquire(pool).await?;
-    let tables: Vec<String> = sqlx::query_scalar(DUE)
-        .bind(PER_LOOK)
-        .fetch_all(&mut *conn)
-        .await?;
+    let changed: Vec<(String, i64, f64)> = sqlx::query_as(CHANGED).fetch_all(&mut *conn).await?;
+    let tables: Vec<String> = changed
+        .into_iter()
+        .filter(|&(_, n, known)| due(n, known))
+        .map(|(t, _, _)| t)
+        .take(PER_LOOK)
+        .collect();
     let mut done = Vec::with_capacity(tables.len());
+    if tables.is_empty() {
+        return Ok(done);
+    }
+    // ANALYZE cannot run in a transaction block, so the bound on its lock wait is the session's
+    // for the look, and the connection goes back to the pool without it.
+    sqlx::query("SET lock_timeout = '200ms'")
+        .execute(&mut *conn)
+        .await?;
     for table in tables {
-        // ANALYZE cannot run in a transaction block; the session's lock_timeout bounds it.
-        sqlx::query("SET lock_timeout = '200ms'")
-            .execute(&mut *conn)
-            .await?;
         let analyse = format!("ANALYZE {table}");
-        let analysed = sqlx::query(&analyse).execute(&mut *conn).await;
-        sqlx::query("RESET lock_timeout")
+        match sqlx::query(&analyse)
+            .persistent(false)
             .execute(&mut *conn)
-            .await?;
-        match analysed {
+            .await
+        {
             Ok(_) => done.push(table),
             Err(e) => tracing::debug!(table, error = %e, "table not analysed"),
         }
     }
+    sqlx::query("RESET lock_timeout")
+        .execute(&mut *conn)
+        .await?;
     Ok(done)
 }
 

@@ -144,6 +144,12 @@ impl KindState {
         }
         self.rate
     }
+
+    /// The window of `size` now, with the rate folded from this process's consumers (`local`).
+    fn window(&mut self, size: window::Size, local: window::Local) -> i64 {
+        let rate = self.fold_rate(std::time::Instant::now(), local.claimed, local.consumers);
+        size.messages(self.consumers, rate)
+    }
 }
 
 /// What one round did.
@@ -168,12 +174,12 @@ struct KindState {
     /// Rows taken into the window since `since`.
     taken: u64,
     since: Option<std::time::Instant>,
-    /// This process's consumers' claims ([`window::left`]) at `since`.
+    /// This process's consumers' claims ([`window::Local::claimed`]) at `since`.
     left_at_fold: Option<u64>,
     /// The tenant whose new work was published last: the round-robin goes on after it.
     cursor: String,
     /// Messages in the window after the last claim, the count of this process's consumers'
-    /// claims ([`window::left`]) read before it, and whether it held a tenant back: what
+    /// claims ([`window::Local::claimed`]) read before it, and whether it held a tenant back: what
     /// [`Relay::worth_a_look`] needs.
     in_window: i64,
     left_at_claim: u64,
@@ -237,29 +243,27 @@ impl Relay {
 
     /// The kind's window now, in messages.
     pub fn window(&self, kind: Kind) -> i64 {
-        let (left, own) = (window::left(kind), window::own_consumers(kind));
-        let (consumers, rate) = self.state().get_mut(&kind).map_or((0, 0.0), |s| {
-            (
-                s.consumers,
-                s.fold_rate(std::time::Instant::now(), left, own),
-            )
-        });
-        self.cfg.windows.of(kind).messages(consumers, rate)
+        let size = self.cfg.windows.of(kind);
+        let local = window::local(kind);
+        self.state()
+            .get_mut(&kind)
+            .map_or_else(|| size.messages(0, 0.0), |s| s.window(size, local))
     }
 
     /// Whether a relay waiting for room in `kind`'s window should claim again now
     /// ([`window::worth_a_look`]).
     pub fn worth_a_look(&self, kind: Kind) -> bool {
-        let (left, own) = (window::left(kind), window::own_consumers(kind));
         let size = self.cfg.windows.of(kind);
+        let local = window::local(kind);
         self.state().get_mut(&kind).is_none_or(|s| {
-            let window = size.messages(
-                s.consumers,
-                s.fold_rate(std::time::Instant::now(), left, own),
-            );
+            let window = s.window(size, local);
             window::worth_a_look(
                 s.in_window,
-                window::across(left.wrapping_sub(s.left_at_claim), own, s.consumers),
+                window::across(
+                    local.claimed.wrapping_sub(s.left_at_claim),
+                    local.consumers,
+                    s.consumers,
+                ),
                 window,
                 s.held,
             )
@@ -509,7 +513,7 @@ impl Relay {
         let limited = fair && limit.is_some();
         // Read before the claim's snapshot: a consumer's claim in between is counted both as
         // gone from the window and as left since, so the estimate errs towards looking early.
-        let left_at_claim = window::left(kind);
+        let left_at_claim = window::local(kind).claimed;
         let mut tx = self.index_planned().await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1, hashtext($2))")
             .bind(CLAIM_LOCK_NAMESPACE)

@@ -140,10 +140,25 @@ fn one_kind(text: &str) -> Result<Kind, String> {
 /// process wait on it instead of polling; relays elsewhere poll every `window_poll`.
 static FREED: LazyLock<watch::Sender<u64>> = LazyLock::new(|| watch::channel(0).0);
 
-/// Per kind, the messages consumers of this process have claimed so far: what left the kind's
-/// window, for a relay to tell how much room its last claim left has grown.
-static LEFT: LazyLock<std::sync::Mutex<HashMap<Kind, u64>>> =
+/// Per kind, what a relay of this process knows of the kind's consumers here.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Local {
+    /// The messages this process's consumers have claimed so far: what left the kind's window,
+    /// for a relay to tell how much room its last claim left has grown.
+    pub claimed: u64,
+    /// The consumers of the kind's queue this process runs now.
+    pub consumers: u32,
+}
+
+static LOCAL: LazyLock<std::sync::Mutex<HashMap<Kind, Local>>> =
     LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
+
+fn with_local<T>(kind: Kind, f: impl FnOnce(&mut Local) -> T) -> T {
+    let mut all = LOCAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    f(all.entry(kind).or_default())
+}
 
 /// Jobs ended or went back: a tenant held at its limit may have room again. Wakes every relay
 /// of this process that waits for room.
@@ -153,59 +168,28 @@ pub fn freed() {
 
 /// Consumers of this process claimed `n` messages of `kind`: they left its window.
 pub fn claimed(kind: Kind, n: u64) {
-    {
-        let mut left = LEFT
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let c = left.entry(kind).or_default();
-        *c = c.wrapping_add(n);
-    }
+    with_local(kind, |l| l.claimed = l.claimed.wrapping_add(n));
     freed();
 }
 
-/// How many messages of `kind` consumers of this process have claimed so far.
-pub fn left(kind: Kind) -> u64 {
-    LEFT.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&kind)
-        .copied()
-        .unwrap_or(0)
+/// What this process's consumers of `kind` have claimed so far, and how many there are now.
+pub fn local(kind: Kind) -> Local {
+    with_local(kind, |l| *l)
 }
-
-static OWN: LazyLock<std::sync::Mutex<HashMap<Kind, u32>>> =
-    LazyLock::new(|| std::sync::Mutex::new(HashMap::new()));
 
 /// This process consumes `kind`'s queue while the value lives (one per consumer).
 pub struct Consuming(Kind);
 
 /// Registers one of this process's consumers of `kind`, until the value is dropped.
 pub fn consuming(kind: Kind) -> Consuming {
-    *OWN.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .entry(kind)
-        .or_default() += 1;
+    with_local(kind, |l| l.consumers += 1);
     Consuming(kind)
 }
 
 impl Drop for Consuming {
     fn drop(&mut self) {
-        if let Some(n) = OWN
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .get_mut(&self.0)
-        {
-            *n = n.saturating_sub(1);
-        }
+        with_local(self.0, |l| l.consumers = l.consumers.saturating_sub(1));
     }
-}
-
-/// How many consumers of `kind`'s queue this process runs now.
-pub fn own_consumers(kind: Kind) -> u32 {
-    OWN.lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .get(&kind)
-        .copied()
-        .unwrap_or(0)
 }
 
 /// What `claims` by this process's `own` consumers stand for across all `consumers` of the
@@ -361,14 +345,14 @@ mod tests {
     #[test]
     fn a_consumer_counts_for_its_process_while_it_lives() {
         let kind = Kind::new("probe-own-consumers");
-        assert_eq!(own_consumers(kind), 0);
+        assert_eq!(local(kind).consumers, 0);
         let a = consuming(kind);
         let b = consuming(kind);
-        assert_eq!(own_consumers(kind), 2);
+        assert_eq!(local(kind).consumers, 2);
         drop(a);
-        assert_eq!(own_consumers(kind), 1);
+        assert_eq!(local(kind).consumers, 1);
         drop(b);
-        assert_eq!(own_consumers(kind), 0);
+        assert_eq!(local(kind).consumers, 0);
     }
 
     #[test]

@@ -25,6 +25,13 @@ async fn status_index_scans(pool: &PgPool) -> i64 {
     .unwrap()
 }
 
+/// Scans of the space-and-status index while `conn` writes a publication of 20 members.
+async fn scans_of_a_copy_of_20(pool: &PgPool, conn: &mut PgConnection, space: Uuid) -> i64 {
+    let before = status_index_scans(pool).await;
+    publication_with_members(conn, space, 20).await;
+    status_index_scans(pool).await - before
+}
+
 async fn flush_statistics(conn: &mut PgConnection) {
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(&mut *conn)
@@ -96,9 +103,7 @@ async fn member_checks_planned_on_an_empty_space_stop_walking_its_publications_o
     .unwrap();
     flush_statistics(&mut conn).await;
 
-    let before = status_index_scans(&pool).await;
-    publication_with_members(&mut conn, space, 20).await;
-    let unanalysed = status_index_scans(&pool).await - before;
+    let unanalysed = scans_of_a_copy_of_20(&pool, &mut conn, space).await;
     assert_eq!(
         unanalysed, 20,
         "each of 20 members was checked through the space-and-status index: the plan this test is about"
@@ -111,9 +116,7 @@ async fn member_checks_planned_on_an_empty_space_stop_walking_its_publications_o
             .any(|t| t.ends_with(".projection_set_publications")),
         "the grown publications table was analysed: {analysed:?}"
     );
-    let before = status_index_scans(&pool).await;
-    publication_with_members(&mut conn, space, 20).await;
-    let after = status_index_scans(&pool).await - before;
+    let after = scans_of_a_copy_of_20(&pool, &mut conn, space).await;
     assert_eq!(
         after, 0,
         "after the analysis no member's check goes through the space-and-status index"
