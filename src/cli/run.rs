@@ -67,6 +67,11 @@ pub struct RunArgs {
     /// compile=64,deletion=8; everything else waits in Postgres, in fair order
     #[arg(long, env = "KFS_RELAY_WINDOW", default_value = "auto")]
     pub relay_window: String,
+    /// Which relays relay a kind: "one" (one relay of the database leads each kind; the others
+    /// stand by and take over within 0.5 s of its exit, 6 s if it hangs) or "all" (every relay,
+    /// side by side)
+    #[arg(long, env = "KFS_RELAY_LEAD", default_value = "one", value_parser = ["one", "all"])]
+    pub relay_lead: String,
     /// Most jobs of a kind one tenant may have published or running, per kind, e.g.
     /// compile=8,deletion=2 (unset: no limit)
     #[arg(long, env = "KFS_TENANT_LIMITS", default_value = "")]
@@ -187,6 +192,7 @@ impl RunArgs {
             .map_err(|e| ConfigError::new("KFS_RELAY_WINDOW", e))?,
             tenant_limits: crate::relay::window::parse_limits(&self.tenant_limits)
                 .map_err(|e| ConfigError::new("KFS_TENANT_LIMITS", e))?,
+            lead: self.relay_lead == "one",
             ..RelayConfig::default()
         };
         let all = !(self.relay || self.consumer || self.maintenance || self.leased);

@@ -10,7 +10,9 @@
 //! not yet claimed (`window`), and each claim takes, in this order, rows already in the window
 //! that need publishing again, jobs taken over, retries, then new work round-robin between
 //! tenants, within each tenant's limit (`statements`). Claims of one kind take turns on an
-//! advisory lock, so relays side by side never over-admit.
+//! advisory lock, so relays side by side never over-admit. Relays side by side are safe, but
+//! by default only one of them relays each kind at a time and the others stand by (`lead`).
+pub mod lead;
 mod rounds;
 pub mod schedule;
 mod session;
@@ -64,6 +66,9 @@ pub struct RelayConfig {
     /// How soon a relay that filled its window, or held a tenant back, looks again when no
     /// consumer of this process woke it.
     pub window_poll: Duration,
+    /// One relay of the database leads each kind and the others stand by (`lead`); off, every
+    /// relay relays every kind.
+    pub lead: bool,
 }
 
 impl Default for RelayConfig {
@@ -83,6 +88,7 @@ impl Default for RelayConfig {
             windows: window::Windows::unbounded(),
             tenant_limits: std::collections::BTreeMap::new(),
             window_poll: Duration::from_millis(50),
+            lead: true,
         }
     }
 }

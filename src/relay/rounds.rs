@@ -46,6 +46,11 @@ impl<'a> Rounds<'a> {
         self.schedule.wake(kinds);
     }
 
+    /// The relay leads `led` from now on ([`schedule::Schedule::lead`]).
+    pub fn lead(&mut self, led: &std::collections::BTreeSet<Kind>) {
+        self.schedule.lead(led);
+    }
+
     /// Starts the rounds the schedule allows, unless a round has failed.
     pub fn start(&mut self) {
         if self.failed.is_some() {

@@ -1,7 +1,8 @@
 //! Which relay rounds to start, as a pure state machine. Invariant: at most `depth` rounds of one
 //! kind are in flight; a kind gets a new round only when something may be due (a notification,
-//! the poll, or its last round claimed a full batch), so an idle relay issues no claims. A kind
-//! with a backlog (its last round was full) gets `depth` rounds at once.
+//! the poll, or its last round claimed a full batch), so an idle relay issues no claims, and only
+//! while the relay leads it (`lead`); a kind it comes to lead is due at once. A kind with a
+//! backlog (its last round was full) gets `depth` rounds at once.
 //!
 //! Keeping two rounds in flight lets the next batch be claimed and published while the broker
 //! confirms the previous one. Each round claims under its own lock token with `SKIP LOCKED`, so
@@ -17,17 +18,34 @@ pub struct Schedule {
     in_flight: BTreeMap<Kind, usize>,
     wanted: BTreeSet<Kind>,
     backlog: BTreeSet<Kind>,
+    led: BTreeSet<Kind>,
 }
 
 impl Schedule {
-    /// Every kind starts wanted: rows may have come due while no relay ran.
+    /// Every kind starts wanted (rows may have come due while no relay ran) and led.
     pub fn new(kinds: &[Kind], depth: usize) -> Self {
         Self {
             depth: depth.max(1),
             in_flight: kinds.iter().map(|&k| (k, 0)).collect(),
             wanted: kinds.iter().copied().collect(),
             backlog: BTreeSet::new(),
+            led: kinds.iter().copied().collect(),
         }
+    }
+
+    /// The relay leads `led` from now on: no new round starts for any other kind, and a kind
+    /// it did not lead before is due (its last leader may have left rows behind).
+    pub fn lead(&mut self, led: &BTreeSet<Kind>) {
+        for k in led.difference(&self.led) {
+            if self.in_flight.contains_key(k) {
+                self.wanted.insert(*k);
+            }
+        }
+        self.led = led
+            .iter()
+            .copied()
+            .filter(|k| self.in_flight.contains_key(k))
+            .collect();
     }
 
     /// Rows of `kinds` may be due (a notification, or the poll for all kinds).
@@ -56,7 +74,7 @@ impl Schedule {
     pub fn start(&mut self) -> Vec<Kind> {
         let mut out = Vec::new();
         for (&kind, n) in &mut self.in_flight {
-            if *n < self.depth && self.wanted.remove(&kind) {
+            if *n < self.depth && self.led.contains(&kind) && self.wanted.remove(&kind) {
                 *n += 1;
                 out.push(kind);
                 while self.backlog.contains(&kind) && *n < self.depth {
@@ -68,9 +86,10 @@ impl Schedule {
         out
     }
 
-    /// `kind` has no round in flight and none wanted.
+    /// `kind` has no round in flight and none to start: none wanted, or it is not led.
     pub fn quiet(&self, kind: Kind) -> bool {
-        self.in_flight.get(&kind).is_none_or(|&n| n == 0) && !self.wanted.contains(&kind)
+        self.in_flight.get(&kind).is_none_or(|&n| n == 0)
+            && (!self.wanted.contains(&kind) || !self.led.contains(&kind))
     }
 
     pub fn idle(&self) -> bool {
@@ -86,6 +105,7 @@ mod tests {
     enum Ev {
         Wake(&'static [Kind]),
         Finished(Kind, bool),
+        Lead(&'static [Kind]),
     }
 
     #[test]
@@ -138,6 +158,35 @@ mod tests {
                 &[Ev::Wake(&[Compile, Probe, Research])],
                 &[Compile, Probe],
             ),
+            (
+                "a kind another relay leads gets no round, woken or not",
+                &[Ev::Lead(&[Compile]), Ev::Wake(&[Compile, Probe])],
+                &[Compile],
+            ),
+            (
+                "a backlog of a kind no longer led starts no round",
+                &[Ev::Lead(&[Compile]), Ev::Finished(Probe, true)],
+                &[],
+            ),
+            (
+                "a kind it comes to lead is due at once, with no notification",
+                &[
+                    Ev::Lead(&[]),
+                    Ev::Finished(Probe, false),
+                    Ev::Lead(&[Probe]),
+                ],
+                &[Probe],
+            ),
+            (
+                "a kind still led is not due again from leading it",
+                &[Ev::Finished(Probe, false), Ev::Lead(&[Compile, Probe])],
+                &[],
+            ),
+            (
+                "leading a kind the relay does not serve starts nothing",
+                &[Ev::Lead(&[Research])],
+                &[],
+            ),
         ];
         for (name, events, want) in cases {
             let mut s = Schedule::new(&[Compile, Probe], 2);
@@ -146,6 +195,7 @@ mod tests {
                 match *e {
                     Ev::Wake(k) => s.wake(k.iter().copied()),
                     Ev::Finished(k, full) => s.finished(k, full),
+                    Ev::Lead(k) => s.lead(&k.iter().copied().collect()),
                 }
             }
             assert_eq!(&s.start(), want, "{name}");
@@ -153,7 +203,7 @@ mod tests {
     }
 
     #[test]
-    fn a_kind_is_quiet_only_with_no_round_in_flight_and_none_wanted() {
+    fn a_kind_is_quiet_only_with_no_round_in_flight_and_none_to_start() {
         let mut s = Schedule::new(&[Kind::Probe], 2);
         assert!(!s.quiet(Kind::Probe), "wanted from the start");
         s.start();
@@ -169,6 +219,8 @@ mod tests {
         );
         s.wake([Kind::Probe]);
         assert!(!s.quiet(Kind::Probe), "woken");
+        s.lead(&BTreeSet::new());
+        assert!(s.quiet(Kind::Probe), "woken, but another relay leads it");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use sqlx::postgres::PgListener;
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
 
+use super::lead::Lead;
 use super::watch::{Call, Watcher, Watches};
 use super::{Relay, Rounds, Settled};
 use crate::broker::{self, Topology};
@@ -57,6 +58,18 @@ pub(crate) async fn relay_loop(
             let mut setup = Some(Box::pin(listen(relay_pool(&relay), Duration::ZERO)));
             ready(true);
             let mut rounds = Rounds::new(&relay, &ch, &kinds);
+            // With leads on, nothing is relayed until the first look says what this relay leads.
+            let mut lead = relay.config().lead.then(|| {
+                let mut l = Lead::new(relay_pool(&relay), &topology.prefix, kinds.clone());
+                l.look();
+                rounds.lead(&l.led());
+                l
+            });
+            let mut lead_look = tokio::time::interval_at(
+                tokio::time::Instant::now() + super::lead::LOOK,
+                super::lead::LOOK,
+            );
+            lead_look.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             // While this relay watches a kind, its writers do not notify (migration 0102).
             let mut watches = Watches::default();
             let mut watcher = Watcher::new(relay_pool(&relay));
@@ -124,8 +137,29 @@ pub(crate) async fn relay_loop(
                             }
                         }
                     }
+                    led = lead_answer(&mut lead) => {
+                        rounds.lead(&led);
+                        // A watch of a kind another relay leads would keep its writers from
+                        // notifying that relay: let go of it.
+                        for &k in kinds.iter().filter(|k| !led.contains(k)) {
+                            if rounds.quiet(k) {
+                                watcher.ask(watches.quiet(k));
+                            }
+                        }
+                    }
+                    _ = lead_look.tick(), if lead.is_some() => {
+                        if let Some(l) = lead.as_mut() {
+                            l.look();
+                        }
+                    }
                     () = look_again(watches.next_look()) => {
-                        rounds.wake(watches.due(tokio::time::Instant::now()));
+                        let due = watches.due(tokio::time::Instant::now());
+                        rounds.wake(due.iter().copied());
+                        for k in due {
+                            if rounds.quiet(k) {
+                                watcher.ask(watches.quiet(k));
+                            }
+                        }
                     }
                     () = shutdown.cancelled(), if rounds.in_flight() || !rounds.has_failed() => {
                         // Rounds in flight still settle; no new one starts.
@@ -256,6 +290,14 @@ async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen("kfs_outbox").await?;
     Ok(listener)
+}
+
+/// What the relay leads once its lead session answers; never returns without one.
+async fn lead_answer(lead: &mut Option<Lead>) -> std::collections::BTreeSet<Kind> {
+    match lead {
+        Some(l) => l.answer().await,
+        None => std::future::pending().await,
+    }
 }
 
 /// Waits until `at`; never returns without one.

@@ -32,6 +32,7 @@ mod deploy;
 mod engine;
 mod fairness;
 mod http;
+mod lead;
 mod leased;
 mod malformed;
 mod outage;
