@@ -113,9 +113,7 @@ pub(crate) async fn relay_loop(
                                 });
                             }
                             watcher.ask(watches.claimed(kind, r.claimed));
-                            if rounds.quiet(kind) {
-                                watcher.ask(watches.quiet(kind));
-                            }
+                            let_go_if_quiet([kind], &rounds, &mut watches, &mut watcher);
                         }
                     },
                     answer = watcher.answer() => {
@@ -141,11 +139,8 @@ pub(crate) async fn relay_loop(
                         rounds.lead(&led);
                         // A watch of a kind another relay leads would keep its writers from
                         // notifying that relay: let go of it.
-                        for &k in kinds.iter().filter(|k| !led.contains(k)) {
-                            if rounds.quiet(k) {
-                                watcher.ask(watches.quiet(k));
-                            }
-                        }
+                        let others = kinds.iter().copied().filter(|k| !led.contains(k));
+                        let_go_if_quiet(others, &rounds, &mut watches, &mut watcher);
                     }
                     _ = lead_look.tick(), if lead.is_some() => {
                         if let Some(l) = lead.as_mut() {
@@ -155,11 +150,7 @@ pub(crate) async fn relay_loop(
                     () = look_again(watches.next_look()) => {
                         let due = watches.due(tokio::time::Instant::now());
                         rounds.wake(due.iter().copied());
-                        for k in due {
-                            if rounds.quiet(k) {
-                                watcher.ask(watches.quiet(k));
-                            }
-                        }
+                        let_go_if_quiet(due, &rounds, &mut watches, &mut watcher);
                     }
                     () = shutdown.cancelled(), if rounds.in_flight() || !rounds.has_failed() => {
                         // Rounds in flight still settle; no new one starts.
@@ -290,6 +281,21 @@ async fn listen(pool: PgPool, after: Duration) -> Result<PgListener, sqlx::Error
     let mut listener = PgListener::connect_with(&pool).await?;
     listener.listen("kfs_outbox").await?;
     Ok(listener)
+}
+
+/// Asks the watcher to let go of each of `kinds` that has no round in flight and none to start
+/// (one another relay leads included).
+fn let_go_if_quiet(
+    kinds: impl IntoIterator<Item = Kind>,
+    rounds: &Rounds<'_>,
+    watches: &mut Watches,
+    watcher: &mut Watcher,
+) {
+    for k in kinds {
+        if rounds.quiet(k) {
+            watcher.ask(watches.quiet(k));
+        }
+    }
 }
 
 /// What the relay leads once its lead session answers; never returns without one.

@@ -15,7 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::{self, TestEnv};
 
-fn options(env: &TestEnv, worker: &str) -> RunOptions {
+/// A whole runtime of the probe kind for `env` (every role but the leased jobs).
+pub(crate) fn options(env: &TestEnv, worker: &str) -> RunOptions {
     RunOptions {
         services: env.services(),
         object_store: kfs_worker::config::object_store("memory://").unwrap(),

@@ -6,12 +6,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use kfs_worker::consumer::ConsumerConfig;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
-use kfs_worker::maintenance::MaintenanceConfig;
 use kfs_worker::relay::lead::{Lead, IDLE, LEAD_NAMESPACE};
-use kfs_worker::relay::RelayConfig;
 use kfs_worker::runtime::{self, RunOptions};
 use sqlx::PgPool;
 use tokio_util::sync::CancellationToken;
@@ -23,23 +20,9 @@ const HANG: Duration = Duration::from_secs(30);
 
 fn relay_only(env: &TestEnv, worker: &str) -> RunOptions {
     RunOptions {
-        services: env.services(),
-        object_store: kfs_worker::config::object_store("memory://").unwrap(),
-        worker_id: worker.into(),
-        kinds: vec![Kind::Probe],
-        relay: true,
         consumer: false,
         maintenance: false,
-        leased: None,
-        relay_cfg: RelayConfig {
-            poll: Duration::from_millis(200),
-            ..RelayConfig::default()
-        },
-        consumer_cfg: ConsumerConfig::default(),
-        maintenance_cfg: MaintenanceConfig::default(),
-        http_addr: None,
-        admin_token: None,
-        embedder: kfs_worker::embed::EmbedderConfig::Offline,
+        ..crate::engine::options(env, worker)
     }
 }
 
