@@ -4,8 +4,11 @@
 //! `worker_id`), and `(7038585, hashtext(worker id))`, which keeps two live processes from
 //! sharing an id. The moment the process or its session dies, `kfs_worker_alive(holder)` turns
 //! false and its jobs can be taken over without waiting for their leases to expire, also when a
-//! process restarts under the same worker id: the restarted one is another incarnation. Fencing
-//! keeps that safe either way.
+//! process restarts under the same worker id: the restarted one is another incarnation. A session
+//! that has had no statement for [`IDLE`] (its process paused, or cut off behind a link that
+//! carries nothing and closes nothing) is ended by Postgres the same way, so such a lock neither
+//! outlives the process's reach nor keeps a restart under its id waiting. Fencing keeps all of
+//! that safe either way.
 
 use std::time::Duration;
 
@@ -17,6 +20,10 @@ use crate::config::SecretUrl;
 pub const LOCK_NAMESPACE: i32 = 7_038_579;
 /// The namespace of the lock that keeps a worker id to one live process.
 pub const ID_NAMESPACE: i32 = 7_038_585;
+/// How long Postgres keeps a held liveness session that has had no statement. The holding
+/// loop runs one statement after another, so a healthy session is never idle for more than a
+/// round trip.
+pub const IDLE: Duration = Duration::from_secs(5);
 
 /// A fresh holder name for a process running under `worker_id`: the id and an incarnation, so
 /// that leases of a process that died are not taken for those of its restarted successor.
@@ -106,7 +113,11 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
 /// statement the moment it happens and the lock is taken again within milliseconds, not at the
 /// next ping. While it is gone, `kfs_worker_alive` is false and another worker may take this
 /// one's jobs over; the shorter that window, the fewer healthy slices it costs. A statement
-/// that hangs (a half-open connection) is given up after its timeout, as a lost session.
+/// that hangs (a half-open connection) is given up after its timeout, as a lost session. On the
+/// server's side such a session would otherwise sit idle, its locks held, until the server
+/// notices the dead link (TCP keepalive: hours by default); a held session is therefore ended by
+/// Postgres after [`IDLE`] without a statement (`idle_session_timeout`, PostgreSQL 14 and later;
+/// older servers refuse it, and keep the old behaviour).
 pub async fn hold(
     url: SecretUrl,
     worker_id: String,
@@ -114,6 +125,7 @@ pub async fn hold(
     shutdown: CancellationToken,
 ) {
     const NAP: &str = "SELECT pg_sleep(0.5)";
+    limit_idle(&mut conn).await;
     loop {
         let alive = tokio::select! {
             () = shutdown.cancelled() => {
@@ -140,7 +152,8 @@ pub async fn hold(
                 return;
             }
             match acquire_process(&url, &worker_id).await {
-                Ok(c) => {
+                Ok(mut c) => {
+                    limit_idle(&mut c).await;
                     conn = c;
                     tracing::info!(worker_id, "liveness lock taken again");
                     break;
@@ -156,6 +169,13 @@ pub async fn hold(
             }
         }
     }
+}
+
+/// Lets Postgres end `conn`'s session after [`IDLE`] without a statement. Best effort: a server
+/// that refuses the setting, or a session that does not answer (then lost anyway), keeps it.
+async fn limit_idle(conn: &mut PgConnection) {
+    let set = format!("SET idle_session_timeout = {}", IDLE.as_millis());
+    let _ = tokio::time::timeout(Duration::from_secs(5), sqlx::query(&set).execute(conn)).await;
 }
 
 #[cfg(test)]

@@ -1145,6 +1145,80 @@ async fn a_restart_waits_for_its_dead_predecessors_session_instead_of_failing() 
     env.cleanup().await;
 }
 
+/// A worker cut off behind a link that carries nothing and closes nothing (a half-open
+/// connection: a partition, a firewall dropping its state) leaves Postgres a session that still
+/// holds its liveness and worker-id locks, until the server notices the dead link (TCP
+/// keepalive: hours by default). The session is ended after `liveness::IDLE` without a
+/// statement instead, so the cut-off worker stops counting as alive and a process restarted
+/// under its id is not refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let u = url::Url::parse(&env.url).unwrap();
+    let upstream: std::net::SocketAddr = format!(
+        "{}:{}",
+        u.host_str().unwrap(),
+        u.port_or_known_default().unwrap()
+    )
+    .parse()
+    .expect("Postgres is at an IP address in the tests");
+    let link = crate::support::proxy::Proxy::start(upstream).await;
+    let mut through = u;
+    through.set_port(Some(link.addr.port())).unwrap();
+    through.set_host(Some(&link.addr.ip().to_string())).unwrap();
+    let e = base_env("probe=10s");
+    let cut_off = spawn(
+        &env,
+        "w1",
+        &["--consumer"],
+        &[e.as_slice(), &[("DATABASE_URL", through.as_str())]].concat(),
+    );
+    let live = env
+        .wait_until(Duration::from_secs(15), || async {
+            kfs_worker::liveness::count_live(&env.pool).await.unwrap() == 1
+        })
+        .await;
+    assert!(live, "w1 never started\n{}", cut_off.tail(20));
+
+    link.set_hold(true);
+    // The restart reaches Postgres directly and waits for the id up to its connect timeout.
+    let mut restarted = spawn(
+        &env,
+        "w1",
+        &["--consumer"],
+        &[e.as_slice(), &[("KFS_CONNECT_TIMEOUT", "30s")]].concat(),
+    );
+    let took = env
+        .wait_until(Duration::from_secs(40), || async {
+            restarted.log_text().contains("kfs-worker running")
+        })
+        .await;
+    assert!(
+        took,
+        "the restart under w1 never took the id while the cut-off session lingered\n{}",
+        restarted.tail(20)
+    );
+    let holders: Vec<String> = sqlx::query_scalar(
+        "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1::oid AND l.objsubid = 2 \
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())",
+    )
+    .bind(kfs_worker::liveness::ID_NAMESPACE)
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(holders.len(), 1, "one session holds the id w1: {holders:?}");
+    assert_eq!(
+        kfs_worker::liveness::count_live(&env.pool).await.unwrap(),
+        1,
+        "only the restart counts as alive"
+    );
+    support::stop_cleanly([&mut restarted], Duration::from_secs(20)).await;
+    drop(cut_off);
+    env.cleanup().await;
+}
+
 /// Two live processes never share a worker id: the second one waits the connect timeout for
 /// the id, then exits with one error that names the id, and the first runs on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
