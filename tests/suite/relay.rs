@@ -1920,17 +1920,41 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
         .await
         .unwrap();
     one_at_a_time(8).await;
-    // The outbox and the jobs grow; nothing analyses them.
-    probe::enqueue_many(&env.pool, 5_000, &ProbeSpec::default())
+    // The outbox and the jobs grow; nothing analyses them. On a session of its own, which ends
+    // (and reports its counters, among them the update's read of the whole outbox) before the
+    // counting starts: a busy server may report an idle session's counters seconds late.
+    let setup = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(
+            PgConnectOptions::from_str(&env.url)
+                .unwrap()
+                .application_name("relay-plans-setup"),
+        )
+        .await
+        .unwrap();
+    probe::enqueue_many(&setup, 5_000, &ProbeSpec::default())
         .await
         .unwrap();
     sqlx::query("UPDATE kfs_probe_outbox SET status = 'canceled' WHERE status = 'pending'")
-        .execute(&env.pool)
+        .execute(&setup)
         .await
         .unwrap();
-    probe::enqueue_many(&env.pool, 12, &ProbeSpec::default())
+    probe::enqueue_many(&setup, 12, &ProbeSpec::default())
         .await
         .unwrap();
+    setup.close().await;
+    let setup_gone = env
+        .wait_until(HANG, || async {
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-plans-setup'",
+            )
+            .fetch_one(&env.pool)
+            .await
+            .unwrap();
+            left == 0
+        })
+        .await;
+    assert!(setup_gone, "the setup's session did not end");
     let analysed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('kfs_probe_outbox', 'kfs_probe_jobs') \
            AND (last_analyze IS NOT NULL OR last_autoanalyze IS NOT NULL)",
