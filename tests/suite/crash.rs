@@ -1155,18 +1155,7 @@ async fn a_restart_waits_for_its_dead_predecessors_session_instead_of_failing() 
 async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
-    let u = url::Url::parse(&env.url).unwrap();
-    let upstream: std::net::SocketAddr = format!(
-        "{}:{}",
-        u.host_str().unwrap(),
-        u.port_or_known_default().unwrap()
-    )
-    .parse()
-    .expect("Postgres is at an IP address in the tests");
-    let link = crate::support::proxy::Proxy::start(upstream).await;
-    let mut through = u;
-    through.set_port(Some(link.addr.port())).unwrap();
-    through.set_host(Some(&link.addr.ip().to_string())).unwrap();
+    let (link, through) = crate::support::proxy::Proxy::before(&env.url).await;
     let e = base_env("probe=10s");
     let cut_off = spawn(
         &env,

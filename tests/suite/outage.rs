@@ -219,19 +219,8 @@ async fn behind_a_refusing_proxy(
     name: &str,
     worker_id: &str,
 ) -> (proxy::Proxy, support::Worker) {
-    let u = url::Url::parse(&env.url).unwrap();
-    let upstream: std::net::SocketAddr = format!(
-        "{}:{}",
-        u.host_str().unwrap(),
-        u.port_or_known_default().unwrap()
-    )
-    .parse()
-    .expect("Postgres is at an IP address in the tests");
-    let pg = proxy::Proxy::start(upstream).await;
+    let (pg, through) = proxy::Proxy::before(&env.url).await;
     pg.set_refuse(true);
-    let mut through = u;
-    through.set_host(Some(&pg.addr.ip().to_string())).unwrap();
-    through.set_port(Some(pg.addr.port())).unwrap();
     let w = env.spawn_worker(
         name,
         &["run", "--kinds", "probe", "--worker-id", worker_id],

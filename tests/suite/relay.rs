@@ -1860,6 +1860,21 @@ async fn no_row_waits_for_the_poll_while_writers_come_and_go_around_the_watch() 
 }
 
 /// The sequential scans of `table` counted so far, read afresh.
+/// Waits until no session named `application` is left in `env`'s database (a session that ends
+/// reports its table counters first); `false` if one still is after [`HANG`].
+async fn ended(env: &TestEnv, application: &str) -> bool {
+    env.wait_until(HANG, || async {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(application)
+                .fetch_one(&env.pool)
+                .await
+                .unwrap();
+        left == 0
+    })
+    .await
+}
+
 async fn seq_scans(pool: &PgPool, table: &str) -> i64 {
     sqlx::query_scalar("SELECT seq_scan FROM pg_stat_user_tables WHERE relid = $1::regclass")
         .bind(table)
@@ -1943,17 +1958,7 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
         .await
         .unwrap();
     setup.close().await;
-    let setup_gone = env
-        .wait_until(HANG, || async {
-            let left: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-plans-setup'",
-            )
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-            left == 0
-        })
-        .await;
+    let setup_gone = ended(&env, "relay-plans-setup").await;
     assert!(setup_gone, "the setup's session did not end");
     let analysed: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_stat_user_tables WHERE relname IN ('kfs_probe_outbox', 'kfs_probe_jobs') \
@@ -1978,17 +1983,7 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
 
     // A session that ends reports its counters first.
     own.close().await;
-    let gone = env
-        .wait_until(HANG, || async {
-            let left: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = 'relay-plans'",
-            )
-            .fetch_one(&env.pool)
-            .await
-            .unwrap();
-            left == 0
-        })
-        .await;
+    let gone = ended(&env, "relay-plans").await;
     assert!(gone, "the relay's session did not end");
     let (outbox, jobs) = (
         seq_scans(&env.pool, "kfs_probe_outbox").await,

@@ -78,6 +78,22 @@ impl Proxy {
         }
     }
 
+    /// A proxy in front of the Postgres that `database_url` names, and the same URL through it.
+    pub async fn before(database_url: &str) -> (Proxy, url::Url) {
+        let mut u = url::Url::parse(database_url).unwrap();
+        let upstream: SocketAddr = format!(
+            "{}:{}",
+            u.host_str().unwrap(),
+            u.port_or_known_default().unwrap()
+        )
+        .parse()
+        .expect("Postgres is at an IP address in the tests");
+        let proxy = Proxy::start(upstream).await;
+        u.set_host(Some(&proxy.addr.ip().to_string())).unwrap();
+        u.set_port(Some(proxy.addr.port())).unwrap();
+        (proxy, u)
+    }
+
     /// Accepts and immediately closes new connections while set.
     pub fn set_refuse(&self, on: bool) {
         self.faults.refuse.store(on, Ordering::Relaxed);
