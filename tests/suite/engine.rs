@@ -460,10 +460,18 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
         limit,
         "the worker never reached the role's connection limit"
     );
+    // Only the deliveries must not wait. The relay's watch session is the one session that
+    // asks for a connection of its own; past the limit it may find none within its call
+    // timeout, and the relay then goes on being woken by notifications, as designed.
+    let waited: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("timed out") || l.contains("claim failed"))
+        .filter(|l| !l.contains("relay lost its watch session"))
+        .collect();
     assert!(
-        !log.contains("timed out") && !log.contains("claim failed"),
+        waited.is_empty(),
         "a delivery waited for a refused connection:\n{}",
-        w.tail(40)
+        waited.join("\n")
     );
     assert_eq!(ran_again(&env.pool).await, 0, "every job ran once");
     assert!(
