@@ -171,7 +171,9 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     // consumer keeps them open from its start, so that past the connection limit its slices,
     // which may take every other session, never leave a lease without its heartbeat.
     let heartbeat_pool = db::lazy_pool_with_floor(
-        options.clone(),
+        options
+            .clone()
+            .application_name(&format!("kfs-worker {} heartbeats", opts.worker_id)),
         HEARTBEAT_CONNECTIONS,
         if opts.consumer {
             HEARTBEAT_CONNECTIONS
@@ -244,8 +246,8 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     futures_util::future::join_all(floors).await;
     // Every worker's pool grows on demand, so too many of them for Postgres' connection limit
     // show up only under load, as steps waiting for connections. Say so at start.
-    // The pool (the relay's listener keeps one of its connections), the liveness lock and the
-    // heartbeat connections.
+    // The pool (the relay's listener keeps one of its connections), the liveness lock, the
+    // relay's own sessions and the heartbeat connections.
     let kinds_own: u32 = if opts.consumer {
         opts.kinds
             .iter()
@@ -257,6 +259,11 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let per_worker = plan.shared
         + kinds_own
         + u32::from(lock.is_some())
+        + if opts.relay {
+            crate::relay::OWN_SESSIONS
+        } else {
+            0
+        }
         + if opts.consumer {
             HEARTBEAT_CONNECTIONS
         } else {

@@ -46,6 +46,20 @@ impl ConnectError {
     }
 }
 
+/// A connection taken out of `pool` for good, for a session lock that must not outlive its
+/// holder in someone else's hands, named `<the pool's name> <role>` in `pg_stat_activity`, so
+/// that an operator sees what holds it and the pool's own sessions are counted apart.
+pub async fn own_session(pool: &PgPool, role: &str) -> Result<sqlx::PgConnection, sqlx::Error> {
+    let mut conn = pool.acquire().await?.detach();
+    sqlx::query(
+        "SELECT set_config('application_name', current_setting('application_name') || ' ' || $1, false)",
+    )
+    .bind(role)
+    .execute(&mut conn)
+    .await?;
+    Ok(conn)
+}
+
 /// Prepared statements a session keeps (see [`connect_options`]).
 pub const STATEMENT_CACHE: usize = 512;
 

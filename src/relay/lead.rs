@@ -166,12 +166,12 @@ fn key(prefix: &str, kind: Kind) -> String {
     format!("{prefix}/{kind}")
 }
 
-/// Its own connection, never returned to the pool (a session lock must not outlive the relay
-/// in someone else's hands), which Postgres ends once it has had no statement for [`IDLE`].
+/// Its own connection ([`crate::db::own_session`], `… relay lead`), which Postgres ends once it
+/// has had no statement for [`IDLE`].
 /// Servers before PostgreSQL 14 refuse the setting; a paused leader then keeps its kinds until
 /// it resumes or its link is found dead.
 async fn open(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
-    let mut conn = pool.acquire().await?.detach();
+    let mut conn = crate::db::own_session(pool, "relay lead").await?;
     let _ = sqlx::query(&format!("SET idle_session_timeout = {}", IDLE.as_millis()))
         .execute(&mut conn)
         .await;

@@ -40,6 +40,10 @@ use crate::jobs::{Kind, RetryPolicy};
 use crate::wire::{valid_traceparent, OutboundMessage};
 use statements::Statements;
 
+/// Sessions a relay takes out of the shared pool for good ([`crate::db::own_session`]): its
+/// lead session and its watch session. The shared pool may open as many again in their place.
+pub const OWN_SESSIONS: u32 = 2;
+
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
     /// Rows claimed per round trip.

@@ -195,7 +195,7 @@ impl Watcher {
                         Some(c) => c,
                         // Its own connection, never returned to the pool: a session lock
                         // must not outlive the relay in someone else's hands.
-                        None => pool.acquire().await?.detach(),
+                        None => crate::db::own_session(&pool, "relay watch").await?,
                     };
                     let got = make(&mut conn, call).await?;
                     Ok::<_, sqlx::Error>((got, conn))

@@ -288,9 +288,9 @@ async fn a_worker_warns_at_start_when_the_workers_may_need_more_connections_than
     .await
     .unwrap();
     // At prefetch 60 the probe's pool is capped at 56 and the shared pool has 8; with the liveness
-    // lock and the two heartbeat connections a worker may open 67. Enough workers that together
-    // they would pass the limit.
-    let per_worker = 67;
+    // lock, the relay's lead and watch sessions and the two heartbeat connections a worker may
+    // open 69. Enough workers that together they would pass the limit.
+    let per_worker = 69;
     let needed = usable / per_worker + 1;
     let mut workers = Vec::new();
     let held = || async { kfs_worker::liveness::count_live(&env.pool).await.unwrap() };
@@ -493,6 +493,7 @@ async fn a_worker_past_the_connection_limit_goes_on_with_the_connections_it_has_
 /// Each kind a worker consumes takes its connections from a pool of its own, named for it in
 /// `pg_stat_activity`: a burst of one kind holds at most its own pool (its prefetch, one job per
 /// connection here), never the connections of another kind or those the relay and HTTP share.
+/// The heartbeats' pool and the relay's own sessions carry names of their own.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
     let env = TestEnv::new().await;
@@ -548,9 +549,26 @@ async fn a_burst_of_one_kind_holds_only_the_connections_of_its_own_pool() {
         Some(1),
         "the probe's burst took connections of compile's pool: {peaks:?}"
     );
+    // Every other session is named for what it serves, so the shared pool is counted alone.
     assert!(
         peaks.get("kfs-worker pools").is_some_and(|&n| n <= 8),
         "the relay's shared pool is missing or past its 8 connections: {peaks:?}"
+    );
+    assert_eq!(
+        peaks.get("kfs-worker pools heartbeats").copied(),
+        Some(2),
+        "the heartbeats' two connections: {peaks:?}"
+    );
+    assert_eq!(
+        peaks.get("kfs-worker pools relay lead").copied(),
+        Some(1),
+        "the relay's lead session: {peaks:?}"
+    );
+    assert!(
+        peaks
+            .get("kfs-worker pools relay watch")
+            .is_none_or(|&n| n == 1),
+        "at most one watch session: {peaks:?}"
     );
     support::assert_probe_invariants(&env.pool).await;
     env.cleanup().await;
