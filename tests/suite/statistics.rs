@@ -183,3 +183,57 @@ async fn a_look_at_the_statistics_leaves_a_table_another_session_holds_and_analy
     holder.close().await.ok();
     env.cleanup().await;
 }
+
+/// Growth is counted in live rows. A job table writes each of its rows several times (claim,
+/// steps, end); counting those writes analysed it at almost every look while it grew, and each
+/// analysis sent every connection back to plan its statements. A table written in place is
+/// left to autovacuum, and analysed again only once it has doubled.
+#[tokio::test]
+async fn a_table_written_in_place_is_analysed_again_only_once_its_rows_have_doubled() {
+    let env = TestEnv::new().await;
+    let pool = env.pool.clone();
+    let mut writer = PgConnection::connect(&support::url_for(&env.db_name))
+        .await
+        .unwrap();
+    let write = |sql: &'static str| sqlx::query(sql);
+    write("CREATE TABLE stats_jobs (n int)")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    write("INSERT INTO stats_jobs SELECT g FROM generate_series(1, 1000) g")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    flush_statistics(&mut writer).await;
+    let analysed = |tables: &[String]| tables.iter().any(|t| t.ends_with(".stats_jobs"));
+    let first = statistics::keep(&pool).await.unwrap();
+    assert!(analysed(&first), "the new table was analysed: {first:?}");
+
+    // Every row written three times over, as claims, steps and ends do: 3,000 rows written.
+    for _ in 0..3 {
+        write("UPDATE stats_jobs SET n = n + 1")
+            .execute(&mut writer)
+            .await
+            .unwrap();
+    }
+    flush_statistics(&mut writer).await;
+    let rewritten = statistics::keep(&pool).await.unwrap();
+    assert!(
+        !analysed(&rewritten),
+        "a table written in place was analysed again: {rewritten:?}"
+    );
+
+    // Grown past twice the 1,000 rows its statistics counted.
+    write("INSERT INTO stats_jobs SELECT g FROM generate_series(1, 1001) g")
+        .execute(&mut writer)
+        .await
+        .unwrap();
+    flush_statistics(&mut writer).await;
+    let grown = statistics::keep(&pool).await.unwrap();
+    assert!(
+        analysed(&grown),
+        "the doubled table was analysed: {grown:?}"
+    );
+    writer.close().await.ok();
+    env.cleanup().await;
+}
