@@ -125,7 +125,7 @@ pub async fn hold(
     shutdown: CancellationToken,
 ) {
     const NAP: &str = "SELECT pg_sleep(0.5)";
-    limit_idle(&mut conn).await;
+    crate::db::end_when_idle(&mut conn, IDLE).await;
     loop {
         let alive = tokio::select! {
             () = shutdown.cancelled() => {
@@ -153,7 +153,7 @@ pub async fn hold(
             }
             match acquire_process(&url, &worker_id).await {
                 Ok(mut c) => {
-                    limit_idle(&mut c).await;
+                    crate::db::end_when_idle(&mut c, IDLE).await;
                     conn = c;
                     tracing::info!(worker_id, "liveness lock taken again");
                     break;
@@ -169,13 +169,6 @@ pub async fn hold(
             }
         }
     }
-}
-
-/// Lets Postgres end `conn`'s session after [`IDLE`] without a statement. Best effort: a server
-/// that refuses the setting, or a session that does not answer (then lost anyway), keeps it.
-async fn limit_idle(conn: &mut PgConnection) {
-    let set = format!("SET idle_session_timeout = {}", IDLE.as_millis());
-    let _ = tokio::time::timeout(Duration::from_secs(5), sqlx::query(&set).execute(conn)).await;
 }
 
 #[cfg(test)]

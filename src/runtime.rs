@@ -260,7 +260,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         + kinds_own
         + u32::from(lock.is_some())
         + if opts.relay {
-            crate::relay::OWN_SESSIONS
+            crate::relay::own_sessions(&opts.relay_cfg)
         } else {
             0
         }

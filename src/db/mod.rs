@@ -60,6 +60,15 @@ pub async fn own_session(pool: &PgPool, role: &str) -> Result<sqlx::PgConnection
     Ok(conn)
 }
 
+/// Lets Postgres end `conn`'s session once it has had no statement for `after`
+/// (`idle_session_timeout`), and with it every session lock it holds: the way a paused or
+/// cut-off holder lets go. Best effort: servers before PostgreSQL 14 refuse the setting, and a
+/// session that does not answer is lost anyway.
+pub async fn end_when_idle(conn: &mut sqlx::PgConnection, after: Duration) {
+    let set = format!("SET idle_session_timeout = {}", after.as_millis());
+    let _ = tokio::time::timeout(Duration::from_secs(5), sqlx::query(&set).execute(conn)).await;
+}
+
 /// Prepared statements a session keeps (see [`connect_options`]).
 pub const STATEMENT_CACHE: usize = 512;
 

@@ -172,9 +172,7 @@ fn key(prefix: &str, kind: Kind) -> String {
 /// it resumes or its link is found dead.
 async fn open(pool: &PgPool) -> Result<PgConnection, sqlx::Error> {
     let mut conn = crate::db::own_session(pool, "relay lead").await?;
-    let _ = sqlx::query(&format!("SET idle_session_timeout = {}", IDLE.as_millis()))
-        .execute(&mut conn)
-        .await;
+    crate::db::end_when_idle(&mut conn, IDLE).await;
     Ok(conn)
 }
 

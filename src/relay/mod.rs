@@ -41,8 +41,11 @@ use crate::wire::{valid_traceparent, OutboundMessage};
 use statements::Statements;
 
 /// Sessions a relay takes out of the shared pool for good ([`crate::db::own_session`]): its
-/// lead session and its watch session. The shared pool may open as many again in their place.
-pub const OWN_SESSIONS: u32 = 2;
+/// watch session, and its lead session when relays lead. The shared pool may open as many
+/// again in their place.
+pub fn own_sessions(cfg: &RelayConfig) -> u32 {
+    1 + u32::from(cfg.lead)
+}
 
 #[derive(Clone, Debug)]
 pub struct RelayConfig {
