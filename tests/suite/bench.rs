@@ -164,6 +164,23 @@ async fn every_scenario_reports_all_its_work_done() {
     assert!(num(statements, "ratio") > 0.0, "{statements}");
     assert!(num(statements, "cpu_ms") > 0.0, "{statements}");
     assert!(num(engine, "cpu_ms") > 0.0, "{engine}");
+    // The engine's ceiling: the relay's parts and the consumer's statements, over the limit.
+    if statements_cpu + publishes_cpu > 0.0 {
+        let floor = num(relay, "floor_cpu_ms");
+        assert!(
+            (floor - (statements_cpu + publishes_cpu)).abs() < 1e-9,
+            "{relay}"
+        );
+        let cores = std::thread::available_parallelism().unwrap().get() as f64;
+        let ceiling =
+            cores * 1000.0 / (floor + num(statements, "cpu_ms")) / num(scenario("limit"), "rate");
+        assert!(
+            (num(engine, "ratio_ceiling") - ceiling).abs() < 1e-9,
+            "{engine}"
+        );
+    } else {
+        assert!(engine.get("ratio_ceiling").is_none(), "{engine}");
+    }
 
     let latency = scenario("latency");
     assert_eq!(num(latency, "n"), 100.0, "2 s at 50 jobs/s");

@@ -35,14 +35,14 @@ pub struct BenchArgs {
     /// One JSON object per line (the machine, then each scenario) instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Scenarios to run: limit, relay, engine, statements, peer (a Celery 5 worker doing the
+    /// Scenarios to run: limit, relay, statements, engine, peer (a Celery 5 worker doing the
     /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, fairness
     /// (a second tenant's jobs behind a first tenant's backlog), claim (the fair claim at 100
     /// and at 100,000 due rows; needs a superuser to make the backlog), takeover (a SIGKILLed worker's
     /// jobs under that backlog, also after a restart under its id), scaleout
     #[arg(
         long,
-        default_value = "limit,relay,engine,statements,peer,latency,kinds,fairness,claim,takeover,scaleout"
+        default_value = "limit,relay,statements,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
     )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
@@ -68,8 +68,8 @@ pub struct BenchArgs {
 pub enum Scenario {
     Limit,
     Relay,
-    Engine,
     Statements,
+    Engine,
     Peer,
     Latency,
     Kinds,
@@ -83,8 +83,8 @@ impl Scenario {
     pub const ALL: [Scenario; 11] = [
         Scenario::Limit,
         Scenario::Relay,
-        Scenario::Engine,
         Scenario::Statements,
+        Scenario::Engine,
         Scenario::Peer,
         Scenario::Latency,
         Scenario::Kinds,
@@ -110,8 +110,8 @@ impl Scenario {
         }
     }
 
-    /// Parses `a,b,…` into scenarios in their canonical order (the limit runs before the
-    /// engine that is compared with it), without repeats.
+    /// Parses `a,b,…` into scenarios in their canonical order (the limit, the relay and the
+    /// statements run before the engine that is compared with them), without repeats.
     pub fn parse_list(raw: &str) -> Result<Vec<Scenario>, String> {
         let mut out = Vec::new();
         for part in raw.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -119,7 +119,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, engine, statements, peer, latency, kinds, fairness, claim, takeover or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, statements, engine, peer, latency, kinds, fairness, claim, takeover or scaleout")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -248,16 +248,17 @@ pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
         );
     }
 
-    let mut limit_rate = None;
+    let mut same_run = SameRun::default();
     let mut rows = Vec::new();
     let mut undone = Vec::new();
     for s in scenarios {
-        let report = one(&services, s, &params, limit_rate)
+        let mut report = one(&services, s, &params, same_run.limit_rate)
             .await
             .map_err(|e| Failure::runtime(format!("bench {}: {e}", s.name())))?;
-        if s == Scenario::Limit {
-            limit_rate = Some(report.rate);
+        if s == Scenario::Engine {
+            report.ratio_ceiling = same_run.engine_ceiling();
         }
+        same_run.record(s, &report);
         if report.skipped.is_none() && report.done < report.n {
             undone.push(format!("{}: {} of {}", s.name(), report.done, report.n));
         }
@@ -281,6 +282,35 @@ pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
             "bench: work left undone ({})",
             undone.join("; ")
         )))
+    }
+}
+
+/// What the scenarios before this one measured in the same run, for the ratios of the later ones.
+#[derive(Debug, Default)]
+struct SameRun {
+    limit_rate: Option<f64>,
+    /// The relay's least CPU per row: its statements alone plus the raw publishes.
+    relay_floor_ms: Option<f64>,
+    /// The consumer's statements alone, CPU per job.
+    statements_ms: Option<f64>,
+}
+
+impl SameRun {
+    fn record(&mut self, s: Scenario, r: &Report) {
+        match s {
+            Scenario::Limit => self.limit_rate = Some(r.rate),
+            Scenario::Relay => self.relay_floor_ms = r.floor_cpu_ms,
+            Scenario::Statements => self.statements_ms = r.cpu_ms,
+            _ => {}
+        }
+    }
+
+    /// The highest engine ÷ limit the cores allow: each job needs the relay's statements and
+    /// publish and the consumer's statements, each no cheaper than alone in this run (the
+    /// broker's delivery and ack are not counted, so the true ceiling is lower still).
+    fn engine_ceiling(&self) -> Option<f64> {
+        let limit = self.limit_rate.filter(|r| *r > 0.0)?;
+        report::cpu_ceiling(&[self.relay_floor_ms, self.statements_ms]).map(|c| c / limit)
     }
 }
 
@@ -319,7 +349,37 @@ async fn one(
 
 #[cfg(test)]
 mod tests {
-    use super::Scenario;
+    use super::{report, Report, SameRun, Scenario};
+
+    #[test]
+    fn the_engine_ceiling_needs_the_limit_the_relay_and_the_statements_of_the_same_run() {
+        let cores = std::thread::available_parallelism().unwrap().get() as f64;
+        let mut same = SameRun::default();
+        let limit = Report {
+            rate: cores * 1000.0,
+            ..Report::default()
+        };
+        let relay = Report {
+            floor_cpu_ms: Some(0.25),
+            ..Report::default()
+        };
+        let statements = Report {
+            cpu_ms: Some(0.25),
+            ..Report::default()
+        };
+        same.record(Scenario::Limit, &limit);
+        same.record(Scenario::Relay, &relay);
+        assert_eq!(same.engine_ceiling(), None, "statements not measured");
+        same.record(Scenario::Statements, &statements);
+        // 0.5 ms per job on every core: 2,000 jobs/s per core, against 1,000 msg/s per core.
+        assert_eq!(same.engine_ceiling(), Some(2.0));
+        assert_eq!(
+            same.engine_ceiling(),
+            report::cpu_ceiling(&[Some(0.25), Some(0.25)]).map(|c| c / limit.rate)
+        );
+        same.record(Scenario::Limit, &Report::default());
+        assert_eq!(same.engine_ceiling(), None, "a limit that measured nothing");
+    }
 
     #[test]
     fn scenario_lists_parse_in_canonical_order() {
@@ -329,7 +389,7 @@ mod tests {
         );
         assert_eq!(
             Scenario::parse_list(
-                "limit,relay,engine,statements,peer,latency,kinds,fairness,claim,takeover,scaleout"
+                "limit,relay,statements,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
             )
             .unwrap(),
             Scenario::ALL.to_vec()

@@ -65,6 +65,10 @@ pub struct Report {
     /// The highest `ratio` the machine's cores allow, from CPU measured in the same run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_ceiling: Option<f64>,
+    /// The least CPU per item the scenario's work could take: the sum of its parts, each
+    /// measured alone in the same run (the relay: its statements and the raw publishes).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub floor_cpu_ms: Option<f64>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub runs: Vec<Run>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -76,6 +80,15 @@ pub struct Report {
     /// Why the scenario did not run, when it could not here (the peer without Python).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub skipped: Option<String>,
+}
+
+/// The most items per second the machine's cores allow for work that needs each of `parts`
+/// (busy CPU milliseconds per item, measured in this run) done once per item: every core busy
+/// all the time, and no part any cheaper than when it ran on its own.
+pub fn cpu_ceiling(parts: &[Option<f64>]) -> Option<f64> {
+    let cores = std::thread::available_parallelism().ok()?.get() as f64;
+    let per_item_ms: f64 = parts.iter().copied().sum::<Option<f64>>()?;
+    (per_item_ms > 0.0).then(|| cores * 1000.0 / per_item_ms)
 }
 
 impl Report {
@@ -324,6 +337,15 @@ mod tests {
         let t = table(&r.rows());
         assert!(t.contains("CPU per item") && t.contains("0.500 ms"), "{t}");
         assert!(t.contains("0.48 × raw (cores allow ≤ 0.50)"), "{t}");
+    }
+
+    #[test]
+    fn the_cpu_ceiling_spreads_the_parts_over_every_core() {
+        let cores = std::thread::available_parallelism().unwrap().get() as f64;
+        // 0.5 ms + 1.5 ms of CPU per item: each core does 500 items a second.
+        assert_eq!(cpu_ceiling(&[Some(0.5), Some(1.5)]), Some(cores * 500.0));
+        assert_eq!(cpu_ceiling(&[Some(0.5), None]), None, "a part not measured");
+        assert_eq!(cpu_ceiling(&[Some(0.0)]), None, "no CPU measured");
     }
 
     #[test]

@@ -48,9 +48,10 @@ pub async fn engine(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Re
 /// 3b. The engine's Postgres work alone, as a ceiling for the engine in this run. The same `n`
 ///     one-step probe jobs are published by the real relay (its messages are then purged), and
 ///     the jobs are claimed and run through `Engine::process_refs`, the consumer's own code, in
-///     batches as the consumer forms them, `inflight` at a time, with no broker in the loop. The engine does all of this
-///     plus the relay's statements and the broker's publish, delivery and ack on the same cores,
-///     so it cannot go faster than this; its ratio to `limit` bounds the engine's.
+///     batches as the consumer forms them, `inflight` at a time, with no broker in the loop. The
+///     engine does all of this plus the relay's statements and the broker's publish, delivery
+///     and ack on the same cores, so this CPU per job, with the relay's, gives the engine's
+///     ceiling in the same run (`SameRun::engine_ceiling` in the bench's `mod.rs`).
 pub async fn statements(env: &BenchEnv, p: &Params, limit: Option<f64>) -> Result<Report, String> {
     let n = p.jobs;
     enqueue_probes(env, n).await?;

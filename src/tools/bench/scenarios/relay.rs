@@ -14,7 +14,7 @@ use crate::jobs::Kind;
 use crate::relay::Relay;
 use crate::tools::bench::env::BenchEnv;
 use crate::tools::bench::machine::CpuMeter;
-use crate::tools::bench::report::{Progress, Report, Run};
+use crate::tools::bench::report::{cpu_ceiling, Progress, Report, Run};
 use crate::wire::OutboundMessage;
 
 /// Confirmed publishes of `n` messages shaped like the relay's, `batch` at a time.
@@ -107,6 +107,7 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     r.ratio_ceiling = cpu_ceiling(&[alone.cpu_ms, raw.cpu_ms])
         .filter(|_| raw.rate > 0.0)
         .map(|c| c / raw.rate);
+    r.floor_cpu_ms = [alone.cpu_ms, raw.cpu_ms].into_iter().sum();
     r.runs.push(Run {
         label: "raw publishes (best of 2)".into(),
         ..raw
@@ -177,27 +178,4 @@ async fn raw_run(
         .await
         .map_err(|e| e.to_string())?;
     Ok(Run::new("raw confirmed publishes", n, raw, raw_secs, "msg/s").with_cpu(busy))
-}
-
-/// The most items per second the machine's cores allow for work that needs each of `parts`
-/// (busy CPU milliseconds per item, measured in this run) done once per item: every core busy
-/// all the time, and no part any cheaper than when it ran on its own.
-fn cpu_ceiling(parts: &[Option<f64>]) -> Option<f64> {
-    let cores = std::thread::available_parallelism().ok()?.get() as f64;
-    let per_item_ms: f64 = parts.iter().copied().sum::<Option<f64>>()?;
-    (per_item_ms > 0.0).then(|| cores * 1000.0 / per_item_ms)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_cpu_ceiling_spreads_the_parts_over_every_core() {
-        let cores = std::thread::available_parallelism().unwrap().get() as f64;
-        // 0.5 ms + 1.5 ms of CPU per item: each core does 500 items a second.
-        assert_eq!(cpu_ceiling(&[Some(0.5), Some(1.5)]), Some(cores * 500.0));
-        assert_eq!(cpu_ceiling(&[Some(0.5), None]), None, "a part not measured");
-        assert_eq!(cpu_ceiling(&[Some(0.0)]), None, "no CPU measured");
-    }
 }
