@@ -56,6 +56,17 @@ impl Default for ProbeSpec {
 /// transaction, `dispatch_pending` with a pending outbox row.
 pub async fn enqueue(tx: &mut PgConnection, spec: &ProbeSpec) -> Result<Uuid, sqlx::Error> {
     let id = Uuid::now_v7();
+    enqueue_as(tx, id, spec).await?;
+    Ok(id)
+}
+
+/// [`enqueue`] under an id the caller chose, so a caller whose statement failed without an
+/// answer (the connection lost while it committed) can look the job up afterwards.
+pub async fn enqueue_as(
+    tx: &mut PgConnection,
+    id: Uuid,
+    spec: &ProbeSpec,
+) -> Result<(), sqlx::Error> {
     sqlx::query(
         r#"
         WITH j AS (
@@ -78,7 +89,7 @@ pub async fn enqueue(tx: &mut PgConnection, spec: &ProbeSpec) -> Result<Uuid, sq
     .bind(spec.max_attempts)
     .execute(tx)
     .await?;
-    Ok(id)
+    Ok(())
 }
 
 /// Enqueues `n` jobs in one statement; for benchmarks and large tests.
