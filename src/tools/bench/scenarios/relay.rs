@@ -104,10 +104,10 @@ pub async fn relay(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     );
     r.ratio = (raw.rate > 0.0).then(|| r.rate / raw.rate);
     r.ratio_to = Some("raw".into());
-    r.ratio_ceiling = cpu_ceiling(&[alone.cpu_ms, raw.cpu_ms])
+    r.floor_cpu_ms = [alone.cpu_ms, raw.cpu_ms].into_iter().sum();
+    r.ratio_ceiling = cpu_ceiling(&[r.floor_cpu_ms])
         .filter(|_| raw.rate > 0.0)
         .map(|c| c / raw.rate);
-    r.floor_cpu_ms = [alone.cpu_ms, raw.cpu_ms].into_iter().sum();
     r.runs.push(Run {
         label: "raw publishes (best of 2)".into(),
         ..raw
