@@ -1,0 +1,1 @@
+SELECT j.id, j.row_version, set_config('idle_in_transaction_session_timeout', '30000', true) FROM kfs_probe_jobs j JOIN unnest(':ids'::uuid[], ':toks'::uuid[], ':rvs'::int[]) AS f(id, token, rv) ON j.id = f.id WHERE j.lease_token = f.token AND j.row_version = f.rv AND j.lease_expires_at > clock_timestamp() AND run_state = 'running' ORDER BY j.id FOR NO KEY UPDATE OF j;

@@ -1,0 +1,2 @@
+UPDATE rv_batches SET taken = true WHERE no = (SELECT no FROM rv_batches WHERE NOT taken ORDER BY no LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING ids, oids, dids, toks, array_fill(3, ARRAY[cardinality(ids)]) AS rvs, array_fill('done'::text, ARRAY[cardinality(ids)]) AS cps, array_fill(1, ARRAY[cardinality(ids)]) AS steps, array_fill('w1'::text, ARRAY[cardinality(ids)]) AS wids, array_fill(1, ARRAY[cardinality(ids)]) AS atts
+\gset
