@@ -38,7 +38,11 @@ busy() { awk '/^cpu /{print $2+$3+$4+$7+$8}' /proc/stat; }
 hz=$(getconf CLK_TCK)
 run() {
   local variant=$1
-  "${psql[@]}" -f "$here/reset.sql" > /dev/null 2>&1
+  if ! "${psql[@]}" -v ON_ERROR_STOP=1 -f "$here/reset.sql" > "$work/reset.log" 2>&1; then
+    echo "row-versions: cannot reset $db (is it a kept statements-scenario database?):" >&2
+    grep -m1 ERROR "$work/reset.log" >&2 || tail -1 "$work/reset.log" >&2
+    exit 1
+  fi
   local b0 t0 b1 t1 jobs effects
   b0=$(busy); t0=$(date +%s.%N)
   if ! pgbench -h "${PGHOST:-127.0.0.1}" -U "${PGUSER:-postgres}" -n -c 4 -j 2 -t 312 \
