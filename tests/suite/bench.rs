@@ -114,6 +114,7 @@ async fn every_scenario_reports_all_its_work_done() {
         "relay",
         "engine",
         "statements",
+        "writes",
         "latency",
         "kinds",
         "fairness",
@@ -181,6 +182,21 @@ async fn every_scenario_reports_all_its_work_done() {
     } else {
         assert!(engine.get("ratio_ceiling").is_none(), "{engine}");
     }
+
+    // The protocol's writes alone: every job given them, and the bound they put on any engine,
+    // from their CPU and the raw publishes' in the same run.
+    let writes = scenario("writes");
+    assert_eq!(num(writes, "n"), 200.0, "{writes}");
+    assert_eq!(writes["ratio_to"], "limit", "{writes}");
+    assert!(writes.get("ratio").is_none(), "{writes}");
+    let writes_cpu = num(writes, "cpu_ms");
+    assert!(writes_cpu > 0.0, "{writes}");
+    let cores = std::thread::available_parallelism().unwrap().get() as f64;
+    let bound = cores * 1000.0 / (writes_cpu + publishes_cpu) / num(scenario("limit"), "rate");
+    assert!(
+        (num(writes, "ratio_ceiling") - bound).abs() < 1e-9,
+        "{writes}"
+    );
 
     let latency = scenario("latency");
     assert_eq!(num(latency, "n"), 100.0, "2 s at 50 jobs/s");

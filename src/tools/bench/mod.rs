@@ -35,14 +35,16 @@ pub struct BenchArgs {
     /// One JSON object per line (the machine, then each scenario) instead of the table
     #[arg(long)]
     pub json: bool,
-    /// Scenarios to run: limit, relay, statements, engine, peer (a Celery 5 worker doing the
+    /// Scenarios to run: limit, relay, statements, writes (the protocol's row versions alone,
+    /// by the plainest statements: the bound on any engine that keeps the protocol), engine,
+    /// peer (a Celery 5 worker doing the
     /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, fairness
     /// (a second tenant's jobs behind a first tenant's backlog), claim (the fair claim at 100
     /// and at 100,000 due rows; needs a superuser to make the backlog), takeover (a SIGKILLed worker's
     /// jobs under that backlog, also after a restart under its id), scaleout
     #[arg(
         long,
-        default_value = "limit,relay,statements,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
+        default_value = "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
     )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
@@ -69,6 +71,7 @@ pub enum Scenario {
     Limit,
     Relay,
     Statements,
+    Writes,
     Engine,
     Peer,
     Latency,
@@ -80,10 +83,11 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 11] = [
+    pub const ALL: [Scenario; 12] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Statements,
+        Scenario::Writes,
         Scenario::Engine,
         Scenario::Peer,
         Scenario::Latency,
@@ -100,6 +104,7 @@ impl Scenario {
             Scenario::Relay => "relay",
             Scenario::Engine => "engine",
             Scenario::Statements => "statements",
+            Scenario::Writes => "writes",
             Scenario::Peer => "peer",
             Scenario::Latency => "latency",
             Scenario::Kinds => "kinds",
@@ -119,7 +124,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, statements, engine, peer, latency, kinds, fairness, claim, takeover or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, statements, writes, engine, peer, latency, kinds, fairness, claim, takeover or scaleout")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -255,8 +260,10 @@ pub async fn run(conn: &ConnArgs, args: &BenchArgs) -> Result<(), Failure> {
         let mut report = one(&services, s, &params, same_run.limit_rate)
             .await
             .map_err(|e| Failure::runtime(format!("bench {}: {e}", s.name())))?;
-        if s == Scenario::Engine {
-            report.ratio_ceiling = same_run.engine_ceiling();
+        match s {
+            Scenario::Engine => report.ratio_ceiling = same_run.engine_ceiling(),
+            Scenario::Writes => report.ratio_ceiling = same_run.protocol_ceiling(&report),
+            _ => {}
         }
         same_run.record(s, &report);
         if report.skipped.is_none() && report.done < report.n {
@@ -291,6 +298,8 @@ struct SameRun {
     limit_rate: Option<f64>,
     /// The relay's least CPU per row: its statements alone plus the raw publishes.
     relay_floor_ms: Option<f64>,
+    /// The raw publishes alone (the relay scenario's best of two), CPU per message.
+    publish_ms: Option<f64>,
     /// The consumer's statements alone, CPU per job.
     statements_ms: Option<f64>,
 }
@@ -299,7 +308,10 @@ impl SameRun {
     fn record(&mut self, s: Scenario, r: &Report) {
         match s {
             Scenario::Limit => self.limit_rate = Some(r.rate),
-            Scenario::Relay => self.relay_floor_ms = r.floor_cpu_ms,
+            Scenario::Relay => {
+                self.relay_floor_ms = r.floor_cpu_ms;
+                self.publish_ms = r.runs.first().and_then(|raw| raw.cpu_ms);
+            }
             Scenario::Statements => self.statements_ms = r.cpu_ms,
             _ => {}
         }
@@ -311,6 +323,15 @@ impl SameRun {
     fn engine_ceiling(&self) -> Option<f64> {
         let limit = self.limit_rate.filter(|r| *r > 0.0)?;
         report::cpu_ceiling(&[self.relay_floor_ms, self.statements_ms]).map(|c| c / limit)
+    }
+
+    /// The highest engine ÷ limit the cores allow any engine that keeps the protocol: each job
+    /// needs the protocol's row versions (`writes`, written by the plainest statements) and its
+    /// publish, each no cheaper than alone in this run; reads, fences, the broker's delivery and
+    /// ack, and the worker's own CPU all come on top.
+    fn protocol_ceiling(&self, writes: &Report) -> Option<f64> {
+        let limit = self.limit_rate.filter(|r| *r > 0.0)?;
+        report::cpu_ceiling(&[writes.cpu_ms, self.publish_ms]).map(|c| c / limit)
     }
 }
 
@@ -335,6 +356,7 @@ async fn one(
         Scenario::Relay => scenarios::relay(&env, p).await,
         Scenario::Engine => scenarios::engine(&env, p, limit).await,
         Scenario::Statements => scenarios::statements(&env, p, limit).await,
+        Scenario::Writes => scenarios::writes(&env, p).await,
         Scenario::Peer => scenarios::peer(&env, p, limit).await,
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
@@ -382,6 +404,52 @@ mod tests {
     }
 
     #[test]
+    fn the_protocol_ceiling_needs_the_limit_and_the_publishes_of_the_same_run() {
+        let cores = std::thread::available_parallelism().unwrap().get() as f64;
+        let mut same = SameRun::default();
+        let writes = Report {
+            cpu_ms: Some(0.3),
+            ..Report::default()
+        };
+        let relay = Report {
+            floor_cpu_ms: Some(0.5),
+            runs: vec![
+                report::Run {
+                    cpu_ms: Some(0.1),
+                    ..report::Run::default()
+                },
+                report::Run {
+                    cpu_ms: Some(0.4),
+                    ..report::Run::default()
+                },
+            ],
+            ..Report::default()
+        };
+        same.record(
+            Scenario::Limit,
+            &Report {
+                rate: cores * 1000.0,
+                ..Report::default()
+            },
+        );
+        assert_eq!(
+            same.protocol_ceiling(&writes),
+            None,
+            "publishes not measured"
+        );
+        same.record(Scenario::Relay, &relay);
+        // The writes' 0.3 ms and the raw publishes' 0.1 ms (not the relay's statements, which
+        // the writes already hold): 2,500 jobs/s per core against 1,000 msg/s per core.
+        let ceiling = same.protocol_ceiling(&writes).unwrap();
+        assert!((ceiling - 2.5).abs() < 1e-9, "{ceiling}");
+        assert_eq!(
+            same.protocol_ceiling(&Report::default()),
+            None,
+            "writes not measured"
+        );
+    }
+
+    #[test]
     fn scenario_lists_parse_in_canonical_order() {
         assert_eq!(
             Scenario::parse_list("engine, limit,engine").unwrap(),
@@ -389,7 +457,7 @@ mod tests {
         );
         assert_eq!(
             Scenario::parse_list(
-                "limit,relay,statements,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
+                "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
             )
             .unwrap(),
             Scenario::ALL.to_vec()

@@ -156,6 +156,7 @@ impl Report {
         let ratio = match (&self.ratio, &self.ratio_to, &self.ratio_ceiling) {
             (Some(r), Some(to), Some(c)) => format!("{r:.2} × {to} (cores allow ≤ {c:.2})"),
             (Some(r), Some(to), None) => format!("{r:.2} × {to}"),
+            (None, Some(to), Some(c)) => format!("any engine ≤ {c:.2} × {to}"),
             _ => String::new(),
         };
         let cpu = |ms: Option<f64>| ms.map(|ms| format!("{ms:.3} ms")).unwrap_or_default();

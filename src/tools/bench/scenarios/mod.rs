@@ -12,6 +12,7 @@ mod peer;
 mod relay;
 mod scaleout;
 mod takeover;
+mod writes;
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -40,6 +41,7 @@ pub use peer::peer;
 pub use relay::relay;
 pub use scaleout::scaleout;
 pub use takeover::takeover;
+pub use writes::writes;
 
 /// How long a scenario waits without a single job finishing before it reports what it has.
 const STALL: Duration = Duration::from_secs(60);
