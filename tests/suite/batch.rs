@@ -248,20 +248,22 @@ async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others
 }
 
 /// The group's transaction holds every member's row, so no heartbeat extends a member's lease
-/// while it runs. Four members whose steps take 700 ms each, under a 2 s lease, would keep it
-/// open past every lease (2.8 s): the group must commit what fits in a heartbeat interval and
-/// let the members go on alone, each finishing on the lease of its first claim.
+/// while it runs. Four members whose steps take 1.75 s each, under a 5 s lease, would keep it
+/// open past every lease (7 s): the group must commit what fits in a heartbeat interval
+/// (1.67 s) and let the members go on alone, each finishing on the lease of its first claim.
+/// (The lease leaves a member's heartbeat 3.3 s of slack, so a loaded test machine does not
+/// make it lose a lease the engine kept.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_whose_steps_outlast_a_heartbeat_interval_commits_what_fits_and_every_member_finishes_on_its_first_lease(
 ) {
     let env = TestEnv::new().await;
     let spec = ProbeSpec {
         steps: 2,
-        step_sleep: Duration::from_millis(700),
+        step_sleep: Duration::from_millis(1750),
         ..ProbeSpec::default()
     };
     let refs = dispatched(&env, 4, &spec).await;
-    let lease = Duration::from_secs(2);
+    let lease = Duration::from_secs(5);
     let jobs = claim_all(&env, &refs, lease).await;
     assert_eq!(jobs.len(), 4, "the batched claim takes every job");
     let policy = Policy {

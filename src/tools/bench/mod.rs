@@ -325,10 +325,10 @@ impl SameRun {
         report::cpu_ceiling(&[self.relay_floor_ms, self.statements_ms]).map(|c| c / limit)
     }
 
-    /// The highest engine ÷ limit the cores allow any engine that keeps the protocol: each job
-    /// needs the protocol's row versions (`writes`, written by the plainest statements) and its
-    /// publish, each no cheaper than alone in this run; reads, fences, the broker's delivery and
-    /// ack, and the worker's own CPU all come on top.
+    /// The highest engine ÷ limit the cores allow any engine that keeps the protocol, with the
+    /// same batches: each job needs the protocol's row versions (`writes`, written by the
+    /// plainest statements) and its publish, each no cheaper than alone in this run; reads,
+    /// fences, the broker's delivery and ack, and the worker's own CPU all come on top.
     fn protocol_ceiling(&self, writes: &Report) -> Option<f64> {
         let limit = self.limit_rate.filter(|r| *r > 0.0)?;
         report::cpu_ceiling(&[writes.cpu_ms, self.publish_ms]).map(|c| c / limit)

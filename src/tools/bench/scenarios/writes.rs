@@ -4,7 +4,8 @@
 //! commits and no fewer (the relay's claim, its mark with the job's move to `queued`, the
 //! consumer's claim of job and outbox row, then the step's effect with the end of both), so this
 //! CPU per job, with the raw publishes', bounds from below what any engine keeping the protocol
-//! costs on these cores, and its ceiling bounds from above the ratio any such engine can reach.
+//! costs on these cores at the same batch sizes, and its ceiling bounds from above the ratio any
+//! such engine can reach with those batches.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
