@@ -10,7 +10,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Instant;
 
-use futures_util::StreamExt;
+use futures_util::TryStreamExt;
 use serde_json::json;
 use sqlx::PgPool;
 use uuid::Uuid;
@@ -93,31 +93,31 @@ pub async fn writes(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         jobs: &jobs,
         outbox: &outbox,
     };
-    let relay_run = phase
-        .run(
-            "the relay's writes",
-            round,
-            relay.depth.max(1),
-            &[RELAY_CLAIM, RELAY_MARK],
-            None,
-        )
-        .await;
-    let consumer_run = match relay_run {
-        Ok(_) => {
-            phase
-                .run(
-                    "the consumer's writes",
-                    batch,
-                    consumers,
-                    &[CLAIM, STEP_AND_END],
-                    Some(&progress),
-                )
-                .await
-        }
-        Err(ref e) => Err(e.clone()),
-    };
+    // The consumer's side starts only once the relay's has written every row.
+    let runs = async {
+        let relay_run = phase
+            .run(
+                "the relay's writes",
+                round,
+                relay.depth.max(1),
+                &[RELAY_CLAIM, RELAY_MARK],
+                None,
+            )
+            .await?;
+        let consumer_run = phase
+            .run(
+                "the consumer's writes",
+                batch,
+                consumers,
+                &[CLAIM, STEP_AND_END],
+                Some(&progress),
+            )
+            .await?;
+        Ok::<_, String>((relay_run, consumer_run))
+    }
+    .await;
     pool.close().await;
-    let (relay_run, consumer_run) = (relay_run?, consumer_run?);
+    let (relay_run, consumer_run) = runs?;
     let done = given_the_protocol(&env.pool).await?;
     progress.finish(done);
     let secs = relay_run.secs + consumer_run.secs;
@@ -155,35 +155,31 @@ impl Phase<'_> {
         let handled = AtomicU64::new(0);
         let cpu = CpuMeter::start();
         let started = Instant::now();
-        let failed =
-            futures_util::stream::iter(self.jobs.chunks(size).zip(self.outbox.chunks(size)))
-                .map(|(jobs, outbox)| {
-                    let handled = &handled;
-                    async move {
-                        for statement in statements {
-                            sqlx::query(statement)
-                                .bind(jobs)
-                                .bind(outbox)
-                                .bind(self.worker)
-                                .execute(self.pool)
-                                .await?;
-                        }
-                        let now = handled.fetch_add(jobs.len() as u64, Ordering::Relaxed);
-                        if let Some(progress) = progress {
-                            progress.set(now + jobs.len() as u64);
-                        }
-                        Ok::<(), sqlx::Error>(())
-                    }
-                })
-                .buffer_unordered(at_once)
-                .filter_map(|r| async move { r.err() })
-                .collect::<Vec<_>>()
-                .await;
+        let written = futures_util::stream::iter(
+            self.jobs.chunks(size).zip(self.outbox.chunks(size)).map(Ok),
+        )
+        .try_for_each_concurrent(at_once, |(jobs, outbox)| {
+            let handled = &handled;
+            async move {
+                for statement in statements {
+                    sqlx::query(statement)
+                        .bind(jobs)
+                        .bind(outbox)
+                        .bind(self.worker)
+                        .execute(self.pool)
+                        .await?;
+                }
+                let now = handled.fetch_add(jobs.len() as u64, Ordering::Relaxed);
+                if let Some(progress) = progress {
+                    progress.set(now + jobs.len() as u64);
+                }
+                Ok::<(), sqlx::Error>(())
+            }
+        })
+        .await;
         let secs = started.elapsed().as_secs_f64();
         let busy = cpu.busy();
-        if let Some(e) = failed.into_iter().next() {
-            return Err(format!("{label}: {e}"));
-        }
+        written.map_err(|e| format!("{label}: {e}"))?;
         let n = self.jobs.len() as u64;
         Ok(Run::new(label, n, n, secs, "jobs/s").with_cpu(busy))
     }
