@@ -1989,9 +1989,13 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
         seq_scans(&env.pool, "kfs_probe_outbox").await,
         seq_scans(&env.pool, "kfs_probe_jobs").await,
     );
-    assert_eq!(
-        (outbox, jobs),
-        (0, 0),
+    // The counters are the database's, and a session reports what it scanned when it can. On a
+    // loaded server this once counted 5 reads of the outbox: as many as the migration builds
+    // indexes on it, and each build counts as a read of the table, reported late by the
+    // migration's session. A connection keeps its plan, so a statement planned to read a table
+    // through reads it at every round: fewer reads than rounds proves neither statement was.
+    assert!(
+        outbox < 12 && jobs < 12,
         "12 lone claims and marks read the whole outbox {outbox} times and the whole job table {jobs} times"
     );
     env.cleanup().await;
