@@ -15,13 +15,7 @@ use crate::jobs::Kind;
 
 /// How much work an `auto` window keeps waiting in the queue, in time at the kind's current
 /// rate: a second tenant's first job waits behind about this much of a first tenant's backlog.
-///
-/// Why not less: the relay refills at half the window, so a fast kind's rounds are a fraction of
-/// this each, and every round pays its claim, its marks and its publish confirms whatever its
-/// size. At 100 ms a probe kind's rounds were 50-130 rows and the engine spent a fifth more CPU
-/// a job than with a window of 650 (`BENCHMARKS.md`); at 250 ms its rounds reach the relay's
-/// batch. A slow kind's window stays at its floor of a batch per consumer.
-pub const QUEUE_TIME: std::time::Duration = std::time::Duration::from_millis(250);
+pub const QUEUE_TIME: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The most an `auto` window grows to, in claim batches per consumer.
 pub const AUTO_CAP_BATCHES: i64 = 32;
@@ -285,8 +279,7 @@ mod tests {
             (1, 0.0, 16),
             (3, 0.0, 48),
             (1, 8.0, 16),         // a slow kind: a batch per consumer
-            (1, 2_000.0, 500),    // 250 ms of a fast kind's work
-            (1, 40.0, 16),        // a compile's rate: the floor
+            (1, 2_000.0, 200),    // 100 ms of a fast kind's work
             (2, 100_000.0, 1024), // capped at 32 batches per consumer
             (1, -5.0, 16),
         ] {
