@@ -1979,7 +1979,9 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
             .unwrap();
     }
 
-    one_at_a_time(12).await;
+    // Rounds counted, one lone job each.
+    const ROUNDS: usize = 12;
+    one_at_a_time(ROUNDS).await;
 
     // A session that ends reports its counters first.
     own.close().await;
@@ -1991,12 +1993,13 @@ async fn the_claim_and_the_mark_planned_on_a_nearly_empty_outbox_never_read_the_
     );
     // The counters are the database's, and a session reports what it scanned when it can. On a
     // loaded server this once counted 5 reads of the outbox: as many as the migration builds
-    // indexes on it, and each build counts as a read of the table, reported late by the
-    // migration's session. A connection keeps its plan, so a statement planned to read a table
-    // through reads it at every round: fewer reads than rounds proves neither statement was.
+    // indexes on it (each build counts as a read of the table), most likely reported late by
+    // the migration's session. A connection keeps its plan, so a statement planned to read a
+    // table through reads it at every round: fewer reads than rounds proves neither was.
+    let rounds = ROUNDS as i64;
     assert!(
-        outbox < 12 && jobs < 12,
-        "12 lone claims and marks read the whole outbox {outbox} times and the whole job table {jobs} times"
+        outbox < rounds && jobs < rounds,
+        "{ROUNDS} lone claims and marks read the whole outbox {outbox} times and the whole job table {jobs} times"
     );
     env.cleanup().await;
 }
