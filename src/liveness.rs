@@ -50,8 +50,10 @@ pub enum LivenessError {
 
 /// Takes a process's locks on a dedicated connection: its holder's (see [`acquire`]) and its
 /// worker id's, refused while another live process runs under the same id.
+/// The session is given its idle end ([`IDLE`]) before it takes either lock, so no lock of a
+/// process is ever held by a session that Postgres would keep while it sits idle.
 pub async fn acquire_process(url: &SecretUrl, holder: &str) -> Result<PgConnection, LivenessError> {
-    let mut conn = acquire(url, holder).await?;
+    let mut conn = take(url, holder, Some(IDLE)).await?;
     let id = id_of(holder);
     let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
         .bind(ID_NAMESPACE)
@@ -66,8 +68,19 @@ pub async fn acquire_process(url: &SecretUrl, holder: &str) -> Result<PgConnecti
     }
 }
 
-/// Takes the lock of `worker_id` (a holder name) on a dedicated connection.
+/// Takes the lock of `worker_id` (a holder name) on a dedicated connection, which Postgres keeps
+/// however long it sits idle (for a caller that holds the lock without running statements).
 pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, LivenessError> {
+    take(url, worker_id, None).await
+}
+
+/// Takes the lock of `worker_id` on a dedicated connection; with `idle`, Postgres ends the
+/// session once it has had no statement for that long, set before the lock is taken.
+async fn take(
+    url: &SecretUrl,
+    worker_id: &str,
+    idle: Option<Duration>,
+) -> Result<PgConnection, LivenessError> {
     // Named for the worker id, as the process's other sessions are (`kfs-worker <id> …`).
     let name = format!("kfs-worker liveness {}", id_of(worker_id));
     let options = crate::db::connect_options(url, &name)
@@ -80,6 +93,9 @@ pub async fn acquire(url: &SecretUrl, worker_id: &str) -> Result<PgConnection, L
     let _ = sqlx::query("SET client_connection_check_interval = 25")
         .execute(&mut conn)
         .await;
+    if let Some(after) = idle {
+        crate::db::end_when_idle(&mut conn, after).await;
+    }
     let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, hashtext($2))")
         .bind(LOCK_NAMESPACE)
         .bind(worker_id)
@@ -117,7 +133,9 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
 /// server's side such a session would otherwise sit idle, its locks held, until the server
 /// notices the dead link (TCP keepalive: hours by default); a held session is therefore ended by
 /// Postgres after [`IDLE`] without a statement (`idle_session_timeout`, PostgreSQL 14 and later;
-/// older servers refuse it, and keep the old behaviour).
+/// older servers refuse it, and keep the old behaviour), which [`acquire_process`] sets before it
+/// takes a lock: a link cut off between the start-up's lock and this loop's first statement frees
+/// the locks too.
 pub async fn hold(
     url: SecretUrl,
     worker_id: String,
@@ -125,7 +143,6 @@ pub async fn hold(
     shutdown: CancellationToken,
 ) {
     const NAP: &str = "SELECT pg_sleep(0.5)";
-    crate::db::end_when_idle(&mut conn, IDLE).await;
     loop {
         let alive = tokio::select! {
             () = shutdown.cancelled() => {
@@ -152,8 +169,7 @@ pub async fn hold(
                 return;
             }
             match acquire_process(&url, &worker_id).await {
-                Ok(mut c) => {
-                    crate::db::end_when_idle(&mut c, IDLE).await;
+                Ok(c) => {
                     conn = c;
                     tracing::info!(worker_id, "liveness lock taken again");
                     break;

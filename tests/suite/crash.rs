@@ -1208,6 +1208,42 @@ async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
     env.cleanup().await;
 }
 
+/// A process's liveness session can be ended by Postgres from its first lock on: a link cut off
+/// right after the start-up took the locks, before the holding loop ran any statement, frees the
+/// worker id within the idle end. Before, the idle end was set by the holding loop, so a cut in
+/// that window kept the id (and the process looking alive) for as long as the link stayed
+/// half-open, and a restart under the id waited out its connect timeout and was refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_cut_off_right_after_the_liveness_locks_are_taken_frees_them_once_idle() {
+    let _serial = SERIAL.lock().await;
+    let env = TestEnv::new().await;
+    let (link, through) = crate::support::proxy::Proxy::before(&env.url).await;
+    let url = kfs_worker::config::database_url(Some(through.as_str())).unwrap();
+    let holder = kfs_worker::liveness::holder("cut-at-start");
+    let session = kfs_worker::liveness::acquire_process(&url, &holder)
+        .await
+        .unwrap();
+    assert_eq!(
+        kfs_worker::liveness::count_live(&env.pool).await.unwrap(),
+        1,
+        "the locks were taken"
+    );
+    link.set_hold(true);
+    let freed = env
+        .wait_until(kfs_worker::liveness::IDLE * 3, || async {
+            kfs_worker::liveness::count_live(&env.pool).await.unwrap() == 0
+        })
+        .await;
+    assert!(
+        freed,
+        "a session cut off right after taking the liveness locks still held them after {:?}",
+        kfs_worker::liveness::IDLE * 3
+    );
+    drop(session);
+    link.heal();
+    env.cleanup().await;
+}
+
 /// Two live processes never share a worker id: the second one waits the connect timeout for
 /// the id, then exits with one error that names the id, and the first runs on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
