@@ -280,6 +280,7 @@ mod tests {
             (3, 0.0, 48),
             (1, 8.0, 16),         // a slow kind: a batch per consumer
             (1, 2_000.0, 200),    // 100 ms of a fast kind's work
+            (1, 40.0, 16),        // a compile's rate: the floor
             (2, 100_000.0, 1024), // capped at 32 batches per consumer
             (1, -5.0, 16),
         ] {
