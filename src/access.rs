@@ -4,6 +4,8 @@
 //! unexpired, unrevoked, issued for this tenant, space, subject and channel, and every revision it
 //! recorded (member, policy, API access, API key) is still the current one; the rows it reads are
 //! share-locked, so a revocation waits for the transaction that relies on the snapshot.
+//! [`Authority`] reads which authority a job row records: a snapshot, a capability grant (see
+//! [`crate::capability`]), or (compile only) none, and refuses a row that records a mix.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -70,4 +72,93 @@ pub async fn revalidate(
         role,
         permission_scopes,
     }))
+}
+
+/// The authority a job was requested under, as its row records it (the platform's authorization
+/// binding since its migration 0026): a permission snapshot, or a capability grant, or, for an
+/// internal or legacy compile attempt, neither.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Authority {
+    Snapshot {
+        subject: String,
+        snapshot: Uuid,
+        revision: i32,
+        channel: String,
+    },
+    Grant(Uuid),
+    Internal,
+}
+
+impl Authority {
+    /// The authority a row's columns bind: a grant with no snapshot column set, or every
+    /// snapshot column set and no grant, or nothing at all; `Err` names a row that binds a mix,
+    /// which the platform's CHECKs forbid and a job must never run on. Pure.
+    pub fn from_columns(
+        grant: Option<Uuid>,
+        subject: Option<String>,
+        snapshot: Option<Uuid>,
+        revision: Option<i32>,
+        channel: Option<String>,
+    ) -> Result<Self, String> {
+        match (grant, subject, snapshot, revision, channel) {
+            (Some(g), None, None, None, None) => Ok(Authority::Grant(g)),
+            (None, Some(subject), Some(snapshot), Some(revision), Some(channel)) => {
+                Ok(Authority::Snapshot {
+                    subject,
+                    snapshot,
+                    revision,
+                    channel,
+                })
+            }
+            (None, None, None, None, None) => Ok(Authority::Internal),
+            _ => Err(
+                "the job records neither one whole permission snapshot binding nor one \
+                      capability grant alone"
+                    .into(),
+            ),
+        }
+    }
+
+    /// The capability grant, if that is the authority.
+    pub fn grant(&self) -> Option<Uuid> {
+        match self {
+            Authority::Grant(g) => Some(*g),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_job_row_binds_a_whole_snapshot_or_a_grant_alone_or_nothing() {
+        let g = Some(Uuid::from_u128(1));
+        let s = Some(Uuid::from_u128(2));
+        let who = || Some("subject".to_owned());
+        let ch = || Some("interactive".to_owned());
+        let snapshot = Authority::Snapshot {
+            subject: "subject".into(),
+            snapshot: Uuid::from_u128(2),
+            revision: 3,
+            channel: "interactive".into(),
+        };
+        let table = [
+            (
+                (g, None, None, None, None),
+                Ok(Authority::Grant(Uuid::from_u128(1))),
+            ),
+            ((None, who(), s, Some(3), ch()), Ok(snapshot)),
+            ((None, None, None, None, None), Ok(Authority::Internal)),
+            ((g, who(), None, None, None), Err(())),
+            ((g, who(), s, Some(3), ch()), Err(())),
+            ((None, who(), s, None, ch()), Err(())),
+            ((None, None, s, Some(3), None), Err(())),
+        ];
+        for ((grant, subject, snap, rev, channel), want) in table {
+            let got = Authority::from_columns(grant, subject, snap, rev, channel).map_err(|_| ());
+            assert_eq!(got, want);
+        }
+    }
 }

@@ -39,6 +39,7 @@
 pub mod access;
 pub mod broker;
 pub mod canonical;
+pub mod capability;
 pub mod cli;
 pub mod command;
 pub mod config;

@@ -36,10 +36,20 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// `kfs-worker migrate`'s own flags.
+#[derive(Debug, Default, clap::Args)]
+pub struct MigrateArgs {
+    /// On a platform database that the platform's migrations left before 0054, apply the
+    /// missing platform migrations as the platform's own runner would (each once, in order,
+    /// recorded in schema_migrations, rows kept) instead of refusing
+    #[arg(long)]
+    pub upgrade_platform: bool,
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Apply the database migrations (adopts an existing platform database)
-    Migrate,
+    /// Apply the database migrations (adopts an existing platform database at its migration 0054)
+    Migrate(MigrateArgs),
     /// Check that Postgres and RabbitMQ are reachable and accept the credentials
     Check,
     /// Run the relay, the consumers, maintenance and the leased jobs until SIGTERM/SIGINT
@@ -102,7 +112,7 @@ fn env_of(cmd: &clap::Command, invalid: &str) -> Option<String> {
 
 pub async fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
-        Command::Migrate => setup::migrate(&cli.conn).await,
+        Command::Migrate(args) => setup::migrate(&cli.conn, &args).await,
         Command::Check => setup::check(&cli.conn).await,
         Command::Run(args) => run::run_worker(&cli.conn, &args).await,
         Command::Status(args) => status::status(&cli.conn, &args).await,

@@ -2,25 +2,28 @@
 //! service that cannot be reached or refuses is a usage error (exit 2) naming the service;
 //! `check` reports every problem it finds, not only the first.
 
-use super::{ConnArgs, Failure};
+use super::{ConnArgs, Failure, MigrateArgs};
 use crate::{broker, db};
 
-pub(super) async fn migrate(conn: &ConnArgs) -> Result<(), Failure> {
+pub(super) async fn migrate(conn: &ConnArgs, args: &MigrateArgs) -> Result<(), Failure> {
     let url = conn.database_url()?;
     let timeout = conn.connect_timeout()?;
     let pool = db::connect(&url, "kfs-worker migrate", 2, timeout)
         .await
         .map_err(Failure::usage)?;
-    let report = db::migrate(&pool).await.map_err(|e| match e {
-        db::MigrateError::Refused(_) => Failure::usage(format!("cannot migrate {url}: {e}")),
-        _ => Failure::runtime(format!("migration failed: {e}")),
-    })?;
-    if !report.newer_platform.is_empty() {
-        eprintln!(
-            "warning: the database also records the platform's migrations {}; kfs-worker builds \
-             and uses the platform's schema through {}",
-            report.newer_platform.join(", "),
-            db::migrate::PLATFORM_MIGRATIONS[db::migrate::PLATFORM_MIGRATIONS.len() - 1]
+    let options = db::migrate::Options {
+        upgrade_platform: args.upgrade_platform,
+    };
+    let report = db::migrate::migrate_with(&pool, options)
+        .await
+        .map_err(|e| match e {
+            db::MigrateError::Refused(_) => Failure::usage(format!("cannot migrate {url}: {e}")),
+            _ => Failure::runtime(format!("migration failed: {e}")),
+        })?;
+    if let [first, .., last] | [first @ last] = report.upgraded_platform.as_slice() {
+        println!(
+            "platform: applied the platform's migrations {first} through {last} ({} in all), as its own runner would",
+            report.upgraded_platform.len()
         );
     }
     println!(

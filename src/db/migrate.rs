@@ -1,10 +1,16 @@
 //! `kfs-worker migrate`: the project's migrations, applied once each, recorded in the project's
-//! own ledger `kfs_worker_migrations`. Invariant: the database is classified before anything
-//! changes — fresh (no platform table at all), adopted (a platform database whose own ledger
-//! `schema_migrations` records every platform migration through 0018 and whose schema has what
-//! those migrations made), or already managed (the project's ledger exists) — and a database
-//! that is none of these is refused with one line naming what is missing, with nothing written.
-//! On an adopted database every migration statement is a no-op except the project's own objects.
+//! own ledger `kfs_worker_migrations`. The project's migrations 0001–0054 are the platform's
+//! schema through its migration 0054; 0099 and later are the project's own objects.
+//!
+//! Invariant: the database is classified before anything changes — fresh (no platform table at
+//! all), adopted (a platform database whose ledger `schema_migrations` records the platform's
+//! migrations through at least 0018, and whose schema has what every recorded one made), or
+//! already managed (the project's ledger exists) — and one that cannot be taken as it is gets one
+//! line naming why, with nothing written: a ledger that records a platform migration this build
+//! does not know, or that lacks one of 0001–0018, or (unless `--upgrade-platform` allows it) one
+//! of 0019–0054. A platform migration the platform's ledger records never runs again, so on a
+//! database at 0054 only the project's own objects are added; one it lacks runs once, in order,
+//! in one transaction with its ledger row.
 
 use std::fmt;
 use std::time::Instant;
@@ -19,9 +25,11 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// never collides with the two-key liveness locks).
 const LOCK_KEY: i64 = 7_038_579_000;
 
-/// The platform's migrations whose schema the project builds, as the platform's own runner
-/// records them in `schema_migrations` (`migration_id`, dialect `postgres`).
-pub const PLATFORM_MIGRATIONS: [&str; 18] = [
+/// The platform's migrations whose schema the project builds, in order, as the platform's own
+/// runner records them in `schema_migrations` (`migration_id`, dialect `postgres`). The project's
+/// migration of version N (N <= 54) is the platform's migration `PLATFORM_MIGRATIONS[N - 1]`
+/// (its 0001 also builds the tables of the platform's 0002-0014 that have no file of their own).
+pub const PLATFORM_MIGRATIONS: [&str; 54] = [
     "0001_initial_schema",
     "0002_vector_index_upgrade",
     "0003_projection_set_publications",
@@ -40,7 +48,48 @@ pub const PLATFORM_MIGRATIONS: [&str; 18] = [
     "0016_compilation_job_requester_binding",
     "0017_durable_deletion",
     "0018_versioned_space_profiles",
+    "0019_profile_publication_bindings",
+    "0020_profile_migration_runs",
+    "0021_source_product_workflows",
+    "0022_logical_document_revisions",
+    "0023_knowledge_space_overview",
+    "0024_quality_control",
+    "0025_capability_grant_provenance",
+    "0026_capability_job_provenance",
+    "0027_upload_sessions",
+    "0028_dify_integration_states",
+    "0029_dify_integration_freezes",
+    "0030_bulk_operations",
+    "0031_source_connection_capability_provenance",
+    "0032_capability_source_sync_policies",
+    "0033_research_task_final_answers",
+    "0034_knowledge_space_emoji_icons",
+    "0035_research_task_answer_streaming",
+    "0036_page_index_findability",
+    "0037_logical_document_zero_revision_deletion",
+    "0038_document_outline_summary_checkpoints",
+    "0039_document_semantic_enrichment",
+    "0040_knowledge_space_metadata",
+    "0041_logical_document_availability",
+    "0042_workflow_failed_retrieval_capture",
+    "0043_semantic_generation_receipts",
+    "0044_document_semantic_window_checkpoints",
+    "0045_quality_replay_match_policy",
+    "0046_remove_provider_sync_policy",
+    "0047_parse_artifact_checkpoints",
+    "0048_deletion_active_scope_indexes",
+    "0049_answer_trace_query_images",
+    "0050_deletion_job_capability_provenance",
+    "0051_failed_query_trace_outcome_index",
+    "0052_namespace_source_previews",
+    "0053_answer_trace_source",
+    "0054_graph_semantic_projections",
 ];
+
+/// The platform's migrations a database must record before `migrate` takes it over at all:
+/// through 0018, the level the project first adopted. The later ones `migrate` applies itself
+/// only when asked to (`--upgrade-platform`).
+const BASE_LEVEL: usize = 18;
 
 /// What a platform migration leaves behind, checked on a database the platform built before
 /// anything is changed. Each object was introduced by that migration (0012 is a no-op on
@@ -50,6 +99,13 @@ enum Marker {
     Table(&'static str),
     Column(&'static str, &'static str),
     Constraint(&'static str, &'static str),
+    /// A constraint whose definition mentions the text (a CHECK list the migration widened).
+    ConstraintMentions(&'static str, &'static str, &'static str),
+    /// A constraint whose definition no longer mentions the text (a value the migration removed).
+    ConstraintOmits(&'static str, &'static str, &'static str),
+    /// A constraint the migration dropped.
+    NoConstraint(&'static str, &'static str),
+    Index(&'static str),
     /// 0002: `dense_vector` is a dimension-free `vector`.
     VectorWithoutDimension(&'static str, &'static str),
 }
@@ -138,6 +194,124 @@ const MARKERS: &[(&str, Marker)] = &[
     ("0018", Marker::Table("knowledge_space_profile_revisions")),
     ("0018", Marker::Table("knowledge_space_profile_heads")),
     ("0018", Marker::Table("knowledge_space_profile_backfills")),
+    (
+        "0019",
+        Marker::Table("knowledge_space_profile_publication_bindings"),
+    ),
+    (
+        "0019",
+        Marker::Column(
+            "document_compilation_attempts",
+            "retrieval_profile_revision_id",
+        ),
+    ),
+    (
+        "0020",
+        Marker::Table("knowledge_space_profile_migration_runs"),
+    ),
+    ("0021", Marker::Table("source_workflow_runs")),
+    ("0021", Marker::Column("sources", "connection_id")),
+    ("0022", Marker::Table("logical_documents")),
+    ("0022", Marker::Table("document_revisions")),
+    ("0023", Marker::Column("knowledge_spaces", "icon_ref")),
+    ("0024", Marker::Table("quality_replay_runs")),
+    ("0025", Marker::Table("capability_grants")),
+    ("0025", Marker::Table("capability_space_fences")),
+    (
+        "0026",
+        Marker::Column("research_task_jobs", "capability_grant_id"),
+    ),
+    (
+        "0026",
+        Marker::Column("deletion_jobs", "capability_grant_id"),
+    ),
+    (
+        "0026",
+        Marker::Constraint(
+            "document_compilation_attempts",
+            "document_compilation_attempts_authorization_binding_ck",
+        ),
+    ),
+    ("0027", Marker::Table("upload_sessions")),
+    ("0028", Marker::Table("dify_integration_states")),
+    ("0029", Marker::Table("dify_integration_freezes")),
+    ("0030", Marker::Table("bulk_operations")),
+    (
+        "0031",
+        Marker::Column("source_connections", "capability_grant_id"),
+    ),
+    (
+        "0032",
+        Marker::Column("source_sync_policies", "capability_grant_id"),
+    ),
+    (
+        "0033",
+        Marker::Column("research_task_partial_results", "answer"),
+    ),
+    (
+        "0034",
+        Marker::ConstraintMentions(
+            "knowledge_spaces",
+            "knowledge_spaces_icon_ref_ck",
+            "(builtin:)?",
+        ),
+    ),
+    (
+        "0035",
+        Marker::ConstraintMentions(
+            "research_task_progress_events",
+            "research_task_progress_event_ck",
+            "research_task.answer_delta",
+        ),
+    ),
+    ("0036", Marker::Table("page_index_findability_evaluations")),
+    (
+        "0037",
+        Marker::ConstraintMentions(
+            "deletion_jobs",
+            "deletion_jobs_positive_ck",
+            "logical_document",
+        ),
+    ),
+    (
+        "0038",
+        Marker::Table("document_outline_summary_checkpoints"),
+    ),
+    ("0039", Marker::Table("document_semantic_enrichment_jobs")),
+    ("0040", Marker::Table("knowledge_space_metadata_fields")),
+    ("0041", Marker::Column("logical_documents", "enabled")),
+    (
+        "0042",
+        Marker::Column("failed_queries", "capability_grant_id"),
+    ),
+    ("0043", Marker::Table("knowledge_node_generation_receipts")),
+    (
+        "0044",
+        Marker::Table("document_semantic_window_checkpoints"),
+    ),
+    (
+        "0045",
+        Marker::Column("quality_replay_items", "match_policy"),
+    ),
+    (
+        "0046",
+        Marker::ConstraintOmits(
+            "source_sync_policies",
+            "source_sync_policies_mode_ck",
+            "'provider'",
+        ),
+    ),
+    ("0047", Marker::Table("parse_artifact_checkpoints")),
+    ("0048", Marker::Index("deletion_jobs_active_scope_idx")),
+    ("0049", Marker::Column("answer_traces", "query_images")),
+    (
+        "0050",
+        Marker::NoConstraint("deletion_jobs", "deletion_jobs_capability_grant_fk"),
+    ),
+    ("0051", Marker::Index("failed_queries_trace_trigger_idx")),
+    ("0052", Marker::Table("namespace_source_preview_jobs")),
+    ("0053", Marker::Column("answer_traces", "source")),
+    ("0054", Marker::Table("graph_entity_semantic_projections")),
 ];
 
 /// Tables whose presence means the database already holds the platform's schema (in part or in
@@ -203,6 +377,14 @@ impl fmt::Display for Found {
     }
 }
 
+/// How `migrate` may treat the platform's schema.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    /// Apply the platform's migrations after 0018 that the database lacks, as the platform's own
+    /// runner would (each once, in order, recorded in its ledger), instead of refusing.
+    pub upgrade_platform: bool,
+}
+
 /// The outcome of a `migrate` run.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Report {
@@ -210,17 +392,24 @@ pub struct Report {
     /// Versions applied by this run, in order.
     pub applied: Vec<i64>,
     pub total: usize,
-    /// Platform migrations after 0018 recorded in the database (the project builds the schema
-    /// through 0018; later platform columns are left to the platform).
-    pub newer_platform: Vec<String>,
+    /// The platform's migrations this run applied to a database that had platform tables
+    /// (`--upgrade-platform`), in order.
+    pub upgraded_platform: Vec<&'static str>,
     /// The project's own indexes built by this run (see [`super::indexes`]).
     pub indexes: super::indexes::Built,
 }
 
-/// Classifies the database, refuses one that cannot be adopted, then applies every pending
-/// migration, each in its own transaction together with its ledger row. Safe to run from many
-/// processes at once: they take turns on an advisory lock.
+/// [`migrate_with`] without leave to upgrade the platform's schema: a database must be fresh or
+/// record every platform migration the project knows.
 pub async fn migrate(pool: &PgPool) -> Result<Report, MigrateError> {
+    migrate_with(pool, Options::default()).await
+}
+
+/// Classifies the database, refuses one that cannot be adopted, then applies every pending
+/// migration, each in its own transaction together with its ledger row (and, for a platform
+/// migration, the platform's ledger row). Safe to run from many processes at once: they take
+/// turns on an advisory lock.
+pub async fn migrate_with(pool: &PgPool, options: Options) -> Result<Report, MigrateError> {
     let mut conn = pool.acquire().await?;
     // Waiting by polling, never inside one statement: a session blocked in `pg_advisory_lock`
     // holds a snapshot, which the holder's `CREATE INDEX CONCURRENTLY` would wait for while the
@@ -232,7 +421,7 @@ pub async fn migrate(pool: &PgPool) -> Result<Report, MigrateError> {
     {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
-    let result = match migrate_locked(&mut conn).await {
+    let result = match migrate_locked(&mut conn, options).await {
         Ok(mut report) => match super::indexes::ensure(&mut conn).await {
             Ok(built) => {
                 report.indexes = built;
@@ -253,8 +442,14 @@ pub async fn migrate(pool: &PgPool) -> Result<Report, MigrateError> {
     result
 }
 
-async fn migrate_locked(conn: &mut PgConnection) -> Result<Report, MigrateError> {
-    let (found, newer_platform) = classify(conn).await?;
+/// The platform migration a project migration of `version` is, if it is one.
+fn platform_id(version: i64) -> Option<&'static str> {
+    let index = usize::try_from(version).ok()?.checked_sub(1)?;
+    PLATFORM_MIGRATIONS.get(index).copied()
+}
+
+async fn migrate_locked(conn: &mut PgConnection, options: Options) -> Result<Report, MigrateError> {
+    let (found, recorded, upgrade) = classify(conn, options).await?;
     sqlx::raw_sql(
         r#"CREATE TABLE IF NOT EXISTS "kfs_worker_migrations" (
              "version" BIGINT PRIMARY KEY,
@@ -281,19 +476,23 @@ async fn migrate_locked(conn: &mut PgConnection) -> Result<Report, MigrateError>
             }
             continue;
         }
-        apply(conn, m).await?;
+        // A platform migration the platform's ledger records is the platform's own work: the
+        // schema already has it (checked above), and its statements and one-time backfills must
+        // not run again. It is only noted as done.
+        let present = platform_id(m.version).is_some_and(|id| recorded.iter().any(|r| r == id));
+        apply(conn, m, !present).await?;
         applied.push(m.version);
     }
     Ok(Report {
         found,
         applied,
         total: MIGRATOR.iter().count(),
-        newer_platform,
+        upgraded_platform: upgrade,
         indexes: super::indexes::Built::default(),
     })
 }
 
-async fn apply(conn: &mut PgConnection, m: &Migration) -> Result<(), MigrateError> {
+async fn apply(conn: &mut PgConnection, m: &Migration, run: bool) -> Result<(), MigrateError> {
     let failed = |source| MigrateError::Failed {
         version: m.version,
         description: m.description.to_string(),
@@ -310,6 +509,10 @@ async fn apply(conn: &mut PgConnection, m: &Migration) -> Result<(), MigrateErro
         .bind(m.checksum.to_vec())
         .bind(ms)
     };
+    if !run {
+        record(0).execute(&mut *conn).await.map_err(failed)?;
+        return Ok(());
+    }
     if m.no_tx {
         // CREATE INDEX CONCURRENTLY and friends: each statement commits on its own, and every
         // such statement is written to be repeatable.
@@ -332,8 +535,69 @@ async fn apply(conn: &mut PgConnection, m: &Migration) -> Result<(), MigrateErro
     Ok(())
 }
 
-/// Reads what the database holds and decides whether it may be migrated. Writes nothing.
-async fn classify(conn: &mut PgConnection) -> Result<(Found, Vec<String>), MigrateError> {
+/// Decides, from the platform migrations a database records, which ones `migrate` must apply
+/// to it; `Err` is the one line that refuses it. `fresh`: a database with no platform table and
+/// no ledger, which gets every one. Pure.
+fn platform_plan(
+    recorded: &[String],
+    fresh: bool,
+    options: Options,
+) -> Result<Vec<&'static str>, String> {
+    let last = PLATFORM_MIGRATIONS[PLATFORM_MIGRATIONS.len() - 1];
+    if let Some(unknown) = recorded
+        .iter()
+        .find(|r| !PLATFORM_MIGRATIONS.contains(&r.as_str()))
+    {
+        let why = if unknown.as_str() > last {
+            "a later platform migration than this kfs-worker knows"
+        } else {
+            "a platform migration this kfs-worker does not know"
+        };
+        return Err(format!(
+            "schema_migrations records {unknown}, {why} (it runs on the platform's schema through \
+             {last}): use a kfs-worker built for that schema"
+        ));
+    }
+    if fresh {
+        return Ok(Vec::new());
+    }
+    let missing: Vec<&'static str> = PLATFORM_MIGRATIONS
+        .iter()
+        .copied()
+        .filter(|id| !recorded.iter().any(|r| r == id))
+        .collect();
+    if let Some(first) = missing
+        .iter()
+        .find(|id| PLATFORM_MIGRATIONS[..BASE_LEVEL].contains(id))
+    {
+        return Err(format!(
+            "the platform's migration {first} has not been applied to this database (no \
+             schema_migrations row); apply the platform's migrations through {} first",
+            PLATFORM_MIGRATIONS[BASE_LEVEL - 1]
+        ));
+    }
+    if missing.is_empty() || options.upgrade_platform {
+        return Ok(missing);
+    }
+    let named = match missing.as_slice() {
+        [one] => (*one).to_owned(),
+        [first, .., end] => format!("{first} … {end} ({} in all)", missing.len()),
+        [] => unreachable!("missing is not empty"),
+    };
+    Err(format!(
+        "the platform's migrations {named} have not been applied to this database, and \
+         kfs-worker runs on the platform's schema through {last}: apply them with the platform's \
+         own migration runner, or let kfs-worker apply them with `kfs-worker migrate \
+         --upgrade-platform`"
+    ))
+}
+
+/// Reads what the database holds and decides whether it may be migrated: what it is, the
+/// platform migrations its ledger records, and those this run applies to it. Writes nothing.
+async fn classify(
+    conn: &mut PgConnection,
+    options: Options,
+) -> Result<(Found, Vec<String>, Vec<&'static str>), MigrateError> {
     let managed: bool =
         sqlx::query_scalar("SELECT to_regclass('kfs_worker_migrations') IS NOT NULL")
             .fetch_one(&mut *conn)
@@ -361,15 +625,8 @@ async fn classify(conn: &mut PgConnection) -> Result<(Found, Vec<String>), Migra
     } else {
         Vec::new()
     };
-    let newer: Vec<String> = recorded
-        .iter()
-        .filter(|id| id.as_str() > PLATFORM_MIGRATIONS[PLATFORM_MIGRATIONS.len() - 1])
-        .cloned()
-        .collect();
-    if managed {
-        return Ok((Found::Managed, newer));
-    }
-    if present.is_empty() && !ledger {
+    let fresh = !managed && present.is_empty() && !ledger;
+    if fresh {
         let available: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')",
         )
@@ -383,47 +640,52 @@ async fn classify(conn: &mut PgConnection) -> Result<(Found, Vec<String>), Migra
                     .into(),
             ));
         }
-        return Ok((Found::Fresh, newer));
     }
-    check_platform(conn, ledger, &present, &recorded).await?;
-    Ok((Found::Platform, newer))
+    if !managed && !fresh {
+        check_ledger(conn, ledger, &present).await?;
+    }
+    let upgrade = platform_plan(&recorded, fresh, options).map_err(MigrateError::Refused)?;
+    if !managed && !fresh {
+        check_platform(conn, &recorded).await?;
+    }
+    let found = if managed {
+        Found::Managed
+    } else if fresh {
+        Found::Fresh
+    } else {
+        Found::Platform
+    };
+    Ok((found, recorded, upgrade))
 }
 
-/// A database with platform tables but no project ledger: it must be one the platform's own
-/// migrations 0001–0018 built, complete.
-async fn check_platform(
+/// A database with platform tables but no project ledger must have the platform's ledger.
+async fn check_ledger(
     conn: &mut PgConnection,
     ledger: bool,
     present: &[String],
-    recorded: &[String],
 ) -> Result<(), MigrateError> {
-    if !ledger {
-        let legacy: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
-            .fetch_one(&mut *conn)
-            .await?;
-        let hint = if legacy {
-            " (it looks like a database built by an older kfs-worker, whose tables were not the \
-             platform's: migrate a fresh database instead)"
-        } else {
-            ""
-        };
-        return Err(MigrateError::Refused(format!(
-            "the database has platform tables ({}) but no schema_migrations ledger, so it was not \
-             built by the platform's migrations{hint}",
-            present.join(", ")
-        )));
+    if ledger {
+        return Ok(());
     }
-    if let Some(missing) = PLATFORM_MIGRATIONS
-        .iter()
-        .find(|id| !recorded.iter().any(|r| r == *id))
-    {
-        return Err(MigrateError::Refused(format!(
-            "the platform's migration {missing} has not been applied to this database (no \
-             schema_migrations row); apply the platform's migrations through \
-             {} first",
-            PLATFORM_MIGRATIONS[PLATFORM_MIGRATIONS.len() - 1]
-        )));
-    }
+    let legacy: bool = sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
+        .fetch_one(&mut *conn)
+        .await?;
+    let hint = if legacy {
+        " (it looks like a database built by an older kfs-worker, whose tables were not the \
+         platform's: migrate a fresh database instead)"
+    } else {
+        ""
+    };
+    Err(MigrateError::Refused(format!(
+        "the database has platform tables ({}) but no schema_migrations ledger, so it was not \
+         built by the platform's migrations{hint}",
+        present.join(", ")
+    )))
+}
+
+/// A platform database must have what every platform migration its ledger records made, and
+/// the vector extension.
+async fn check_platform(conn: &mut PgConnection, recorded: &[String]) -> Result<(), MigrateError> {
     let vector: bool =
         sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'vector')")
             .fetch_one(&mut *conn)
@@ -434,12 +696,10 @@ async fn check_platform(
         ));
     }
     for (migration, marker) in MARKERS {
+        let Some(id) = recorded.iter().find(|r| r.starts_with(migration)) else {
+            continue;
+        };
         if !has(conn, *marker).await? {
-            let id = PLATFORM_MIGRATIONS
-                .iter()
-                .find(|id| id.starts_with(migration))
-                .copied()
-                .unwrap_or(migration);
             return Err(MigrateError::Refused(format!(
                 "schema_migrations records the platform's migration {id}, but {} is missing",
                 describe(*marker)
@@ -454,6 +714,14 @@ fn describe(m: Marker) -> String {
         Marker::Table(t) => format!("table {t}"),
         Marker::Column(t, c) => format!("column {t}.{c}"),
         Marker::Constraint(t, c) => format!("constraint {c} on {t}"),
+        Marker::ConstraintMentions(t, c, text) => {
+            format!("constraint {c} on {t} as it allows {text}")
+        }
+        Marker::ConstraintOmits(t, c, text) => {
+            format!("constraint {c} on {t} without {text}")
+        }
+        Marker::NoConstraint(t, c) => format!("the removal of constraint {c} on {t}"),
+        Marker::Index(i) => format!("index {i}"),
         Marker::VectorWithoutDimension(t, c) => {
             format!("column {t}.{c} as a vector without a fixed dimension")
         }
@@ -462,7 +730,7 @@ fn describe(m: Marker) -> String {
 
 async fn has(conn: &mut PgConnection, m: Marker) -> Result<bool, sqlx::Error> {
     match m {
-        Marker::Table(t) => {
+        Marker::Table(t) | Marker::Index(t) => {
             sqlx::query_scalar("SELECT to_regclass(quote_ident($1)) IS NOT NULL")
                 .bind(t)
                 .fetch_one(conn)
@@ -482,6 +750,28 @@ async fn has(conn: &mut PgConnection, m: Marker) -> Result<bool, sqlx::Error> {
             sqlx::query_scalar(
                 "SELECT EXISTS (SELECT 1 FROM pg_constraint WHERE conrelid = to_regclass(quote_ident($1)) \
                    AND conname = $2)",
+            )
+            .bind(t)
+            .bind(c)
+            .fetch_one(conn)
+            .await
+        }
+        Marker::ConstraintMentions(t, c, text) | Marker::ConstraintOmits(t, c, text) => {
+            let mentions: Option<bool> = sqlx::query_scalar(
+                "SELECT strpos(pg_get_constraintdef(oid), $3) > 0 FROM pg_constraint \
+                 WHERE conrelid = to_regclass(quote_ident($1)) AND conname = $2",
+            )
+            .bind(t)
+            .bind(c)
+            .bind(text)
+            .fetch_optional(conn)
+            .await?;
+            Ok(mentions == Some(matches!(m, Marker::ConstraintMentions(..))))
+        }
+        Marker::NoConstraint(t, c) => {
+            sqlx::query_scalar(
+                "SELECT NOT EXISTS (SELECT 1 FROM pg_constraint \
+                 WHERE conrelid = to_regclass(quote_ident($1)) AND conname = $2)",
             )
             .bind(t)
             .bind(c)
@@ -511,6 +801,78 @@ mod tests {
             let n = &id[..4];
             let marked = MARKERS.iter().any(|(m, _)| *m == n);
             assert_eq!(marked, n != "0012", "{id}");
+        }
+    }
+
+    fn ids(n: usize) -> Vec<String> {
+        PLATFORM_MIGRATIONS[..n]
+            .iter()
+            .map(|s| (*s).to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn the_platform_plan_applies_only_what_a_database_lacks_and_refuses_the_rest() {
+        let upgrade = Options {
+            upgrade_platform: true,
+        };
+        let keep = Options::default();
+        let mut later = ids(54);
+        later.push("0055_something_new".into());
+        let mut gap = ids(54);
+        gap.retain(|id| !id.starts_with("0030"));
+        let mut below = ids(54);
+        below.retain(|id| !id.starts_with("0016"));
+        let mut stray = ids(54);
+        stray.push("0030_other_branch".into());
+        // (recorded, fresh, options) -> Ok(applied count, first applied) or Err(needle)
+        type Case = (
+            Vec<String>,
+            bool,
+            Options,
+            Result<(usize, &'static str), &'static str>,
+        );
+        let table: Vec<Case> = vec![
+            (vec![], true, keep, Ok((0, ""))),
+            (ids(54), false, keep, Ok((0, ""))),
+            (ids(54), false, upgrade, Ok((0, ""))),
+            (ids(18), false, upgrade, Ok((36, "0019_profile_publication_bindings"))),
+            (ids(53), false, upgrade, Ok((1, "0054_graph_semantic_projections"))),
+            (gap.clone(), false, upgrade, Ok((1, "0030_bulk_operations"))),
+            (ids(18), false, keep, Err("0019_profile_publication_bindings … 0054_graph_semantic_projections (36 in all) have not been applied")),
+            (ids(53), false, keep, Err("migrations 0054_graph_semantic_projections have not been applied")),
+            (gap, false, keep, Err("--upgrade-platform")),
+            (ids(17), false, upgrade, Err("0018_versioned_space_profiles has not been applied")),
+            (below, false, upgrade, Err("0016_compilation_job_requester_binding has not been applied")),
+            (later.clone(), false, upgrade, Err("records 0055_something_new, a later platform migration")),
+            (later, true, keep, Err("0055_something_new")),
+            (stray, false, keep, Err("records 0030_other_branch, a platform migration this kfs-worker does not know")),
+        ];
+        for (recorded, fresh, options, want) in table {
+            let got = platform_plan(&recorded, fresh, options);
+            match (got, want) {
+                (Ok(plan), Ok((n, first))) => {
+                    assert_eq!(plan.len(), n, "{recorded:?}");
+                    assert_eq!(plan.first().copied().unwrap_or(""), first);
+                }
+                (Err(e), Err(needle)) => assert!(e.contains(needle), "{e}"),
+                (got, want) => panic!("{} recorded: {got:?}, wanted {want:?}", recorded.len()),
+            }
+        }
+    }
+
+    #[test]
+    fn every_project_migration_up_to_0054_is_the_platform_migration_of_its_number() {
+        for m in MIGRATOR.iter().filter(|m| m.version <= 54) {
+            let id = platform_id(m.version).expect("a platform migration");
+            assert!(
+                id.starts_with(&format!("{:04}", m.version)),
+                "{} is not {id}",
+                m.version
+            );
+            if m.version > 18 {
+                assert_eq!(id[5..], *m.description.replace(' ', "_"), "{id}");
+            }
         }
     }
 

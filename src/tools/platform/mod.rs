@@ -11,11 +11,12 @@
 //! channels; a snapshot lasts a day unless told otherwise (the platform's last an hour).
 //!
 //! By concern: [`space`] (spaces, members, sources), [`document`] (uploads and new versions),
-//! [`snapshot`] (permission snapshots), [`profile`] (embedding and retrieval profiles) and
+//! [`snapshot`] (permission snapshots), [`grant`] (capability grants and the space's fence), [`profile`] (embedding and retrieval profiles) and
 //! [`notes`] (a ready space of sample notes). Everything is re-exported here, so callers name
 //! `platform::create_space` and the like.
 
 pub mod document;
+pub mod grant;
 pub mod notes;
 pub mod profile;
 pub mod snapshot;
@@ -27,6 +28,7 @@ pub use crate::canonical::sha256_hex;
 pub use document::{
     add_document, document_key, replace_document, sanitize_filename, upload, Upload,
 };
+pub use grant::{create_capability_grant, fence_capability_space, revoke_capability_grant};
 pub use notes::{create_notes_space, sample_note, NotesSpace};
 pub use profile::{activate_embedding_profile, activate_retrieval_profile, vector_space_id};
 pub use snapshot::{create_permission_snapshot, permission_scopes, revoke_permission_snapshot};
