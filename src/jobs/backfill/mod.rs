@@ -9,13 +9,32 @@
 //! commit together with `succeeded`, or nothing does. Refusals carry the platform's codes and
 //! are final; only an operator's [`retry`] queues a failed backfill again.
 //!
+//! Since the platform's migration 0019 the backfill also reconciles publication bindings, as the
+//! platform's tick does: discovery also selects the spaces whose current
+//! publication head has no activated binding, every scanned space is a binding candidate, and
+//! [`tick`] runs the platform's `bindCurrentPublished` for each ([`binding`]), which writes one
+//! `legacy-bootstrap` binding of the current active profile heads for a head the published read
+//! model satisfies, and never changes a binding the head has. The tick counts
+//! `bindings_reconciled` (bound, or already bound to that tuple) and `binding_failed` (every
+//! refusal but the three "not ready yet" ones), as the platform's tick reports them.
+//!
 //! Where kfs-worker differs from the platform's runtime: the model capability is derived from
-//! the profile ([`profile::derive_capability`]) instead of verified over the network; a failure
+//! the profile ([`profile::derive_capability`]) instead of verified over the network (the
+//! platform's assembly requires model preflight; kfs-worker has none); a failure
 //! to reach the database is retried with the kind's backoff (the row goes back to `queued`, and
 //! the claim takes it once `updated_at` is older than the backoff for the attempts used) where
 //! the platform would fail the row; a stored snapshot that no longer hashes to its digest fails
 //! the row (`LEGACY_PROFILE_SOURCE_CHANGED`) where the platform's reader throws on every claim.
+//! The tick runs before each claim (the engine's `before_claim`) and binds a page's candidates
+//! right after discovering them, where the platform binds them after processing the tick's
+//! claimed backfills: a head whose profile heads a backfill installs later in the same pass is
+//! bound when discovery comes round to its space again. The kind logs each tick's counts
+//! ([`Tick`]). In checking a head's profile revisions, kfs-worker checks a
+//! capability's kind, selection and dimension but not the rest of the platform's strict
+//! capability schema, and a snapshot that no longer parses is refused as `…PROFILE_CORRUPT`
+//! where the platform throws its schema error (both count as `binding_failed`).
 
+pub mod binding;
 pub mod profile;
 pub mod walk;
 
@@ -86,18 +105,22 @@ impl Default for BackfillKind {
 }
 
 /// What one discovery page did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Discovered {
     pub scanned: usize,
     pub created: usize,
     /// The last space of the page: where the next page starts.
     pub next: Option<Uuid>,
+    /// Every scanned space (tenant, space), once: the spaces whose current head the tick
+    /// reconciles to an activated publication binding.
+    pub binding_candidates: Vec<(String, Uuid)>,
 }
 
 /// One discovery page, in one transaction, as the platform's discovery runs it: the active,
-/// not deletion-fenced spaces after `after` that lack an embedding or a retrieval head, and for
-/// each of them, each manifest profile key holding an object becomes a queued backfill of the
-/// manifest's version (insert-if-absent on the source).
+/// not deletion-fenced spaces after `after` that lack an embedding or a retrieval head, or whose
+/// current publication head has no activated publication binding; for each of them, each
+/// manifest profile key holding an object becomes a queued backfill of the manifest's version
+/// (insert-if-absent on the source), and every scanned space is a binding candidate.
 pub async fn discover(
     conn: &mut PgConnection,
     after: Option<Uuid>,
@@ -115,7 +138,12 @@ pub async fn discover(
            AND (NOT EXISTS (SELECT 1 FROM knowledge_space_profile_heads h WHERE h.tenant_id = space.tenant_id \
                   AND h.knowledge_space_id = space.id AND h.kind = 'embedding') \
              OR NOT EXISTS (SELECT 1 FROM knowledge_space_profile_heads h WHERE h.tenant_id = space.tenant_id \
-                  AND h.knowledge_space_id = space.id AND h.kind = 'retrieval')) \
+                  AND h.knowledge_space_id = space.id AND h.kind = 'retrieval') \
+             OR EXISTS (SELECT 1 FROM projection_set_publication_heads ph \
+                  LEFT JOIN knowledge_space_profile_publication_bindings b ON b.tenant_id = ph.tenant_id \
+                    AND b.knowledge_space_id = ph.knowledge_space_id AND b.publication_id = ph.publication_id \
+                    AND b.activated_at IS NOT NULL \
+                  WHERE ph.tenant_id = space.tenant_id AND ph.knowledge_space_id = space.id AND b.id IS NULL)) \
          ORDER BY space.id LIMIT $2",
     )
     .bind(after)
@@ -157,7 +185,51 @@ pub async fn discover(
         scanned: rows.len(),
         created,
         next: rows.last().map(|r| r.1),
+        binding_candidates: rows.into_iter().map(|(t, s, _, _)| (t, s)).collect(),
     })
+}
+
+/// What one tick did: the discovery page, and the reconciliation of its binding candidates
+/// counted as the platform's tick counts them (`bindingsReconciled`, `bindingFailed`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Tick {
+    pub discovered: Discovered,
+    pub bindings_reconciled: usize,
+    pub binding_failed: usize,
+}
+
+/// One tick: a discovery page ([`discover`]), then the platform's `bindCurrentPublished` for
+/// each of its binding candidates, each in its own transaction
+/// ([`binding::bind_current_published`]). A candidate that cannot be bound is logged and
+/// counted, never retried here: discovery offers it again until its head is bound.
+pub async fn tick(
+    conn: &mut PgConnection,
+    after: Option<Uuid>,
+    limit: i64,
+    max_attempts: i32,
+) -> Result<Tick, sqlx::Error> {
+    let discovered = discover(conn, after, limit, max_attempts).await?;
+    let mut t = Tick::default();
+    for (tenant, space) in &discovered.binding_candidates {
+        let outcome = binding::bind_current_published(conn, tenant, *space).await;
+        match &outcome {
+            Ok(Ok(binding::Reconciled::Bound(id))) => {
+                tracing::info!(%space, binding = %id, "bound the published head to its profiles")
+            }
+            Ok(Err(r)) if !r.not_ready() => {
+                tracing::warn!(%space, code = r.code, message = %r.message, "cannot bind the published head")
+            }
+            Err(e) => tracing::warn!(%space, error = %e, "cannot bind the published head"),
+            _ => {}
+        }
+        match binding::tally(outcome.as_ref().ok()) {
+            binding::Tally::Reconciled => t.bindings_reconciled += 1,
+            binding::Tally::Failed => t.binding_failed += 1,
+            binding::Tally::NotReady => {}
+        }
+    }
+    t.discovered = discovered;
+    Ok(t)
 }
 
 /// The operator's retry, as the platform's: the space's latest backfill of `kind`, if it
@@ -214,22 +286,7 @@ impl BackfillKind {
         // In place of the platform's preflight.
         let capability = profile::derive_capability(&kind, &stored, &discovered_at)?;
         // Lock order: the job row (the engine's fence), the space, the manifest, the head.
-        let space_row: Option<(String, Option<Uuid>)> = sqlx::query_as(
-            "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces \
-             WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
-        )
-        .bind(&tenant)
-        .bind(space)
-        .fetch_optional(&mut *tx)
-        .await?;
-        let deleting: Option<Uuid> = sqlx::query_scalar(
-            "SELECT id FROM deletion_jobs WHERE tenant_id = $1 AND knowledge_space_id = $2 AND active_slot = 1 \
-             LIMIT 1 FOR UPDATE",
-        )
-        .bind(&tenant)
-        .bind(space)
-        .fetch_optional(&mut *tx)
-        .await?;
+        let space_writable = binding::lock_space(tx, &tenant, space).await?;
         let manifest: Option<(i32, Value)> = sqlx::query_as(
             "SELECT manifest_version, metadata FROM knowledge_space_manifests \
              WHERE tenant_id = $1 AND knowledge_space_id = $2 FOR UPDATE",
@@ -239,8 +296,7 @@ impl BackfillKind {
         .fetch_optional(&mut *tx)
         .await?;
         let source = walk::check_source(&SourceFacts {
-            space_writable: matches!(&space_row, Some((s, None)) if s == "active")
-                && deleting.is_none(),
+            space_writable,
             manifest,
             kind: kind.clone(),
             source_manifest_version: source_version,
@@ -346,14 +402,21 @@ impl LeasedKind for BackfillKind {
     }
 
     async fn before_claim(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let page = discover(
+        let t = tick(
             conn,
             self.cursor.get(),
             self.discovery_limit,
             self.policy.max_attempts,
         )
         .await?;
-        self.cursor.set(page.next);
+        tracing::debug!(
+            scanned = t.discovered.scanned,
+            discovered = t.discovered.created,
+            bindings_reconciled = t.bindings_reconciled,
+            binding_failed = t.binding_failed,
+            "profile backfill tick"
+        );
+        self.cursor.set(t.discovered.next);
         Ok(())
     }
 
