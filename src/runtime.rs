@@ -455,6 +455,11 @@ async fn prepare_database(
 ) -> Result<(), Blocked> {
     let s = &opts.services;
     db::probe(&s.database_url, options, s.connect_timeout).await?;
+    // A build runs only on the schema its migrations made: a database not migrated for it, or
+    // one the platform has taken past what it knows, would fail its jobs one by one.
+    if let Err(why) = db::migrate::current(&mut *pool.acquire().await?).await? {
+        return Err(Blocked::Fail(anyhow::anyhow!(why)));
+    }
     for kind in &opts.kinds {
         if let Some(prepare) = kind.entry().prepare {
             prepare(pool).await?;

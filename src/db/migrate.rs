@@ -442,6 +442,47 @@ pub async fn migrate_with(pool: &PgPool, options: Options) -> Result<Report, Mig
     result
 }
 
+/// Whether the database is at this build's level, as a worker needs it before it touches a job:
+/// every project migration applied and the platform's ledger naming no migration this build does
+/// not know. `Ok(Err(why))` says, in one line, what is not; reads only.
+pub async fn current(conn: &mut PgConnection) -> Result<Result<(), String>, sqlx::Error> {
+    let managed: bool =
+        sqlx::query_scalar("SELECT to_regclass('kfs_worker_migrations') IS NOT NULL")
+            .fetch_one(&mut *conn)
+            .await?;
+    if !managed {
+        return Ok(Err(
+            "the database has not been migrated by kfs-worker: run `kfs-worker migrate` first"
+                .into(),
+        ));
+    }
+    let done: Vec<i64> = sqlx::query_scalar(r#"SELECT "version" FROM "kfs_worker_migrations""#)
+        .fetch_all(&mut *conn)
+        .await?;
+    if let Some(m) = MIGRATOR.iter().find(|m| !done.contains(&m.version)) {
+        return Ok(Err(format!(
+            "the database lacks this build's migration {} ({}): run `kfs-worker migrate` first",
+            m.version, m.description
+        )));
+    }
+    let recorded: Vec<String> = sqlx::query_scalar(
+        "SELECT migration_id::text FROM schema_migrations WHERE dialect = 'postgres' ORDER BY 1",
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let last = PLATFORM_MIGRATIONS[PLATFORM_MIGRATIONS.len() - 1];
+    if let Some(unknown) = recorded
+        .iter()
+        .find(|r| !PLATFORM_MIGRATIONS.contains(&r.as_str()))
+    {
+        return Ok(Err(format!(
+            "the database records the platform's migration {unknown}, which this kfs-worker does \
+             not know (it runs on the platform's schema through {last})"
+        )));
+    }
+    Ok(Ok(()))
+}
+
 /// The platform migration a project migration of `version` is, if it is one.
 fn platform_id(version: i64) -> Option<&'static str> {
     let index = usize::try_from(version).ok()?.checked_sub(1)?;

@@ -238,3 +238,59 @@ fn every_subcommand_has_help() {
         );
     }
 }
+
+/// A worker runs only on the schema its build's migrations made: on a database `migrate` never
+/// touched, and on one whose platform ledger records a migration this build does not know, `run`
+/// ends with one line saying so before it takes any job.
+#[tokio::test]
+async fn a_worker_refuses_a_database_not_migrated_for_its_build() {
+    let env = support::TestEnv::new().await;
+    let plain = format!(
+        "kfs_t_plain_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    );
+    sqlx::query(&format!(r#"CREATE DATABASE "{plain}""#))
+        .execute(&env.pool)
+        .await
+        .expect("create an empty database");
+    let run = |url: String| {
+        let amqp = support::amqp_url();
+        let prefix = env.prefix.clone();
+        std::thread::spawn(move || {
+            kfs(
+                &["run", "--kinds", "probe", "--worker-id", "schema-check"],
+                &[
+                    ("DATABASE_URL", url.as_str()),
+                    ("AMQP_URL", amqp.as_str()),
+                    ("KFS_QUEUE_PREFIX", prefix.as_str()),
+                    ("KFS_HTTP_ADDR", "off"),
+                ],
+            )
+        })
+        .join()
+        .expect("the worker ran")
+    };
+    let o = run(support::url_for(&plain));
+    assert_usage_error(
+        &o,
+        1,
+        "has not been migrated by kfs-worker: run `kfs-worker migrate` first",
+    );
+
+    sqlx::query("INSERT INTO schema_migrations (migration_id, dialect) VALUES ('0055_future_things', 'postgres')")
+        .execute(&env.pool)
+        .await
+        .expect("record a later platform migration");
+    let o = run(env.url.clone());
+    assert_usage_error(&o, 1, "records the platform's migration 0055_future_things");
+    let claimed: i64 = sqlx::query_scalar("SELECT count(*) FROM kfs_worker_migrations")
+        .fetch_one(&env.pool)
+        .await
+        .expect("the ledger is readable");
+    assert!(claimed > 0);
+    sqlx::query(&format!(r#"DROP DATABASE "{plain}" WITH (FORCE)"#))
+        .execute(&env.pool)
+        .await
+        .expect("drop the empty database");
+    env.cleanup().await;
+}
