@@ -3,7 +3,8 @@
 //! and leases, item retries and dead items, redaction, residue, manual retries under both
 //! authorities, tenant and space isolation checked over every table of the schema, crashed
 //! workers, a 10,000-document space in bounded pages; jobs under capability grants (revoked or
-//! fenced ones fail closed), logical documents and the 0019..0054 RESTRICT keys.
+//! fenced ones fail closed), logical documents, the 0019..0054 RESTRICT keys and the head's
+//! profile binding.
 //!
 //! Documents are compiled by the real compile handler (`SpaceFx::compile`), so their read model
 //! is the one the worker writes; the tables compile does not write are seeded with the platform's
@@ -3954,5 +3955,70 @@ async fn a_space_with_source_connections_bindings_and_a_capability_grant_is_dele
     assert!(left.is_empty(), "rows of the space left: {left:?}");
     assert!(files_under(&fx.dir, &s.prefix).is_empty());
     assert_untouched(&fx, &cat, &[&c], &before).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_head_replacement_carries_the_heads_profile_binding_and_drops_the_old_one() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 3).await;
+    let pool = fx.pool();
+    let tuple = bind_head(pool, &s).await;
+    let old = fx_head(pool, &s).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: s.docs[0] }, "b1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    let new = fx_head(pool, &s).await;
+    assert_ne!(new.publication_id, old.publication_id);
+    assert_eq!(
+        binding_of(pool, new.publication_id).await,
+        Some((
+            (
+                new.publication_id,
+                "content".into(),
+                "content-publication".into(),
+                new.fingerprint.clone(),
+                true
+            ),
+            tuple.clone()
+        ))
+    );
+    // The replaced head's publication served the document: it went as a historical
+    // publication, its binding first.
+    assert_eq!(binding_of(pool, old.publication_id).await, None);
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM projection_set_publications WHERE id = $1",
+            old.publication_id
+        )
+        .await,
+        0
+    );
+
+    // The publication module's own head replacement (what a deletion does, for other callers)
+    // carries it too.
+    let mut c = conn(pool).await;
+    let moved = publication::publish_excluding(
+        &mut c,
+        &s.tenant,
+        s.id,
+        Uuid::new_v4(),
+        Some(&[s.docs[1]]),
+        &serde_json::json!({}),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(moved, Some(Ok(_))), "{moved:?}");
+    drop(c);
+    let newer = fx_head(pool, &s).await;
+    let carried = binding_of(pool, newer.publication_id).await.unwrap();
+    assert_eq!((carried.0 .0, carried.1), (newer.publication_id, tuple));
     fx.cleanup().await;
 }
