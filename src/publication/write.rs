@@ -23,8 +23,9 @@ pub fn deletion_fingerprint(job: Uuid, from: Uuid) -> String {
 }
 
 /// Moves the head to a new `published` publication with the head's members except those of
-/// `excluded` documents (every member when `excluded` is `None`), as a deletion does. Returns
-/// `Ok(None)` when there is no head or nothing to exclude.
+/// `excluded` documents (every member when `excluded` is `None`), as a deletion does, copying the
+/// old head's activated profile binding to the new publication. Returns `Ok(None)` when there is
+/// no head or nothing to exclude.
 pub async fn publish_excluding(
     conn: &mut PgConnection,
     tenant: &str,
@@ -55,6 +56,29 @@ pub async fn publish_excluding(
         "published",
         metadata,
     )
+    .await?;
+    // The old head's activated profile binding goes with it, as the platform's deletion copies
+    // it: a `content-publication` row for the new publication (a head without one moves without
+    // one).
+    sqlx::query(
+        "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, knowledge_space_id, changed_kind, \
+           binding_reason, embedding_profile_kind, embedding_profile_revision_id, embedding_profile_revision, \
+           embedding_profile_snapshot_digest, retrieval_profile_kind, retrieval_profile_revision_id, \
+           retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, publication_id, \
+           publication_fingerprint, created_at, activated_at) \
+         SELECT $4, b.tenant_id, b.knowledge_space_id, 'content', 'content-publication', b.embedding_profile_kind, \
+           b.embedding_profile_revision_id, b.embedding_profile_revision, b.embedding_profile_snapshot_digest, \
+           b.retrieval_profile_kind, b.retrieval_profile_revision_id, b.retrieval_profile_revision, \
+           b.retrieval_profile_snapshot_digest, b.vector_space_id, $4, $5, now(), now() \
+         FROM knowledge_space_profile_publication_bindings b \
+         WHERE b.tenant_id = $1 AND b.knowledge_space_id = $2 AND b.publication_id = $3 AND b.activated_at IS NOT NULL",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(h.publication_id)
+    .bind(id)
+    .bind(&fingerprint)
+    .execute(&mut *conn)
     .await?;
     if let Some(docs) = excluded {
         sqlx::query(

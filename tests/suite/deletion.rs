@@ -2,7 +2,9 @@
 //! platform's schema: every target and mode, idempotent and refused requests, draining writers
 //! and leases, item retries and dead items, redaction, residue, manual retries under both
 //! authorities, tenant and space isolation checked over every table of the schema, crashed
-//! workers, and a 10,000-document space in bounded pages.
+//! workers, a 10,000-document space in bounded pages; jobs under capability grants (revoked or
+//! fenced ones fail closed), logical documents, the 0019..0054 RESTRICT keys and the head's
+//! profile binding.
 //!
 //! Documents are compiled by the real compile handler (`SpaceFx::compile`), so their read model
 //! is the one the worker writes; the tables compile does not write are seeded with the platform's
@@ -22,9 +24,11 @@ use kfs_worker::consumer::{ConsumerConfig, Engine};
 use kfs_worker::engine::slice::Budget;
 use kfs_worker::jobs::compile::{self, RequestOptions, Requester};
 use kfs_worker::jobs::deletion::{
-    request_deletion, retry_deletion, CachePage, DeletionConfig, DeletionHandler, DeletionRequest,
-    ObjectEraser, PortError, RequestError, RetrievalCache, RetryAuthority, RetryRequest, SecretRef,
-    SecretStore, SourceMode, Target, SPACE_LOCK_CLASS,
+    request_deletion, request_deletion_under_grant, retry_deletion, retry_deletion_under_grant,
+    CachePage, DeletionConfig, DeletionHandler, DeletionRequest, GrantDeletionRequest,
+    GrantRetryRequest, ObjectEraser, PortError, RequestError, RetrievalCache, RetryAuthority,
+    RetryRequest, SecretRef, SecretStore, SourceMode, Target, CAPABILITY_REVOKED,
+    CAPABILITY_REVOKED_MESSAGE, SPACE_LOCK_CLASS,
 };
 use kfs_worker::jobs::{Deps, Handler, JobCtx, JobError, Kind, Step};
 use kfs_worker::publication::{self, Member};
@@ -2907,5 +2911,1114 @@ async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_f
     assert_finished_clean(pool, job).await;
     assert_eq!(fx.status(attempt).await.run_state, "succeeded");
     assert_eq!(served(pool, &s).await, BTreeSet::from([other]));
+    fx.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capability grants, logical documents and the platform's 0019..0054 keys
+
+/// A grant for an agent of the space admitting `scopes`.
+async fn grant_for(fx: &SpaceFx, s: &Space, scopes: &[&str]) -> Uuid {
+    let mut c = conn(fx.pool()).await;
+    let scopes: Vec<String> = scopes.iter().map(|x| (*x).to_owned()).collect();
+    platform::create_capability_grant(&mut c, &s.tenant, s.id, "agent-7", &scopes)
+        .await
+        .unwrap()
+}
+
+fn grant_request(s: &Space, target: Target, grant: Uuid, key: &str) -> GrantDeletionRequest {
+    GrantDeletionRequest {
+        tenant_id: s.tenant.clone(),
+        knowledge_space_id: s.id,
+        target,
+        expected_revision: None,
+        capability_grant_id: grant,
+        idempotency_key: key.into(),
+    }
+}
+
+async fn request_under_grant(
+    pool: &PgPool,
+    req: &GrantDeletionRequest,
+) -> Result<Uuid, RequestError> {
+    let mut tx = pool.begin().await.unwrap();
+    let r = request_deletion_under_grant(&mut tx, req).await;
+    tx.commit().await.unwrap();
+    r.map(|r| r.job_id)
+}
+
+/// The space's rows, every table but the deletion job's own (which a failure writes).
+async fn rows_but_the_jobs(cat: &Catalog, pool: &PgPool, space: Uuid) -> BTreeMap<String, String> {
+    let mut rows = cat.fingerprint(pool, space).await;
+    rows.retain(|t, _| !kept_by_design(t));
+    rows
+}
+
+/// What a job failed closed on its grant holds: run state, checkpoint, error, slot, tombstone
+/// state, and the statuses of its outbox rows.
+type Closed = (
+    String,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<i32>,
+    String,
+    Vec<String>,
+);
+
+async fn closed(pool: &PgPool, job: Uuid) -> Closed {
+    let (state, cp, code, message, slot): (String, String, Option<String>, Option<String>, Option<i32>) =
+        sqlx::query_as(
+            "SELECT run_state, checkpoint, last_error_code, last_error_message, active_slot FROM deletion_jobs WHERE id = $1",
+        )
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let tomb: String =
+        sqlx::query_scalar("SELECT state FROM deletion_tombstones WHERE deletion_job_id = $1")
+            .bind(job)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    let outbox: Vec<String> = sqlx::query_scalar(
+        "SELECT status FROM deletion_outbox WHERE deletion_job_id = $1 ORDER BY delivery_revision",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    (state, cp, code, message, slot, tomb, outbox)
+}
+
+fn failed_closed_at(cp: &str) -> Closed {
+    (
+        "failed".into(),
+        cp.into(),
+        Some(CAPABILITY_REVOKED.into()),
+        Some(CAPABILITY_REVOKED_MESSAGE.into()),
+        Some(1),
+        "active".into(),
+        vec!["dead".into()],
+    )
+}
+
+/// The items of a job: (ordinal, status, object key still there).
+async fn items_of(pool: &PgPool, job: Uuid) -> Vec<(i64, String, bool)> {
+    sqlx::query_as(
+        "SELECT ordinal, status, object_key IS NOT NULL FROM deletion_job_items WHERE deletion_job_id = $1 ORDER BY ordinal",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// Every document as the platform's 0022 backfill leaves it: a logical document with the
+/// asset's id, one active revision of the asset, `row_version` 1.
+async fn backfill_logical_documents(pool: &PgPool, docs: &[Uuid]) {
+    sqlx::raw_sql(&format!(
+        r#"
+        INSERT INTO logical_documents (id, tenant_id, knowledge_space_id, source_id, provider_item_id, title, status,
+          active_revision, row_version, system_metadata, user_metadata, created_at, updated_at)
+        SELECT a.id, k.tenant_id, a.knowledge_space_id, NULL, NULL, a.filename, 'ready', NULL, 0,
+          jsonb_build_object('legacyDocumentAssetId', a.id::text), '{{}}', now(), now()
+        FROM document_assets a JOIN knowledge_spaces k ON k.id = a.knowledge_space_id WHERE a.id = ANY('{{{ids}}}');
+        INSERT INTO document_revisions (tenant_id, knowledge_space_id, document_id, revision, document_asset_id,
+          document_asset_version, compilation_attempt_id, expected_active_revision, expected_document_row_version,
+          content_hash, mime_type, size_bytes, state, system_metadata, created_at, activated_at)
+        SELECT k.tenant_id, a.knowledge_space_id, a.id, a.version, a.id, a.version, NULL, NULL, 0, a.sha256,
+          a.mime_type, a.size_bytes, 'active', '{{}}', now(), now()
+        FROM document_assets a JOIN knowledge_spaces k ON k.id = a.knowledge_space_id WHERE a.id = ANY('{{{ids}}}');
+        UPDATE logical_documents l SET active_revision = a.version, row_version = l.row_version + 1
+        FROM document_assets a WHERE l.id = a.id AND a.id = ANY('{{{ids}}}');
+        "#,
+        ids = docs.iter().map(Uuid::to_string).collect::<Vec<_>>().join(",")
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// A revision row of logical document `doc` using asset `asset`.
+fn revision_sql(s: &Space, doc: Uuid, revision: i32, asset: Uuid, state: &str) -> String {
+    let activated = if matches!(state, "active" | "superseded") {
+        "now()"
+    } else {
+        "NULL"
+    };
+    format!(
+        "INSERT INTO document_revisions (tenant_id, knowledge_space_id, document_id, revision, document_asset_id, \
+           document_asset_version, compilation_attempt_id, expected_active_revision, expected_document_row_version, \
+           content_hash, mime_type, size_bytes, state, system_metadata, created_at, activated_at) \
+         SELECT '{t}', a.knowledge_space_id, '{doc}', {revision}, a.id, a.version, gen_random_uuid(), NULL, 0, a.sha256, \
+           a.mime_type, a.size_bytes, '{state}', '{{}}', now(), {activated} \
+         FROM document_assets a WHERE a.id = '{asset}' AND a.knowledge_space_id = '{sp}';",
+        t = s.tenant,
+        sp = s.id
+    )
+}
+
+/// A source workflow run of `source` (completed) with a completed outbox row, under `grant` or
+/// else the owner's snapshot.
+async fn source_run(pool: &PgPool, s: &Space, source: Uuid, grant: Option<Uuid>) -> Uuid {
+    let run = Uuid::new_v4();
+    let authority = match grant {
+        Some(g) => format!("'{g}', NULL, NULL, NULL, NULL, NULL"),
+        None => format!(
+            "NULL, '{OWNER}', '{}', 1, '[]', 'interactive'",
+            s.owner_snapshot
+        ),
+    };
+    sqlx::raw_sql(&format!(
+        r#"
+        INSERT INTO source_workflow_runs (id, tenant_id, knowledge_space_id, kind, source_id, source_scope, idempotency_key,
+          idempotency_digest, checkpoint, run_state, active_slot, completed_at, execution_attempts, max_execution_attempts,
+          payload, progress_completed, progress_failed, progress_skipped, row_version, created_at, updated_at,
+          capability_grant_id, requested_by_subject_id, permission_snapshot_id, permission_snapshot_revision,
+          required_permission_scope, access_channel)
+        VALUES ('{run}', '{t}', '{sp}', 'sync', '{source}', 'source:{source}', 'sync-{run}', repeat('a', 64),
+          'source-committed', 'completed', NULL, now(), 1, 3, '{{}}', 1, 0, 0, 2, now(), now(), {authority});
+        INSERT INTO source_workflow_outbox (id, run_id, delivery_revision, status, available_at, created_at, updated_at)
+        VALUES (gen_random_uuid(), '{run}', 1, 'completed', now(), now(), now());
+        INSERT INTO source_sync_policies (id, tenant_id, knowledge_space_id, source_id, mode, enabled,
+          expected_source_version, revision, created_at, updated_at, capability_grant_id, requested_by_subject_id,
+          permission_snapshot_id, permission_snapshot_revision, required_permission_scope, access_channel)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{source}', 'manual', false, 1, 1, now(), now(), {authority});
+        "#,
+        t = s.tenant,
+        sp = s.id,
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    run
+}
+
+/// A source connection (under `grant` if any) that `source` uses.
+async fn connect_source(pool: &PgPool, s: &Space, source: Uuid, grant: Option<Uuid>) -> Uuid {
+    let connection = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO source_connections (id, tenant_id, knowledge_space_id, provider_id, name, auth_kind, configuration, \
+           scopes, status, credential_ref, version, capability_grant_id, created_at, updated_at) \
+         VALUES ($1, $2, $3, 'notion', 'wiki', 'api-key', '{}', '[]', 'active', $4, 1, $5, now(), now())",
+    )
+    .bind(connection)
+    .bind(&s.tenant)
+    .bind(s.id)
+    .bind(platform::new_credential_ref())
+    .bind(grant)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE sources SET connection_id = $1 WHERE id = $2")
+        .bind(connection)
+        .bind(source)
+        .execute(pool)
+        .await
+        .unwrap();
+    connection
+}
+
+/// Binds the space's current head to its active profiles, as the platform's backfill does:
+/// returns the tuple (embedding revision id and revision, retrieval revision id and revision,
+/// vector space).
+async fn bind_head(pool: &PgPool, s: &Space) -> (Uuid, i32, Uuid, i32, String) {
+    let mut c = conn(pool).await;
+    platform::activate_retrieval_profile(&mut c, &s.tenant, s.id, "gpt-4o-mini", "openai")
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, knowledge_space_id, changed_kind, \
+           binding_reason, embedding_profile_kind, embedding_profile_revision_id, embedding_profile_revision, \
+           embedding_profile_snapshot_digest, retrieval_profile_kind, retrieval_profile_revision_id, \
+           retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, publication_id, \
+           publication_fingerprint, created_at, activated_at) \
+         SELECT gen_random_uuid(), h.tenant_id, h.knowledge_space_id, 'bootstrap', 'legacy-bootstrap', 'embedding', \
+           e.id, e.revision, e.snapshot_digest, 'retrieval', r.id, r.revision, r.snapshot_digest, e.vector_space_id, \
+           h.publication_id, p.fingerprint, now(), now() \
+         FROM projection_set_publication_heads h \
+         JOIN projection_set_publications p ON p.id = h.publication_id \
+         JOIN knowledge_space_profile_revisions e ON e.tenant_id = h.tenant_id \
+           AND e.knowledge_space_id = h.knowledge_space_id AND e.kind = 'embedding' AND e.state = 'active' \
+         JOIN knowledge_space_profile_revisions r ON r.tenant_id = h.tenant_id \
+           AND r.knowledge_space_id = h.knowledge_space_id AND r.kind = 'retrieval' AND r.state = 'active' \
+         WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2",
+    )
+    .bind(&s.tenant)
+    .bind(s.id)
+    .execute(pool)
+    .await
+    .unwrap();
+    binding_of(pool, fx_head(pool, s).await.publication_id)
+        .await
+        .expect("the head's binding")
+        .1
+}
+
+/// A publication's binding: (id, kind, reason, fingerprint, activated), and its profile tuple.
+type Binding = (
+    (Uuid, String, String, String, bool),
+    (Uuid, i32, Uuid, i32, String),
+);
+
+async fn binding_of(pool: &PgPool, publication: Uuid) -> Option<Binding> {
+    type Row = (
+        Uuid,
+        String,
+        String,
+        String,
+        bool,
+        Uuid,
+        i32,
+        Uuid,
+        i32,
+        String,
+    );
+    let row: Option<Row> = sqlx::query_as(
+        "SELECT id, changed_kind, binding_reason, publication_fingerprint, activated_at IS NOT NULL AND created_at = activated_at, \
+           embedding_profile_revision_id, embedding_profile_revision, retrieval_profile_revision_id, \
+           retrieval_profile_revision, vector_space_id \
+         FROM knowledge_space_profile_publication_bindings WHERE publication_id = $1",
+    )
+    .bind(publication)
+    .fetch_optional(pool)
+    .await
+    .unwrap();
+    row.map(|(id, k, r, f, a, e, er, rv, rr, v)| ((id, k, r, f, a), (e, er, rv, rr, v)))
+}
+
+async fn count(pool: &PgPool, sql: &str, id: Uuid) -> i64 {
+    sqlx::query_scalar(sql)
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_authorized_document_deletion_succeeds_and_records_the_grant_alone() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
+    let grant = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    let doc = s.docs[1];
+    let req = grant_request(&s, Target::Document { id: doc }, grant, "g1");
+    let job = request_under_grant(pool, &req).await.unwrap();
+    // The platform's columns under a grant: the grant, and no subject, snapshot, channel or key.
+    type Cols = (
+        Option<Uuid>,
+        Option<String>,
+        Option<Uuid>,
+        Option<i32>,
+        Option<String>,
+        Option<Uuid>,
+        String,
+    );
+    let cols: Cols =
+        sqlx::query_as(
+            "SELECT capability_grant_id, requested_by_subject_id, permission_snapshot_id, permission_snapshot_revision, \
+               access_channel, api_key_id, request_fingerprint FROM deletion_jobs WHERE id = $1",
+        )
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        cols,
+        (Some(grant), None, None, None, None, None, req.fingerprint())
+    );
+    // A replay is the same job; the same key under the owner's snapshot is another request.
+    assert_eq!(request_under_grant(pool, &req).await.unwrap(), job);
+    assert!(matches!(
+        request(
+            pool,
+            &target_request(&s, Target::Document { id: doc }, "g1")
+        )
+        .await,
+        Err(RequestError::IdempotencyConflict { .. })
+    ));
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert!(!served(pool, &s).await.contains(&doc));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deletion_whose_grant_was_revoked_before_it_ran_fails_closed_and_writes_nothing_else() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
+    let grant = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    let doc = s.docs[0];
+    let job = request_under_grant(
+        pool,
+        &grant_request(&s, Target::Document { id: doc }, grant, "r1"),
+    )
+    .await
+    .unwrap();
+    let mut c = conn(pool).await;
+    platform::revoke_capability_grant(&mut c, &s.tenant, s.id, grant)
+        .await
+        .unwrap();
+    drop(c);
+    let cat = catalog(pool).await;
+    let rows = rows_but_the_jobs(&cat, pool, s.id).await;
+    let objects = files_under(&fx.dir, &s.prefix);
+    let items = items_of(pool, job).await;
+    let served_before = served(pool, &s).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    driver.finish(job, true).await;
+    assert_eq!(closed(pool, job).await, failed_closed_at("requested"));
+    // Nothing else: the target and every row of the space as they were (the document still
+    // fenced `deleting`), its items untouched, its objects and the head as they were.
+    assert_eq!(rows_but_the_jobs(&cat, pool, s.id).await, rows);
+    let state: String =
+        sqlx::query_scalar("SELECT lifecycle_state FROM document_assets WHERE id = $1")
+            .bind(doc)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(state, "deleting");
+    assert_eq!(items_of(pool, job).await, items);
+    assert_eq!(items, vec![(0, "pending".into(), true)]);
+    assert_eq!(files_under(&fx.dir, &s.prefix), objects);
+    assert_eq!(served(pool, &s).await, served_before);
+    // A failed job still holds its target.
+    assert!(matches!(
+        request(
+            pool,
+            &target_request(&s, Target::Document { id: doc }, "r2")
+        )
+        .await,
+        Err(RequestError::TargetBusy { .. })
+    ));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_deletion_in_a_space_fenced_mid_way_fails_closed_at_its_next_step() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
+    let grant = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    let doc = s.docs[1];
+    let job = request_under_grant(
+        pool,
+        &grant_request(&s, Target::Document { id: doc }, grant, "f1"),
+    )
+    .await
+    .unwrap();
+    // One step per slice, so the fence lands between two checkpoints.
+    let driver = Driver::new(
+        &fx,
+        Arc::new(handler(&fx)),
+        Budget {
+            max_steps: 1,
+            ..Budget::default()
+        },
+    )
+    .await;
+    for _ in 0..500 {
+        if job_state(pool, job).await.1 == "deleting_objects" {
+            break;
+        }
+        skip_wait(pool, job).await;
+        driver.turn().await;
+    }
+    assert_eq!(
+        job_state(pool, job).await,
+        ("queued".into(), "deleting_objects".into())
+    );
+    let mut c = conn(pool).await;
+    platform::fence_capability_space(&mut c, &s.tenant, s.id)
+        .await
+        .unwrap();
+    drop(c);
+    let cat = catalog(pool).await;
+    let rows = rows_but_the_jobs(&cat, pool, s.id).await;
+    let objects = files_under(&fx.dir, &s.prefix);
+    let items = items_of(pool, job).await;
+    assert!(
+        items.len() > 1 && items.iter().all(|i| i.1 == "pending"),
+        "{items:?}"
+    );
+
+    driver.finish(job, true).await;
+    assert_eq!(
+        closed(pool, job).await,
+        failed_closed_at("deleting_objects")
+    );
+    assert_eq!(items_of(pool, job).await, items, "no item was erased");
+    assert_eq!(files_under(&fx.dir, &s.prefix), objects);
+    assert_eq!(rows_but_the_jobs(&cat, pool, s.id).await, rows);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_request_under_a_revoked_or_too_narrow_grant_is_refused_and_writes_nothing() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+    let pool = fx.pool();
+    let source = s.sources[0];
+    sqlx::query("UPDATE sources SET permission_scope = '[\"team:red\"]' WHERE id = $1")
+        .bind(source)
+        .execute(pool)
+        .await
+        .unwrap();
+    let blue = grant_for(&fx, &s, &["team:blue"]).await;
+    let revoked = grant_for(&fx, &s, &["team:red", "team:blue"]).await;
+    let mut c = conn(pool).await;
+    platform::revoke_capability_grant(&mut c, &s.tenant, s.id, revoked)
+        .await
+        .unwrap();
+    drop(c);
+    let elsewhere = seed(&fx, "tenant-t", "other", "Other", 0, 0).await;
+    let foreign = grant_for(&fx, &elsewhere, &["team:red"]).await;
+    let cat = catalog(pool).await;
+    let rows = rows_but_the_jobs(&cat, pool, s.id).await;
+
+    // A grant that does not admit the source's permission scope may not delete the source.
+    let source_target = || Target::Source {
+        id: source,
+        mode: SourceMode::Cascade,
+    };
+    let err = request_under_grant(pool, &grant_request(&s, source_target(), blue, "n1"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, RequestError::Permission(m) if m.contains("permission scope")),
+        "{err}"
+    );
+    // A revoked grant may delete nothing; nor may a grant of another space.
+    for (target, grant) in [
+        (Target::Document { id: s.docs[0] }, revoked),
+        (source_target(), revoked),
+        (
+            Target::Space {
+                confirm_name: s.name.clone(),
+            },
+            revoked,
+        ),
+        (Target::Document { id: s.docs[0] }, foreign),
+    ] {
+        let err = request_under_grant(pool, &grant_request(&s, target.clone(), grant, "n2"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, RequestError::Permission(m) if m.contains("capability grant refused")),
+            "{target:?}: {err}"
+        );
+    }
+    // The CLI says so in one line, and refuses a request naming two authorities or none.
+    let run = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
+            .args(args)
+            .env("DATABASE_URL", &fx.env.url)
+            .env("KFS_OBJECT_STORE", &fx.store_url)
+            .output()
+            .unwrap()
+    };
+    let (doc, space, revoked, snap) = (
+        s.docs[0].to_string(),
+        s.id.to_string(),
+        revoked.to_string(),
+        s.owner_snapshot.to_string(),
+    );
+    let base = [
+        "delete", "document", &doc, "--space", &space, "--tenant", &s.tenant,
+    ];
+    for extra in [
+        vec!["--grant", revoked.as_str()],
+        vec![
+            "--grant",
+            revoked.as_str(),
+            "--as",
+            OWNER,
+            "--snapshot",
+            &snap,
+        ],
+        vec![],
+    ] {
+        let out = run(&[&base[..], &extra[..]].concat());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{extra:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+    }
+    // Nothing was written: no job, no tombstone, no fence, no invalidated workspace.
+    for table in ["deletion_jobs", "deletion_tombstones"] {
+        let n = count(
+            pool,
+            &format!("SELECT count(*) FROM {table} WHERE knowledge_space_id = $1"),
+            s.id,
+        )
+        .await;
+        assert_eq!(n, 0, "{table}");
+    }
+    assert_eq!(rows_but_the_jobs(&cat, pool, s.id).await, rows);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_grant_deletion_is_retried_under_its_own_grant_only_and_audited_as_such() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
+    let flaky = Arc::new(Flaky {
+        inner: fx.store.clone(),
+        broken: AtomicBool::new(true),
+        calls: AtomicU64::new(0),
+    });
+    let h = handler(&fx)
+        .with_objects(flaky.clone())
+        .with_config(DeletionConfig {
+            item_max_attempts: 2,
+            ..fast_config()
+        });
+    let driver = Driver::new(&fx, Arc::new(h), Budget::default()).await;
+    let grant = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    let job = request_under_grant(
+        pool,
+        &grant_request(&s, Target::Document { id: s.docs[1] }, grant, "t1"),
+    )
+    .await
+    .unwrap();
+    sqlx::query("UPDATE deletion_job_items SET max_attempts = 2 WHERE deletion_job_id = $1")
+        .bind(job)
+        .execute(pool)
+        .await
+        .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "failed");
+    let retry = |grant: Uuid, key: &str| {
+        let pool = pool.clone();
+        let req = GrantRetryRequest {
+            job_id: job,
+            capability_grant_id: grant,
+            idempotency_key: key.into(),
+        };
+        async move {
+            let mut tx = pool.begin().await.unwrap();
+            let r = retry_deletion_under_grant(&mut tx, &req).await;
+            tx.commit().await.unwrap();
+            r
+        }
+    };
+    // Another grant is not the requester; nor is the owner claiming to be it under a snapshot.
+    let other = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    assert!(matches!(
+        retry(other, "t2").await,
+        Err(RequestError::RetryRefused(_))
+    ));
+    let mut tx = pool.begin().await.unwrap();
+    let as_owner = retry_deletion(
+        &mut tx,
+        &RetryRequest {
+            job_id: job,
+            actor_subject_id: OWNER.into(),
+            permission_snapshot_id: s.owner_snapshot,
+            access_channel: "interactive".into(),
+            authority: RetryAuthority::OriginalRequester,
+            idempotency_key: "t3".into(),
+        },
+    )
+    .await;
+    tx.commit().await.unwrap();
+    assert!(
+        matches!(as_owner, Err(RequestError::RetryRefused(_))),
+        "{as_owner:?}"
+    );
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM deletion_retry_audits WHERE deletion_job_id = $1",
+            job
+        )
+        .await,
+        0
+    );
+
+    flaky.broken.store(false, Ordering::SeqCst);
+    let r = retry(grant, "t4").await.unwrap();
+    assert!(r.created);
+    assert!(!retry(grant, "t4").await.unwrap().created, "a replay");
+    type Audit = (
+        String,
+        Option<String>,
+        Option<Uuid>,
+        Option<i32>,
+        Option<String>,
+        Option<Uuid>,
+        Option<Uuid>,
+    );
+    let audit: Audit =
+        sqlx::query_as(
+            "SELECT retry_authority, actor_subject_id, permission_snapshot_id, permission_snapshot_revision, \
+               access_channel, api_key_id, capability_grant_id FROM deletion_retry_audits WHERE deletion_job_id = $1",
+        )
+        .bind(job)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        audit,
+        (
+            "original_requester".into(),
+            None,
+            None,
+            None,
+            None,
+            None,
+            Some(grant)
+        )
+    );
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_logical_document_deleted_at_revision_zero_leaves_nothing_of_it_and_keeps_a_shared_asset()
+{
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 1).await;
+    let pool = fx.pool();
+    let owned = fx
+        .add("owned.md", "text/markdown", note(1, "owned").as_bytes())
+        .await;
+    let shared = fx
+        .add("shared.md", "text/markdown", note(2, "shared").as_bytes())
+        .await;
+    fx.compile(owned).await;
+    fx.compile(shared).await;
+    // Logical document `ld` (row_version 0): revision 1 on the shared asset (superseded),
+    // revision 2 on its own asset (active), with chunks, a chunk state change, settings and a
+    // reindex attempt; `keeper` still has its active revision on the shared asset.
+    let (ld, keeper) = (Uuid::new_v4(), Uuid::new_v4());
+    let (t, sp) = (&s.tenant, s.id);
+    let (chunk, attempt) = (Uuid::new_v4(), Uuid::new_v4());
+    let logical = |id: Uuid, title: &str, active: i32| {
+        format!(
+            "INSERT INTO logical_documents (id, tenant_id, knowledge_space_id, title, status, active_revision, row_version, \
+               system_metadata, user_metadata, created_at, updated_at) \
+             VALUES ('{id}', '{t}', '{sp}', '{title}', 'ready', {active}, 0, '{{}}', '{{}}', now(), now());"
+        )
+    };
+    sqlx::raw_sql(&format!(
+        r#"
+        BEGIN;
+        {ld_row}
+        {keeper_row}
+        {r1}
+        {r2}
+        {k1}
+        COMMIT;
+        INSERT INTO document_revision_chunks (id, tenant_id, knowledge_space_id, document_id, document_revision, ordinal,
+          parent_chunk_id, text, token_count, system_metadata, user_metadata, created_at)
+        VALUES ('{chunk}', '{t}', '{sp}', '{ld}', 2, 0, NULL, 'fencing', 1, '{{}}', '{{}}', now()),
+               (gen_random_uuid(), '{t}', '{sp}', '{ld}', 2, 1, '{chunk}', 'tokens', 1, '{{}}', '{{}}', now());
+        INSERT INTO document_chunk_state_changes (id, tenant_id, knowledge_space_id, document_id, document_revision, chunk_id,
+          compilation_attempt_id, enabled, state, created_at, activated_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{ld}', 2, '{chunk}', '{attempt}', false, 'active', now(), now());
+        INSERT INTO document_settings_revisions (tenant_id, knowledge_space_id, document_id, revision, settings, state,
+          created_by_subject_id, created_at, activated_at)
+        VALUES ('{t}', '{sp}', '{ld}', 1, '{{}}', 'active', '{OWNER}', now(), now());
+        INSERT INTO document_settings_heads (tenant_id, knowledge_space_id, document_id, active_revision, row_version, updated_at)
+        VALUES ('{t}', '{sp}', '{ld}', 1, 0, now());
+        INSERT INTO document_reindex_attempts (id, tenant_id, knowledge_space_id, document_id, document_revision,
+          settings_revision, expected_settings_head_revision, compilation_attempt_id, state, active_slot, row_version,
+          created_at, updated_at, completed_at)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', '{ld}', 2, 1, 1, '{attempt}', 'succeeded', NULL, 1, now(), now(), now());
+        INSERT INTO knowledge_space_activity_events (id, tenant_id, knowledge_space_id, action, actor_type, details,
+          occurred_at, required_permission_scope, resource_id, resource_type, result)
+        VALUES (gen_random_uuid(), '{t}', '{sp}', 'document.published', 'system', '{{}}', now(), '[]', '{ld}', 'document', 'success');
+        "#,
+        ld_row = logical(ld, "Owned", 2),
+        keeper_row = logical(keeper, "Keeper", 1),
+        r1 = revision_sql(&s, ld, 1, shared, "superseded"),
+        r2 = revision_sql(&s, ld, 2, owned, "active"),
+        k1 = revision_sql(&s, keeper, 1, shared, "active"),
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let cat = catalog(pool).await;
+    let mut needles = needles_of(&fx, &s, owned).await;
+    needles.push(ld.to_string());
+
+    // Requested on the command line, at the document's row_version 0.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kfs-worker"))
+        .args([
+            "delete",
+            "logical-document",
+            &ld.to_string(),
+            "--space",
+            &s.id.to_string(),
+            "--tenant",
+            &s.tenant,
+            "--revision",
+            "0",
+            "--as",
+            OWNER,
+            "--snapshot",
+            &s.owner_snapshot.to_string(),
+        ])
+        .env("DATABASE_URL", &fx.env.url)
+        .env("KFS_OBJECT_STORE", &fx.store_url)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let job: Uuid = v["jobId"].as_str().unwrap().parse().unwrap();
+    let fenced: (String, i32, String, i32) = sqlx::query_as(
+        "SELECT j.target_type, j.target_revision, l.status, l.row_version FROM deletion_jobs j \
+         JOIN logical_documents l ON l.id = j.target_id WHERE j.id = $1",
+    )
+    .bind(job)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(fenced, ("logical_document".into(), 0, "deleting".into(), 1));
+    // Only the asset it alone references is fenced.
+    let states: Vec<(Uuid, String, Option<Uuid>)> = sqlx::query_as(
+        "SELECT id, lifecycle_state, deletion_job_id FROM document_assets WHERE id = ANY($1) ORDER BY id = $2 DESC",
+    )
+    .bind(vec![owned, shared])
+    .bind(owned)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        states,
+        vec![
+            (owned, "deleting".into(), Some(job)),
+            (shared, "active".into(), None)
+        ]
+    );
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    for table in [
+        "document_reindex_attempts",
+        "document_chunk_state_changes",
+        "document_revision_chunks",
+        "document_settings_heads",
+        "document_settings_revisions",
+        "document_revisions",
+    ] {
+        let n = count(
+            pool,
+            &format!("SELECT count(*) FROM {table} WHERE document_id = $1"),
+            ld,
+        )
+        .await;
+        assert_eq!(n, 0, "{table}");
+    }
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM logical_documents WHERE id = $1",
+            ld
+        )
+        .await,
+        0
+    );
+    assert_documents_gone(&fx, &cat, &s, &[owned], &needles).await;
+    // The shared asset and the other document are as they were, still served.
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM document_revisions WHERE document_id = $1 AND state = 'active'",
+            keeper
+        )
+        .await,
+        1
+    );
+    let served = served(pool, &s).await;
+    assert!(
+        served.contains(&shared) && !served.contains(&owned),
+        "{served:?}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_document_with_its_0022_logical_document_is_deleted_despite_the_restrict_key_then_the_logical_document_too(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 2).await;
+    let pool = fx.pool();
+    backfill_logical_documents(pool, &s.docs).await;
+    let doc = s.docs[1];
+    // An unpublished logical document whose only revision is a candidate of the same asset, as
+    // the API leaves an upload that never compiled.
+    let pending = Uuid::new_v4();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO logical_documents (id, tenant_id, knowledge_space_id, title, status, active_revision, row_version, \
+           system_metadata, user_metadata, created_at, updated_at) \
+         VALUES ('{pending}', '{}', '{}', 'Pending', 'pending', NULL, 0, '{{}}', '{{}}', now(), now()); {}",
+        s.tenant,
+        s.id,
+        revision_sql(&s, pending, 1, doc, "candidate")
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let restrict: String = sqlx::query_scalar(
+        "SELECT confdeltype::text FROM pg_constraint WHERE conrelid = 'document_revisions'::regclass \
+           AND confrelid = 'document_assets'::regclass",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(restrict, "r", "the 0022 key is ON DELETE RESTRICT");
+    let cat = catalog(pool).await;
+    let needles = needles_of(&fx, &s, doc).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: doc }, "a1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    let owned = cat.count_owned(pool, None, &[doc]).await;
+    assert!(owned.is_empty(), "rows of the document left: {owned:?}");
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM logical_documents WHERE id = $1",
+            pending
+        )
+        .await,
+        0
+    );
+    // As the platform does, the logical document whose active revision it was stays, failed and
+    // without a revision, for a logical-document deletion; the other document is untouched.
+    let left: (String, Option<i32>, i32) = sqlx::query_as(
+        "SELECT status, active_revision, row_version FROM logical_documents WHERE id = $1",
+    )
+    .bind(doc)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((left.0.as_str(), left.1), ("failed", None));
+    assert_eq!(
+        count(pool, "SELECT count(*) FROM logical_documents WHERE id = $1 AND status = 'ready' AND active_revision IS NOT NULL", s.docs[0]).await,
+        1
+    );
+
+    let job = request(
+        pool,
+        &DeletionRequest {
+            expected_revision: Some(left.2),
+            ..target_request(&s, Target::LogicalDocument { id: doc }, "a2")
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert_documents_gone(&fx, &cat, &s, &[doc], &needles).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_source_with_workflow_runs_a_sync_policy_and_logical_documents_is_deleted_despite_the_restrict_keys(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+    let pool = fx.pool();
+    let source = s.sources[0];
+    backfill_logical_documents(pool, &s.docs).await;
+    let connection = connect_source(pool, &s, source, None).await;
+    let run = source_run(pool, &s, source, None).await;
+    let cat = catalog(pool).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request(
+        pool,
+        &target_request(
+            &s,
+            Target::Source {
+                id: source,
+                mode: SourceMode::Cascade,
+            },
+            "s1",
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    for (sql, id) in [
+        ("SELECT count(*) FROM sources WHERE id = $1", source),
+        (
+            "SELECT count(*) FROM source_workflow_runs WHERE id = $1",
+            run,
+        ),
+        (
+            "SELECT count(*) FROM source_workflow_outbox WHERE run_id = $1",
+            run,
+        ),
+        (
+            "SELECT count(*) FROM source_sync_policies WHERE source_id = $1",
+            source,
+        ),
+    ] {
+        assert_eq!(count(pool, sql, id).await, 0, "{sql}");
+    }
+    let owned = cat.count_owned(pool, None, &s.docs).await;
+    assert!(
+        owned.is_empty(),
+        "rows of the source's documents left: {owned:?}"
+    );
+    let logical: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM logical_documents WHERE id = ANY($1)")
+            .bind(&s.docs)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    assert_eq!(logical, 0, "the source's logical documents went with it");
+    // The platform leaves the connection: the source named it, not the other way round.
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM source_connections WHERE id = $1",
+            connection
+        )
+        .await,
+        1
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_space_with_source_connections_bindings_and_a_capability_grant_is_deleted_under_that_grant(
+) {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
+    let c = seed(&fx, "tenant-u", "main", "Docs", 0, 1).await;
+    let pool = fx.pool();
+    let source = s.sources[0];
+    backfill_logical_documents(pool, &s.docs).await;
+    let grant = grant_for(&fx, &s, &["tenant:tenant-t"]).await;
+    // Rows that name the grant or the publications by RESTRICT keys: a connection made under
+    // the grant (the source uses it), a run and a sync policy under it, an OAuth transaction,
+    // and the head's profile binding.
+    let connection = connect_source(pool, &s, source, Some(grant)).await;
+    source_run(pool, &s, source, Some(grant)).await;
+    sqlx::query(
+        "INSERT INTO source_oauth_transactions (id, tenant_id, knowledge_space_id, connection_id, access_channel, \
+           permission_snapshot_id, permission_snapshot_revision, requested_by_subject_id, redirect_uri, state_hash, \
+           status, verifier_ref, expires_at, created_at) \
+         VALUES (gen_random_uuid(), $1, $2, $3, 'interactive', $4, 1, $5, 'https://app.example/cb', repeat('b', 64), \
+           'pending', 'verifier:1', now() + interval '10 minutes', now())",
+    )
+    .bind(&s.tenant)
+    .bind(s.id)
+    .bind(connection)
+    .bind(s.owner_snapshot)
+    .bind(OWNER)
+    .execute(pool)
+    .await
+    .unwrap();
+    bind_head(pool, &s).await;
+    let cat = catalog(pool).await;
+    let before = untouched(&fx, &cat, &[&c]).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request_under_grant(
+        pool,
+        &grant_request(
+            &s,
+            Target::Space {
+                confirm_name: s.name.clone(),
+            },
+            grant,
+            "sp1",
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
+    assert!(left.is_empty(), "rows of the space left: {left:?}");
+    assert!(files_under(&fx.dir, &s.prefix).is_empty());
+    assert_untouched(&fx, &cat, &[&c], &before).await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_head_replacement_carries_the_heads_profile_binding_and_drops_the_old_one() {
+    let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
+    let s = seed(&fx, "tenant-t", "main", "Docs", 0, 3).await;
+    let pool = fx.pool();
+    let tuple = bind_head(pool, &s).await;
+    let old = fx_head(pool, &s).await;
+
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: s.docs[0] }, "b1"),
+    )
+    .await
+    .unwrap();
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    let new = fx_head(pool, &s).await;
+    assert_ne!(new.publication_id, old.publication_id);
+    assert_eq!(
+        binding_of(pool, new.publication_id).await,
+        Some((
+            (
+                new.publication_id,
+                "content".into(),
+                "content-publication".into(),
+                new.fingerprint.clone(),
+                true
+            ),
+            tuple.clone()
+        ))
+    );
+    // The replaced head's publication served the document: it went as a historical
+    // publication, its binding first.
+    assert_eq!(binding_of(pool, old.publication_id).await, None);
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM projection_set_publications WHERE id = $1",
+            old.publication_id
+        )
+        .await,
+        0
+    );
+
+    // The publication module's own head replacement (what a deletion does, for other callers)
+    // carries it too.
+    let mut c = conn(pool).await;
+    let moved = publication::publish_excluding(
+        &mut c,
+        &s.tenant,
+        s.id,
+        Uuid::new_v4(),
+        Some(&[s.docs[1]]),
+        &serde_json::json!({}),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(moved, Some(Ok(_))), "{moved:?}");
+    drop(c);
+    let newer = fx_head(pool, &s).await;
+    let carried = binding_of(pool, newer.publication_id).await.unwrap();
+    assert_eq!((carried.0 .0, carried.1), (newer.publication_id, tuple));
     fx.cleanup().await;
 }

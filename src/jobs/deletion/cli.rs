@@ -1,14 +1,17 @@
 //! The command line of deletion jobs:
-//! `kfs-worker delete space|source|document <id> ...`, `delete retry <jobId> ...`,
-//! `delete show <jobId>`. Invariant: arguments are validated before any service is contacted;
-//! a refusal (unknown target, wrong name, revision moved, permission, idempotency conflict, a
-//! live job already) is one line on stderr with exit code 2 and changes nothing; a database
-//! failure exits 1.
+//! `kfs-worker delete space|source|document|logical-document <id> ...`, `delete retry <jobId> ...`,
+//! `delete show <jobId>`, each asked either as a subject under a permission snapshot
+//! (`--as S --snapshot P [--channel C]`) or under a capability grant (`--grant G`), never both.
+//! Invariant: arguments are validated before any service is contacted (no authority, or two, is
+//! one usage error; so is an owner rescue under a grant); a refusal (unknown target, wrong name,
+//! revision moved, permission, a revoked grant, idempotency conflict, a live job already) is one
+//! line on stderr with exit code 2 and changes nothing; a database failure exits 1.
 
 use uuid::Uuid;
 
 use super::request::{
-    self, DeletionRequest, RequestError, RetryAuthority, RetryRequest, SourceMode, Target,
+    self, DeletionRequest, GrantDeletionRequest, GrantRetryRequest, RequestError, RetryAuthority,
+    RetryRequest, SourceMode, Target,
 };
 use crate::command::{ConnArgs, Failure};
 
@@ -18,18 +21,21 @@ pub struct DeleteArgs {
     pub action: Action,
 }
 
-/// Who asks, under which permission snapshot.
+/// Who asks: a subject under a permission snapshot, or a capability grant.
 #[derive(Debug, Clone, clap::Args)]
 pub struct Actor {
-    /// The subject asking (as the platform authenticated it)
+    /// The subject asking (as the platform authenticated it), with --snapshot
     #[arg(long = "as", value_name = "SUBJECT")]
-    pub subject: String,
+    pub subject: Option<String>,
     /// The permission snapshot that authorises the subject
     #[arg(long, value_name = "SNAPSHOT_ID")]
-    pub snapshot: String,
-    /// interactive, service_api, mcp or agent (must match the snapshot)
-    #[arg(long, default_value = "interactive")]
-    pub channel: String,
+    pub snapshot: Option<String>,
+    /// interactive (the default), service_api, mcp or agent (must match the snapshot)
+    #[arg(long)]
+    pub channel: Option<String>,
+    /// The capability grant that authorises the request, in place of --as/--snapshot
+    #[arg(long, value_name = "GRANT_ID")]
+    pub grant: Option<String>,
     /// Idempotency key of this request (default: a fresh one)
     #[arg(long)]
     pub idempotency_key: Option<String>,
@@ -73,8 +79,20 @@ pub enum Action {
         #[command(flatten)]
         actor: Actor,
     },
-    /// Delete one document
+    /// Delete one document (a document asset)
     Document {
+        #[arg(value_name = "DOCUMENT_ID")]
+        document_id: String,
+        #[arg(long, value_name = "SPACE_ID")]
+        space: String,
+        #[command(flatten)]
+        scope: Scope,
+        #[command(flatten)]
+        actor: Actor,
+    },
+    /// Delete a logical document with the assets only its revisions use (--revision: its
+    /// row_version, which may be 0)
+    LogicalDocument {
         #[arg(value_name = "DOCUMENT_ID")]
         document_id: String,
         #[arg(long, value_name = "SPACE_ID")]
@@ -115,8 +133,42 @@ fn failure(e: RequestError) -> Failure {
 #[derive(Debug)]
 enum Plan {
     Request(DeletionRequest),
+    GrantRequest(GrantDeletionRequest),
     Retry(RetryRequest),
+    GrantRetry(GrantRetryRequest),
     Show(Uuid),
+}
+
+/// The one authority the arguments name.
+enum Authority {
+    Snapshot {
+        subject: String,
+        snapshot: Uuid,
+        channel: String,
+    },
+    Grant(Uuid),
+}
+
+fn authority(actor: &Actor) -> Result<Authority, Failure> {
+    match (&actor.subject, &actor.snapshot, &actor.grant) {
+        (Some(subject), Some(snapshot), None) => Ok(Authority::Snapshot {
+            subject: subject.clone(),
+            snapshot: uuid_arg("permission snapshot id", snapshot)?,
+            channel: actor
+                .channel
+                .clone()
+                .unwrap_or_else(|| "interactive".to_owned()),
+        }),
+        (None, None, Some(grant)) if actor.channel.is_none() => {
+            Ok(Authority::Grant(uuid_arg("capability grant id", grant)?))
+        }
+        (None, None, Some(_)) => Err(Failure::usage(
+            "--channel goes with --snapshot; a capability grant carries no channel",
+        )),
+        _ => Err(Failure::usage(
+            "name exactly one authority: --as SUBJECT --snapshot SNAPSHOT_ID, or --grant GRANT_ID",
+        )),
+    }
 }
 
 fn key(actor: &Actor) -> String {
@@ -127,16 +179,30 @@ fn key(actor: &Actor) -> String {
 }
 
 fn deletion(space: Uuid, target: Target, scope: &Scope, actor: &Actor) -> Result<Plan, Failure> {
-    Ok(Plan::Request(DeletionRequest {
-        tenant_id: scope.tenant.clone(),
-        knowledge_space_id: space,
-        target,
-        expected_revision: scope.revision,
-        requested_by_subject_id: actor.subject.clone(),
-        permission_snapshot_id: uuid_arg("permission snapshot id", &actor.snapshot)?,
-        access_channel: actor.channel.clone(),
-        idempotency_key: key(actor),
-    }))
+    Ok(match authority(actor)? {
+        Authority::Snapshot {
+            subject,
+            snapshot,
+            channel,
+        } => Plan::Request(DeletionRequest {
+            tenant_id: scope.tenant.clone(),
+            knowledge_space_id: space,
+            target,
+            expected_revision: scope.revision,
+            requested_by_subject_id: subject,
+            permission_snapshot_id: snapshot,
+            access_channel: channel,
+            idempotency_key: key(actor),
+        }),
+        Authority::Grant(grant) => Plan::GrantRequest(GrantDeletionRequest {
+            tenant_id: scope.tenant.clone(),
+            knowledge_space_id: space,
+            target,
+            expected_revision: scope.revision,
+            capability_grant_id: grant,
+            idempotency_key: key(actor),
+        }),
+    })
 }
 
 fn plan(args: &DeleteArgs) -> Result<Plan, Failure> {
@@ -184,22 +250,52 @@ fn plan(args: &DeleteArgs) -> Result<Plan, Failure> {
             scope,
             actor,
         ),
+        Action::LogicalDocument {
+            document_id,
+            space,
+            scope,
+            actor,
+        } => deletion(
+            uuid_arg("space id", space)?,
+            Target::LogicalDocument {
+                id: uuid_arg("logical document id", document_id)?,
+            },
+            scope,
+            actor,
+        ),
         Action::Retry {
             job_id,
             owner_rescue,
             actor,
-        } => Ok(Plan::Retry(RetryRequest {
-            job_id: uuid_arg("job id", job_id)?,
-            actor_subject_id: actor.subject.clone(),
-            permission_snapshot_id: uuid_arg("permission snapshot id", &actor.snapshot)?,
-            access_channel: actor.channel.clone(),
-            authority: if *owner_rescue {
-                RetryAuthority::InteractiveOwnerRescue
-            } else {
-                RetryAuthority::OriginalRequester
-            },
-            idempotency_key: key(actor),
-        })),
+        } => {
+            let job_id = uuid_arg("job id", job_id)?;
+            match authority(actor)? {
+                Authority::Grant(_) if *owner_rescue => Err(Failure::usage(
+                    "an owner rescue is interactive, under a permission snapshot; under a grant only the original requester retries",
+                )),
+                Authority::Grant(grant) => Ok(Plan::GrantRetry(GrantRetryRequest {
+                    job_id,
+                    capability_grant_id: grant,
+                    idempotency_key: key(actor),
+                })),
+                Authority::Snapshot {
+                    subject,
+                    snapshot,
+                    channel,
+                } => Ok(Plan::Retry(RetryRequest {
+                    job_id,
+                    actor_subject_id: subject,
+                    permission_snapshot_id: snapshot,
+                    access_channel: channel,
+                    authority: if *owner_rescue {
+                        RetryAuthority::InteractiveOwnerRescue
+                    } else {
+                        RetryAuthority::OriginalRequester
+                    },
+                    idempotency_key: key(actor),
+                })),
+            }
+        }
         Action::Show { job_id } => Ok(Plan::Show(uuid_arg("job id", job_id)?)),
     }
 }
@@ -212,6 +308,31 @@ pub async fn run(conn: &ConnArgs, args: &DeleteArgs) -> Result<(), Failure> {
     result
 }
 
+fn print_requested(r: &request::Requested, key: &str) {
+    println!(
+        "{}",
+        serde_json::json!({
+            "jobId": r.job_id,
+            "outboxId": r.outbox_id,
+            "created": r.created,
+            "idempotencyKey": key,
+        })
+    );
+}
+
+fn print_retried(r: &request::Retried, key: &str) {
+    println!(
+        "{}",
+        serde_json::json!({
+            "jobId": r.job_id,
+            "outboxId": r.outbox_id,
+            "deliveryRevision": r.delivery_revision,
+            "created": r.created,
+            "idempotencyKey": key,
+        })
+    );
+}
+
 async fn execute(pool: &sqlx::PgPool, plan: Plan) -> Result<(), Failure> {
     let db = |e: sqlx::Error| Failure::runtime(format!("database: {e}"));
     match plan {
@@ -221,15 +342,15 @@ async fn execute(pool: &sqlx::PgPool, plan: Plan) -> Result<(), Failure> {
                 .await
                 .map_err(failure)?;
             tx.commit().await.map_err(db)?;
-            println!(
-                "{}",
-                serde_json::json!({
-                    "jobId": r.job_id,
-                    "outboxId": r.outbox_id,
-                    "created": r.created,
-                    "idempotencyKey": req.idempotency_key,
-                })
-            );
+            print_requested(&r, &req.idempotency_key);
+        }
+        Plan::GrantRequest(req) => {
+            let mut tx = pool.begin().await.map_err(db)?;
+            let r = request::request_deletion_under_grant(&mut tx, &req)
+                .await
+                .map_err(failure)?;
+            tx.commit().await.map_err(db)?;
+            print_requested(&r, &req.idempotency_key);
         }
         Plan::Retry(req) => {
             let mut tx = pool.begin().await.map_err(db)?;
@@ -237,16 +358,15 @@ async fn execute(pool: &sqlx::PgPool, plan: Plan) -> Result<(), Failure> {
                 .await
                 .map_err(failure)?;
             tx.commit().await.map_err(db)?;
-            println!(
-                "{}",
-                serde_json::json!({
-                    "jobId": r.job_id,
-                    "outboxId": r.outbox_id,
-                    "deliveryRevision": r.delivery_revision,
-                    "created": r.created,
-                    "idempotencyKey": req.idempotency_key,
-                })
-            );
+            print_retried(&r, &req.idempotency_key);
+        }
+        Plan::GrantRetry(req) => {
+            let mut tx = pool.begin().await.map_err(db)?;
+            let r = request::retry_deletion_under_grant(&mut tx, &req)
+                .await
+                .map_err(failure)?;
+            tx.commit().await.map_err(db)?;
+            print_retried(&r, &req.idempotency_key);
         }
         Plan::Show(job) => {
             let row: Option<serde_json::Value> = sqlx::query_scalar(
@@ -256,6 +376,7 @@ async fn execute(pool: &sqlx::PgPool, plan: Plan) -> Result<(), Failure> {
                      'checkpoint', j.checkpoint, 'runState', j.run_state, 'scanPhase', j.scan_phase,
                      'inventoryComplete', j.inventory_complete, 'attempts', j.execution_attempts,
                      'lastErrorCode', j.last_error_code, 'lastErrorMessage', j.last_error_message,
+                     'capabilityGrantId', j.capability_grant_id,
                      'items', (SELECT coalesce(jsonb_object_agg(s, n), '{}'::jsonb) FROM
                                 (SELECT status AS s, count(*) AS n FROM deletion_job_items WHERE deletion_job_id = j.id GROUP BY 1) x),
                      'outbox', (SELECT coalesce(jsonb_agg(jsonb_build_object('revision', o.delivery_revision, 'status', o.status)
@@ -363,6 +484,33 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(matches!(parse(&["show", ID]), Ok(Plan::Show(_))));
+        match parse(&[
+            "logical-document",
+            ID,
+            "--space",
+            ID,
+            "--tenant",
+            "t",
+            "--revision",
+            "0",
+            "--grant",
+            ID,
+        ]) {
+            Ok(Plan::GrantRequest(r)) => {
+                assert_eq!(
+                    r.target,
+                    Target::LogicalDocument {
+                        id: r.knowledge_space_id
+                    }
+                );
+                assert_eq!(r.expected_revision, Some(0));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            parse(&["retry", ID, "--grant", ID]),
+            Ok(Plan::GrantRetry(_))
+        ));
 
         for bad in [
             vec![
@@ -406,6 +554,40 @@ mod tests {
             ],
             vec!["retry", ID, "--as", "a", "--snapshot", "not-a-uuid"],
             vec!["show"],
+            // Exactly one authority.
+            vec!["document", ID, "--space", ID, "--tenant", "t"],
+            vec!["document", ID, "--space", ID, "--tenant", "t", "--as", "a"],
+            vec![
+                "document",
+                ID,
+                "--space",
+                ID,
+                "--tenant",
+                "t",
+                "--as",
+                "a",
+                "--snapshot",
+                ID,
+                "--grant",
+                ID,
+            ],
+            vec![
+                "document", ID, "--space", ID, "--tenant", "t", "--grant", "nope",
+            ],
+            vec![
+                "document",
+                ID,
+                "--space",
+                ID,
+                "--tenant",
+                "t",
+                "--grant",
+                ID,
+                "--channel",
+                "mcp",
+            ],
+            // An owner rescue is never under a grant.
+            vec!["retry", ID, "--grant", ID, "--owner-rescue"],
         ] {
             let r = parse(&bad);
             assert!(matches!(&r, Err(f) if f.code == 2), "{bad:?}: {r:?}");

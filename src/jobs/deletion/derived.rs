@@ -68,8 +68,9 @@ pub(super) async fn historical_held(tx: &mut PgConnection, job: &JobRow) -> Resu
 }
 
 /// A page of historical publications of the target's documents (never the head's, never an
-/// active attempt's candidate), with the finished compile attempts, bootstraps and page-index
-/// backfills that reference them and their members.
+/// active attempt's candidate), with the finished compile attempts, bootstraps, page-index
+/// backfills, profile migration runs and profile bindings that reference them (RESTRICT keys
+/// since the platform's 0019 and 0020) and their members.
 pub(super) async fn historical(
     tx: &mut PgConnection,
     job: &JobRow,
@@ -108,6 +109,12 @@ pub(super) async fn historical(
         ),
         format!("{w} DELETE FROM legacy_space_publication_bootstraps x USING p WHERE {} AND x.published_publication_id = ANY($6)", scoped("x")),
         format!("{w} DELETE FROM page_index_upgrade_backfills x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
+        format!(
+            "{w} DELETE FROM knowledge_space_profile_migration_runs x USING p WHERE {} \
+               AND (x.base_publication_id = ANY($6) OR x.candidate_publication_id = ANY($6))",
+            scoped("x")
+        ),
+        format!("{w} DELETE FROM knowledge_space_profile_publication_bindings x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
         format!("{w} DELETE FROM projection_set_publication_members x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
         format!(
             "{w} DELETE FROM projection_set_publications x USING p WHERE {} AND x.id = ANY($6) \

@@ -1,18 +1,19 @@
 //! The fences a deletion request writes, in the request's transaction, as the platform's API
 //! does: the target row says `deleting` and names its job (a source's active documents too, in
-//! either mode), the space's agent workspaces are invalidated, and a document's raw object becomes
+//! either mode; a logical document's active assets that no other logical document's revision
+//! references), the space's agent workspaces are invalidated, and a document's raw object becomes
 //! the job's ordinal-0 item. Invariant: the target row was locked by the caller and is fenced
 //! exactly once, or the request is refused as busy and nothing of it commits.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::request::{DeletionRequest, RequestError, Target, MAX_EXECUTION_ATTEMPTS};
+use super::request::{Ask, RequestError, Target, MAX_EXECUTION_ATTEMPTS};
 
 /// Writes the fences of job `job_id` on the request's target (at `target_revision`).
 pub(super) async fn fence(
     conn: &mut PgConnection,
-    req: &DeletionRequest,
+    req: &Ask,
     job_id: Uuid,
     target_revision: i32,
 ) -> Result<(), RequestError> {
@@ -80,6 +81,42 @@ pub(super) async fn fence(
         .execute(&mut *conn)
         .await?
         .rows_affected(),
+        Target::LogicalDocument { id } => {
+            let n = sqlx::query(
+                "UPDATE logical_documents SET status = 'deleting', deletion_job_id = $4, deleting_at = now(), \
+                   row_version = row_version + 1, updated_at = now() \
+                 WHERE tenant_id = $1 AND knowledge_space_id = $2 AND id = $3 AND row_version = $5 \
+                   AND status <> 'deleting' AND deletion_job_id IS NULL",
+            )
+            .bind(tenant)
+            .bind(space)
+            .bind(id)
+            .bind(job_id)
+            .bind(target_revision)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+            if n == 1 {
+                // Only the assets this document alone references: an asset another document's
+                // revision still uses stays, with its derived rows, for that document.
+                sqlx::query(
+                    "UPDATE document_assets d SET lifecycle_state = 'deleting', deletion_job_id = $4, deleting_at = now(), \
+                       row_version = d.row_version + 1, updated_at = now() \
+                     WHERE d.knowledge_space_id = $2 AND d.lifecycle_state = 'active' AND d.deletion_job_id IS NULL \
+                       AND EXISTS (SELECT 1 FROM document_revisions r WHERE r.tenant_id = $1 \
+                         AND r.knowledge_space_id = $2 AND r.document_id = $3 AND r.document_asset_id = d.id) \
+                       AND NOT EXISTS (SELECT 1 FROM document_revisions r WHERE r.tenant_id = $1 \
+                         AND r.knowledge_space_id = $2 AND r.document_id <> $3 AND r.document_asset_id = d.id)",
+                )
+                .bind(tenant)
+                .bind(space)
+                .bind(id)
+                .bind(job_id)
+                .execute(&mut *conn)
+                .await?;
+            }
+            n
+        }
     };
     if fenced != 1 {
         // The row is locked above, so this means it changed under a writer that ignores locks.

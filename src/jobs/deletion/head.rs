@@ -6,7 +6,15 @@
 //! a kept source, the head is copied whole under metadata that records the source identity was
 //! scrubbed. Invariant: the head moves only by compare-and-swap on its revision, the replaced
 //! publication becomes `superseded` by the new fingerprint (the platform's
-//! `durable-deletion-publication-v1` formula), and a replay finds nothing left to exclude.
+//! `durable-deletion-publication-v1` formula), the replaced head's activated profile binding is
+//! copied to the new publication in the same transaction (a `content-publication` row: id = the
+//! new publication's id, `changed_kind = 'content'`, the same profile tuple and vector space,
+//! `created_at = activated_at = now()`), and a replay finds nothing left to exclude.
+//!
+//! Where kfs-worker differs: the platform refuses to move a head that has no activated binding
+//! ("Durable deletion successor publication requires one activated profile binding"), which
+//! blocks deleting anything from a space without profile heads; kfs-worker moves such a head
+//! without a binding, as its spaces without a profile have none.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -96,6 +104,38 @@ fn serves_target(scope: Scope) -> String {
            AND m.knowledge_space_id = p.space AND m.publication_id = $6 AND {target})",
         with(scope)
     )
+}
+
+/// The replaced head's activated binding, copied to the new publication (`$1` tenant, `$2`
+/// space, `$3` the replaced publication, `$4` the new one, `$5` its fingerprint).
+const COPY_BINDING: &str = "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, \
+    knowledge_space_id, changed_kind, binding_reason, embedding_profile_kind, embedding_profile_revision_id, \
+    embedding_profile_revision, embedding_profile_snapshot_digest, retrieval_profile_kind, \
+    retrieval_profile_revision_id, retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, \
+    publication_id, publication_fingerprint, created_at, activated_at) \
+  SELECT $4, b.tenant_id, b.knowledge_space_id, 'content', 'content-publication', b.embedding_profile_kind, \
+    b.embedding_profile_revision_id, b.embedding_profile_revision, b.embedding_profile_snapshot_digest, \
+    b.retrieval_profile_kind, b.retrieval_profile_revision_id, b.retrieval_profile_revision, \
+    b.retrieval_profile_snapshot_digest, b.vector_space_id, $4, $5, now(), now() \
+  FROM knowledge_space_profile_publication_bindings b \
+  WHERE b.tenant_id = $1 AND b.knowledge_space_id = $2 AND b.publication_id = $3 AND b.activated_at IS NOT NULL";
+
+async fn copy_binding(
+    tx: &mut PgConnection,
+    job: &JobRow,
+    from: Uuid,
+    to: Uuid,
+    fingerprint: &str,
+) -> Result<u64, JobError> {
+    Ok(sqlx::query(COPY_BINDING)
+        .bind(&job.tenant)
+        .bind(job.space)
+        .bind(from)
+        .bind(to)
+        .bind(fingerprint)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected())
 }
 
 async fn run7(
@@ -219,6 +259,8 @@ async fn replace_head(
             "a publication with this deletion's fingerprint already exists",
         ));
     }
+    // Readers serve a head only through its activated binding: the new head keeps the old one's.
+    copy_binding(tx, job, head.publication_id, new, &fingerprint).await?;
     if exclude {
         for graph in [None, Some("entity"), Some("relation")] {
             run7(

@@ -1,8 +1,9 @@
 //! The inventory: every object, secret reference and (never emitted, but accepted) cache key of
 //! the target, paged into `deletion_job_items` as the platform pages it. Phases: `space_objects`
-//! (everything listed under the space's prefix), `document_objects` (per document: its raw
-//! object, artifact segment keys, staged-commit keys, multimodal manifest keys, and everything
-//! listed under its folder), `lifecycle_secrets` (the 0014 lifecycle rows not yet deleted) and
+//! (everything listed under the space's prefix), `document_objects` (per document of the target —
+//! for a logical document, each asset its request fenced with the job: its raw object, artifact
+//! segment keys, staged-commit keys, multimodal manifest keys, and everything listed under its
+//! folder), `lifecycle_secrets` (the 0014 lifecycle rows not yet deleted) and
 //! `source_secrets` (credential references without a lifecycle row). Invariant: a page holds at
 //! most `page_size` items and a bounded number of queries; every key is checked to lie under the
 //! space's prefix before it becomes an item; items are idempotent per `(job, idempotency_key)`;
@@ -60,7 +61,9 @@ fn start_phase(scope: Scope) -> &'static str {
     match scope {
         Scope::Space => "space_objects",
         Scope::SourceKeep(_) => "lifecycle_secrets",
-        Scope::Document(_) | Scope::SourceCascade(_) => "document_objects",
+        Scope::Document(_) | Scope::SourceCascade(_) | Scope::LogicalDocument(_) => {
+            "document_objects"
+        }
     }
 }
 
@@ -212,7 +215,7 @@ pub(super) async fn page(
                 };
                 let Some(doc) = doc else {
                     match job.scope {
-                        Scope::Document(_) => complete = true,
+                        Scope::Document(_) | Scope::LogicalDocument(_) => complete = true,
                         _ => cur.phase = "lifecycle_secrets".into(),
                     }
                     cur.active_document_id = None;
@@ -369,22 +372,24 @@ fn source_of(scope: Scope) -> Option<Uuid> {
     }
 }
 
-/// The next document of the target after `after`.
+/// The next document of the target after `after` (a logical document's: the assets its
+/// request fenced with the job).
 async fn next_document(
     tx: &mut PgConnection,
     job: &JobRow,
     after: Option<Uuid>,
 ) -> Result<Option<Uuid>, JobError> {
-    let (doc, source) = match job.scope {
-        Scope::Document(d) => (Some(d), None),
-        Scope::SourceCascade(s) | Scope::SourceKeep(s) => (None, Some(s)),
-        Scope::Space => (None, None),
+    let (doc, source, fenced) = match job.scope {
+        Scope::Document(d) => (Some(d), None, None),
+        Scope::SourceCascade(s) | Scope::SourceKeep(s) => (None, Some(s), None),
+        Scope::LogicalDocument(_) => (None, None, Some(job.id)),
+        Scope::Space => (None, None, None),
     };
     Ok(sqlx::query_scalar(
         "SELECT d.id FROM document_assets d WHERE d.knowledge_space_id = $2 \
            AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = d.knowledge_space_id AND k.tenant_id = $1) \
            AND ($3::uuid IS NULL OR d.id > $3) AND ($4::uuid IS NULL OR d.id = $4) \
-           AND ($5::uuid IS NULL OR d.source_id = $5) \
+           AND ($5::uuid IS NULL OR d.source_id = $5) AND ($6::uuid IS NULL OR d.deletion_job_id = $6) \
          ORDER BY d.id LIMIT 1",
     )
     .bind(&job.tenant)
@@ -392,6 +397,7 @@ async fn next_document(
     .bind(after)
     .bind(doc)
     .bind(source)
+    .bind(fenced)
     .fetch_optional(&mut *tx)
     .await?)
 }

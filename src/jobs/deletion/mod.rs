@@ -1,5 +1,6 @@
-//! deletion.job: durable, fenced, redacting deletion of spaces, sources and documents, on the
-//! platform's schema and in the order of the platform's own durable-deletion runtime.
+//! deletion.job: durable, fenced, redacting deletion of spaces, sources, documents and logical
+//! documents, on the platform's schema and in the order of the platform's own durable-deletion
+//! runtime.
 //!
 //! Invariant: a deletion job touches only rows and objects of its own tenant and space (every
 //! statement on platform data names both, and only object keys under the space's manifest prefix
@@ -8,8 +9,22 @@
 //! residue check over every table the target can leave rows in, and a probe of the object store,
 //! both in the completing transaction, find nothing of the target left, so it finishes having
 //! erased everything it was asked to erase, or it fails keeping its active slot for a manual retry.
+//! A job runs only on the authority it was requested with: a job bound to a capability grant has
+//! the grant checked ([`crate::capability::check`]) in the transaction of every step, so a
+//! revoked grant or a fenced space fails it closed (`CAPABILITY_REVOKED`, slot, tombstone and
+//! target fences kept, outbox `dead`) before the step writes anything; a row that records a mix
+//! of authorities fails the same way.
+//!
+//! Where kfs-worker differs from the platform here: the platform checks the grant when it claims a
+//! job (failing it in the claim transaction, `execution_attempts` unchanged) and before completion
+//! (where a failed check becomes a retry that the next claim turns into the failure). kfs-worker's
+//! engine claims every kind generically, so the check runs at the start of each step instead:
+//! the claim has then already counted an execution attempt, the completing transaction fails the
+//! job at once rather than through a retry, and the outbox's `last_error` reads
+//! `CAPABILITY_REVOKED: <message>` (the engine's format) where the platform stores the message.
 //!
 //! - [`walk`] — the checkpoint transitions, a pure function.
+//! - `authority` — the grant fence of every step and the content-scope rule, pure decisions.
 //! - [`request`], `retry` — the request and manual-retry writes (library functions on the
 //!   caller's transaction); `authz` — who may make them; `fence` — what a request fences.
 //! - [`ports`] — object store, secret store and retrieval cache ports.
@@ -18,6 +33,7 @@
 //!   `primary`, `residue` — `deleting_primary_data` and completion; `sql` — shared predicates.
 //! - [`cli`] — `kfs-worker delete ...`.
 
+mod authority;
 mod authz;
 pub mod cli;
 mod derived;
@@ -46,12 +62,14 @@ use uuid::Uuid;
 use super::{
     Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
 };
+pub use authority::{CAPABILITY_REVOKED, CAPABILITY_REVOKED_MESSAGE};
 pub use ports::{
     CachePage, ForgetSecrets, NoCache, ObjectEraser, PortError, Ports, RetrievalCache, SecretRef,
     SecretStore,
 };
 pub use request::{
-    request_deletion, retry_deletion, DeletionRequest, RequestError, Requested, Retried,
+    request_deletion, request_deletion_under_grant, retry_deletion, retry_deletion_under_grant,
+    DeletionRequest, GrantDeletionRequest, GrantRetryRequest, RequestError, Requested, Retried,
     RetryAuthority, RetryRequest, SourceMode, Target,
 };
 use walk::{Checkpoint, Decision, Event};
@@ -62,6 +80,8 @@ pub enum TargetType {
     Space,
     Source,
     Document,
+    /// A logical document (the platform's 0022 aggregate) with the assets only it references.
+    LogicalDocument,
 }
 
 impl TargetType {
@@ -70,6 +90,7 @@ impl TargetType {
             TargetType::Space => "knowledge_space",
             TargetType::Source => "source",
             TargetType::Document => "document_asset",
+            TargetType::LogicalDocument => "logical_document",
         }
     }
 
@@ -78,6 +99,7 @@ impl TargetType {
             "knowledge_space" => Some(TargetType::Space),
             "source" => Some(TargetType::Source),
             "document_asset" => Some(TargetType::Document),
+            "logical_document" => Some(TargetType::LogicalDocument),
             _ => None,
         }
     }
@@ -212,6 +234,8 @@ pub(crate) enum Scope {
     Document(Uuid),
     SourceKeep(Uuid),
     SourceCascade(Uuid),
+    /// A logical document: its documents are the assets the request fenced with this job.
+    LogicalDocument(Uuid),
 }
 
 impl Scope {
@@ -232,6 +256,8 @@ pub(crate) struct JobRow {
     pub scan_cursor: Option<String>,
     pub inventory_complete: bool,
     pub idempotency_key: String,
+    /// The authority the job was requested under, or why its row records none coherently.
+    pub authority: Result<crate::access::Authority, String>,
 }
 
 impl JobRow {
@@ -246,16 +272,37 @@ impl JobRow {
             Option<String>,
             bool,
             String,
+            Option<Uuid>,
+            Option<String>,
+            Option<Uuid>,
+            Option<i32>,
+            Option<String>,
         );
         let row: Option<Row> = sqlx::query_as(
             "SELECT tenant_id, knowledge_space_id, target_type, target_id, delete_mode, checkpoint, scan_cursor, \
-               inventory_complete, idempotency_key FROM deletion_jobs WHERE id = $1",
+               inventory_complete, idempotency_key, capability_grant_id, requested_by_subject_id, \
+               permission_snapshot_id, permission_snapshot_revision, access_channel \
+             FROM deletion_jobs WHERE id = $1",
         )
         .bind(id)
         .fetch_optional(&mut *tx)
         .await?;
-        let Some((tenant, space, target_type, target_id, mode, cp, scan_cursor, complete, key)) =
-            row
+        let Some((
+            tenant,
+            space,
+            target_type,
+            target_id,
+            mode,
+            cp,
+            scan_cursor,
+            complete,
+            key,
+            grant,
+            subject,
+            snapshot,
+            revision,
+            channel,
+        )) = row
         else {
             return Err(JobError::fatal(
                 "job_missing",
@@ -265,6 +312,7 @@ impl JobRow {
         let scope = match (TargetType::parse(&target_type), mode.as_str()) {
             (Some(TargetType::Space), _) => Scope::Space,
             (Some(TargetType::Document), _) => Scope::Document(target_id),
+            (Some(TargetType::LogicalDocument), _) => Scope::LogicalDocument(target_id),
             (Some(TargetType::Source), "keep") => Scope::SourceKeep(target_id),
             (Some(TargetType::Source), "cascade") => Scope::SourceCascade(target_id),
             _ => {
@@ -287,6 +335,9 @@ impl JobRow {
             scan_cursor,
             inventory_complete: complete,
             idempotency_key: key,
+            authority: crate::access::Authority::from_columns(
+                grant, subject, snapshot, revision, channel,
+            ),
         })
     }
 
@@ -395,6 +446,10 @@ impl Handler for DeletionHandler {
                 reason: "another deletion in the space is taking a step".into(),
             });
         }
+        // The job's authority, before anything of the step is written: a revoked grant or a
+        // fenced space fails the job here, whatever the checkpoint (the claim's first step, each
+        // checkpoint after it, and the completing transaction alike).
+        authority::fence(tx, &job).await?;
         let event = self.event(tx, &job).await?;
         let decision = walk::transition(job.checkpoint, event)
             .map_err(|e| JobError::fatal("bad_transition", e.to_string()))?;

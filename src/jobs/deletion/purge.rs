@@ -1,13 +1,17 @@
 //! `deleting_derived_data`: the target's derived rows, in the platform's order, one bounded page
 //! per step — retrieval leases, resource mounts, failed queries, agent workspaces, KnowledgeFS
-//! leases and sessions, golden questions, research residue, historical publications and their
-//! members (one that an active compile attempt still builds on is waited for, not taken from
-//! under it), lifecycle secrets, source paths, (a kept source's) document metadata, traces and
-//! evidence, a document's derived residue (compile, page index, artifacts, paths, nodes with
-//! their projections and graph rows, ledgers, outlines, manifests, staged commits, parse
-//! artifacts), a space's cascade residue (children first, so RESTRICT keys hold: compile attempts,
-//! research tasks and traces before the permission snapshots they bind, snapshots before API keys,
-//! heads before publications), then the cache prefixes. Invariant: every statement names the
+//! leases and sessions, golden questions, research residue, the source product's workflow rows
+//! (a source's or a space's runs with their outbox, previews and bulk items, sync policies; a
+//! space's OAuth transactions and deleted connection secrets), the space's quality history,
+//! historical publications with their members, profile bindings and migration runs (one that an
+//! active compile attempt still builds on is waited for, not taken from under it), lifecycle
+//! secrets, source paths, (a kept source's) document metadata, traces and evidence, a document's
+//! derived residue (compile, page index, artifacts, paths, nodes with their projections and graph
+//! rows, ledgers, outlines, manifests, staged commits, parse artifacts), a space's cascade residue
+//! (children first, so RESTRICT keys hold: compile attempts, migration runs, bulk operations,
+//! research tasks and traces before the permission snapshots and grants they bind, snapshots
+//! before API keys, heads and bindings before publications), the target's overview rows, then the
+//! cache prefixes. Invariant: every statement names the
 //! job's tenant and space and touches at most one page; a step runs the parts in that fixed order
 //! until one changes something, so it holds at most one page; a kept source's documents keep
 //! every derived row.
@@ -92,11 +96,13 @@ fn uncorrelated(filter: &str) -> String {
 
 /// The space's cascade residue tables, in the platform's explicit order (0018 subset), and
 /// whether each has a tenant column.
-pub(super) const SPACE_TABLES: [(&str, bool); 39] = [
+pub(super) const SPACE_TABLES: [(&str, bool); 42] = [
     ("research_task_partial_results", true),
     ("research_task_progress_events", true),
     ("research_task_jobs", true),
     ("document_compilation_attempts", true),
+    ("knowledge_space_profile_migration_runs", true),
+    ("bulk_operations", true),
     ("legacy_space_publication_bootstraps", true),
     ("page_index_upgrade_backfills", true),
     ("page_index_terms", false),
@@ -131,6 +137,7 @@ pub(super) const SPACE_TABLES: [(&str, bool); 39] = [
     ("knowledge_space_api_keys", true),
     ("knowledge_space_api_access", true),
     ("knowledge_space_members", true),
+    ("knowledge_space_profile_publication_bindings", true),
     ("projection_set_publications", true),
 ];
 
@@ -320,6 +327,91 @@ pub(super) fn space_children() -> Vec<(&'static str, String, bool)> {
     ]
 }
 
+/// The source product's workflow rows the target takes (a source's or a space's), children
+/// first: run outbox and previews, bulk items (a space's all; a source's those whose child run
+/// goes), the runs (their bulk items go with them), sync policies; a space's OAuth transactions
+/// and deleted connection secrets. None for a document.
+pub(super) fn source_product(scope: Scope) -> Vec<(&'static str, String, bool)> {
+    let Some(runs) = sql::source_runs(scope, "q") else {
+        return Vec::new();
+    };
+    let in_runs = |t: &str, col: &str| child_of(t, col, "source_workflow_runs", &runs);
+    let mut out = vec![
+        ("source_workflow_outbox", in_runs("t", "run_id"), false),
+        ("source_crawl_preview_pages", in_runs("t", "run_id"), true),
+    ];
+    let (bulk, policies) = if scope == Scope::Space {
+        (scoped("t"), scoped("t"))
+    } else {
+        (
+            format!("{} AND {}", scoped("t"), in_runs("t", "child_run_id")),
+            format!("{} AND t.source_id = p.target", scoped("t")),
+        )
+    };
+    out.push(("source_bulk_workflow_items", bulk, false));
+    out.push((
+        "source_workflow_runs",
+        sql::source_runs(scope, "t").unwrap_or_default(),
+        false,
+    ));
+    out.push(("source_sync_policies", policies, false));
+    if scope == Scope::Space {
+        out.push(("source_oauth_transactions", scoped("t"), false));
+        out.push((
+            "source_connection_secret_refs",
+            format!("{} AND t.state = 'deleted'", scoped("t")),
+            false,
+        ));
+    }
+    out
+}
+
+/// The space's quality history, children first (the platform drains it whole for every target:
+/// replays freeze a whole publication and may cite anything of it).
+pub(super) fn quality() -> Vec<(&'static str, String, bool)> {
+    let runs = |t: &str| child_of(t, "run_id", "quality_replay_runs", &scoped("q"));
+    vec![
+        ("quality_resource_history", scoped("t"), false),
+        ("quality_bad_cases", scoped("t"), false),
+        ("quality_missing_evidence_reviews", scoped("t"), false),
+        ("quality_replay_items", runs("t"), false),
+        ("quality_replay_outbox", runs("t"), false),
+        ("quality_replay_runs", scoped("t"), false),
+    ]
+}
+
+/// The target's overview rows (attention states, then activity events): a source's (and a
+/// cascaded source's logical documents'), a logical document's, or those of the logical
+/// documents whose revisions use a document asset. A space's go with the space.
+pub(super) fn overview(scope: Scope) -> Vec<(&'static str, String, bool)> {
+    let docs_of_source = "SELECT l.id::text FROM logical_documents l WHERE l.tenant_id = p.tenant \
+        AND l.knowledge_space_id = p.space AND l.source_id = p.target";
+    let target = match scope {
+        Scope::Space => return Vec::new(),
+        Scope::SourceKeep(_) => {
+            "(t.resource_type = 'source' AND t.resource_id = p.target::text)".to_owned()
+        }
+        Scope::SourceCascade(_) => format!(
+            "((t.resource_type = 'source' AND t.resource_id = p.target::text) \
+              OR (t.resource_type = 'document' AND t.resource_id IN ({docs_of_source})))"
+        ),
+        Scope::LogicalDocument(_) => {
+            "(t.resource_type = 'document' AND t.resource_id = p.target::text)".to_owned()
+        }
+        Scope::Document(_) => "(t.resource_type = 'document' AND t.resource_id IN ( \
+            SELECT r.document_id::text FROM document_revisions r WHERE r.tenant_id = p.tenant \
+              AND r.knowledge_space_id = p.space AND r.document_asset_id = p.target))"
+            .to_owned(),
+    };
+    [
+        "knowledge_space_attention_states",
+        "knowledge_space_activity_events",
+    ]
+    .into_iter()
+    .map(|table| (table, format!("{} AND {target}", scoped("t")), false))
+    .collect()
+}
+
 fn delete(scope: Scope, table: &str, filter: &str, by_row: bool) -> Part {
     Part::Sql(if by_row {
         page_delete_rows(scope, table, filter)
@@ -398,6 +490,9 @@ pub(super) fn parts(scope: Scope) -> Vec<Part> {
             false,
         ),
     ];
+    for (table, filter, by_row) in source_product(scope).into_iter().chain(quality()) {
+        out.push(delete(scope, table, &filter, by_row));
+    }
     if scope != Scope::Space {
         out.push(Part::Historical);
     }
@@ -466,7 +561,10 @@ pub(super) fn parts(scope: Scope) -> Vec<Part> {
             false,
         ));
     }
-    if matches!(scope, Scope::Document(_) | Scope::SourceCascade(_)) {
+    if matches!(
+        scope,
+        Scope::Document(_) | Scope::SourceCascade(_) | Scope::LogicalDocument(_)
+    ) {
         for (table, filter) in document_children() {
             out.push(delete(scope, table, &filter, false));
         }
@@ -494,6 +592,9 @@ pub(super) fn parts(scope: Scope) -> Vec<Part> {
             &format!("{OWNED} AND {}", of_td("t")),
             false,
         ));
+    }
+    for (table, filter, by_row) in overview(scope) {
+        out.push(delete(scope, table, &filter, by_row));
     }
     out
 }
@@ -646,6 +747,17 @@ mod tests {
         assert!(pos("knowledge_space_access_policies") < pos("knowledge_space_members"));
         assert!(pos("projection_set_publication_heads") < pos("projection_set_publications"));
         assert!(pos("document_compilation_attempts") < pos("projection_set_publications"));
+        // The 0019..0054 RESTRICT keys: migration runs and bulk operations bind snapshots and
+        // grants, bindings and migration runs name publications.
+        for binder in ["knowledge_space_profile_migration_runs", "bulk_operations"] {
+            assert!(pos(binder) < snapshots, "{binder}");
+        }
+        for binder in [
+            "knowledge_space_profile_migration_runs",
+            "knowledge_space_profile_publication_bindings",
+        ] {
+            assert!(pos(binder) < pos("projection_set_publications"), "{binder}");
+        }
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! inventory page by page, and take the target out of the published head. Invariant: work that
 //! is queued, pending or whose lease expired is canceled (compile attempts and their outbox,
 //! research tasks and their outbox, staged commits, legacy bootstraps, page-index, full-text and
-//! credential backfills, syncing sources) or reclaimed (retrieval, KnowledgeFS and mutation
-//! leases); work holding a live lease is only waited for, never taken; the inventory advances
+//! credential backfills, syncing sources, a source's or a space's source workflow runs and their
+//! outbox; a space's pending OAuth transactions fail and its source connections are revoked, their
+//! secret references retired) or reclaimed (retrieval, KnowledgeFS and mutation leases); work
+//! holding a live lease is only waited for, never taken; the inventory advances
 //! only while nothing is live, a writer seen after the inventory was complete resets it, and the
 //! head swap happens in the same transaction as the last drain check.
 
@@ -124,6 +126,13 @@ fn target_sources(scope: Scope, a: &str, col: &str) -> String {
             "{a}.{col} IN (SELECT d.source_id FROM document_assets d WHERE d.knowledge_space_id = p.space \
                AND d.id = p.target AND d.source_id IS NOT NULL)"
         ),
+        // The document's own source, and its fenced assets' sources.
+        Scope::LogicalDocument(_) => format!(
+            "({a}.{col} IN (SELECT l.source_id FROM logical_documents l WHERE l.tenant_id = p.tenant \
+               AND l.knowledge_space_id = p.space AND l.id = p.target AND l.source_id IS NOT NULL) \
+             OR {a}.{col} IN (SELECT d.source_id FROM document_assets d WHERE d.knowledge_space_id = p.space \
+               AND d.deletion_job_id = p.job AND d.source_id IS NOT NULL))"
+        ),
     }
 }
 
@@ -177,6 +186,39 @@ fn cancel_statements(scope: Scope) -> Vec<String> {
          WHERE s.knowledge_space_id = p.space AND {OWNED} AND {} AND s.status = 'syncing'",
         target_sources(scope, "s", "id")
     );
+    if let Some(runs) = sql::source_runs(scope, "r") {
+        out.push(format!(
+            "{w} UPDATE source_workflow_runs r SET run_state = 'canceled', active_slot = NULL, completed_at = now(), \
+               canceled_at = now(), worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, \
+               last_error_code = '{FENCE_CODE}', last_error_message = '{FENCE_MESSAGE}', row_version = r.row_version + 1, \
+               updated_at = now() FROM p \
+             WHERE {runs} AND (r.run_state IN ('queued', 'preview_ready') \
+               OR (r.run_state IN ('running', 'crawling', 'importing', 'syncing') AND r.lease_expires_at <= now()))"
+        ));
+        out.push(format!(
+            "{w} UPDATE source_workflow_outbox o SET status = 'canceled', lock_token = NULL, locked_by = NULL, \
+               locked_until = NULL, updated_at = now() FROM p \
+             WHERE o.run_id IN (SELECT r.id FROM source_workflow_runs r WHERE {runs} AND r.run_state = 'canceled') \
+               AND o.status IN ('pending', 'leased')"
+        ));
+    }
+    if scope == Scope::Space {
+        out.push(format!(
+            "{w} UPDATE source_oauth_transactions t SET status = 'failed', consumed_at = coalesce(t.consumed_at, now()) \
+             FROM p WHERE {} AND t.status IN ('pending', 'exchanging')",
+            scoped("t")
+        ));
+        out.push(format!(
+            "{w} UPDATE source_connection_secret_refs t SET state = 'retired', row_version = t.row_version + 1, \
+               updated_at = now() FROM p WHERE {} AND t.state IN ('staged', 'active')",
+            scoped("t")
+        ));
+        out.push(format!(
+            "{w} UPDATE source_connections t SET status = 'revoked', credential_ref = NULL, version = t.version + 1, \
+               updated_at = now() FROM p WHERE {} AND t.status <> 'revoked'",
+            scoped("t")
+        ));
+    }
     if let Scope::SourceKeep(_) = scope {
         // Keep retains the documents: their compile work and the space's workers go on.
         out.push(syncing);
@@ -271,6 +313,13 @@ fn live_sql(scope: Scope) -> String {
             target_sources(scope, "s", "id")
         ),
     ];
+    if let Some(runs) = sql::source_runs(scope, "r") {
+        parts.push(format!(
+            "SELECT {} FROM source_workflow_runs r, p WHERE {runs} \
+               AND r.run_state IN ('running', 'crawling', 'importing', 'syncing') AND r.lease_expires_at > now()",
+            ms("r.lease_expires_at")
+        ));
+    }
     if !matches!(scope, Scope::SourceKeep(_)) {
         parts.push(format!(
             "{} AND {}",

@@ -1,18 +1,26 @@
 //! Requesting deletions, in the caller's transaction, as the platform's API does. Invariant: a
 //! request writes the job, its active tombstone, the target's `deleting` fences (a source's active
-//! documents too, in either mode), the invalidation of the space's agent workspaces, a document's
-//! ordinal-0 raw-object item and the first outbox revision together or not at all (inside a
-//! savepoint of the caller's transaction); a refused request changes nothing. The requester must
-//! hold a permission snapshot that still revalidates, whose role may delete the target (an owner
-//! for a space; an owner or an editor for a source or a document).
+//! documents too, in either mode; a logical document's exclusively owned assets), the
+//! invalidation of the space's agent workspaces, a document's ordinal-0 raw-object item and the
+//! first outbox revision together or not at all (inside a savepoint of the caller's transaction);
+//! a refused request changes nothing. The requester holds exactly one authority: a permission
+//! snapshot that still revalidates, whose role may delete the target (an owner for a space; an
+//! owner or an editor for a source or a document), or a capability grant of the space that the
+//! platform's fence finds active (checked after the space lock, before the target's; a source's
+//! permission scope must lie within the grant's content scope). The job records that authority
+//! alone, as the platform's columns do, and the request fingerprint covers it.
 
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
+use super::authority::scope_allows;
 pub(super) use super::authz::sha256_hex;
 use super::authz::{check_channel, check_text, is_unique_violation, valid_snapshot, Access};
 use super::fence;
-pub use super::retry::{retry_deletion, Retried, RetryAuthority, RetryRequest};
+pub use super::retry::{
+    retry_deletion, retry_deletion_under_grant, GrantRetryRequest, Retried, RetryAuthority,
+    RetryRequest,
+};
 use super::TargetType;
 
 /// Attempts a deletion job gets (the platform's default).
@@ -26,8 +34,11 @@ pub enum Target {
     Space { confirm_name: String },
     /// A source of the space. `keep` detaches its documents, `cascade` deletes them.
     Source { id: Uuid, mode: SourceMode },
-    /// One document of the space.
+    /// One document of the space (a document asset).
     Document { id: Uuid },
+    /// A logical document of the space, with the assets only its revisions reference. Its
+    /// revision is the document's `row_version`, which may be 0.
+    LogicalDocument { id: Uuid },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +80,71 @@ pub struct DeletionRequest {
     pub idempotency_key: String,
 }
 
+/// A deletion request under a capability grant (the platform's capability provenance): the job
+/// records the grant and no subject, snapshot, channel or API key.
+#[derive(Clone, Debug)]
+pub struct GrantDeletionRequest {
+    pub tenant_id: String,
+    pub knowledge_space_id: Uuid,
+    pub target: Target,
+    /// As [`DeletionRequest::expected_revision`].
+    pub expected_revision: Option<i32>,
+    pub capability_grant_id: Uuid,
+    pub idempotency_key: String,
+}
+
+/// Who asks: a subject under a permission snapshot on a channel, or a capability grant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) enum Asker {
+    Snapshot {
+        subject: String,
+        snapshot: Uuid,
+        channel: String,
+    },
+    Grant(Uuid),
+}
+
+/// A request as the write path sees it, whatever its authority.
+#[derive(Clone, Debug)]
+pub(super) struct Ask {
+    pub tenant_id: String,
+    pub knowledge_space_id: Uuid,
+    pub target: Target,
+    pub expected_revision: Option<i32>,
+    pub asker: Asker,
+    pub idempotency_key: String,
+}
+
+impl From<&DeletionRequest> for Ask {
+    fn from(r: &DeletionRequest) -> Self {
+        Ask {
+            tenant_id: r.tenant_id.clone(),
+            knowledge_space_id: r.knowledge_space_id,
+            target: r.target.clone(),
+            expected_revision: r.expected_revision,
+            asker: Asker::Snapshot {
+                subject: r.requested_by_subject_id.clone(),
+                snapshot: r.permission_snapshot_id,
+                channel: r.access_channel.clone(),
+            },
+            idempotency_key: r.idempotency_key.clone(),
+        }
+    }
+}
+
+impl From<&GrantDeletionRequest> for Ask {
+    fn from(r: &GrantDeletionRequest) -> Self {
+        Ask {
+            tenant_id: r.tenant_id.clone(),
+            knowledge_space_id: r.knowledge_space_id,
+            target: r.target.clone(),
+            expected_revision: r.expected_revision,
+            asker: Asker::Grant(r.capability_grant_id),
+            idempotency_key: r.idempotency_key.clone(),
+        }
+    }
+}
+
 /// The job a request created or found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Requested {
@@ -107,18 +183,42 @@ pub enum RequestError {
 }
 
 impl DeletionRequest {
+    /// sha256 hex of the canonical request: every field that decides what gets deleted and
+    /// under whose authority, in a fixed order, one per line.
+    pub fn fingerprint(&self) -> String {
+        Ask::from(self).fingerprint()
+    }
+
+    #[cfg(test)]
+    fn validate(&self) -> Result<(), RequestError> {
+        Ask::from(self).validate()
+    }
+}
+
+impl GrantDeletionRequest {
+    /// As [`DeletionRequest::fingerprint`], with the grant as the authority (no subject,
+    /// snapshot or channel: the platform drops them under a grant).
+    pub fn fingerprint(&self) -> String {
+        Ask::from(self).fingerprint()
+    }
+}
+
+impl Ask {
     pub(super) fn target_type(&self) -> TargetType {
         match self.target {
             Target::Space { .. } => TargetType::Space,
             Target::Source { .. } => TargetType::Source,
             Target::Document { .. } => TargetType::Document,
+            Target::LogicalDocument { .. } => TargetType::LogicalDocument,
         }
     }
 
     pub(super) fn target_id(&self) -> Uuid {
         match self.target {
             Target::Space { .. } => self.knowledge_space_id,
-            Target::Source { id, .. } | Target::Document { id } => id,
+            Target::Source { id, .. }
+            | Target::Document { id }
+            | Target::LogicalDocument { id } => id,
         }
     }
 
@@ -136,10 +236,10 @@ impl DeletionRequest {
         }
     }
 
-    /// sha256 hex of the canonical request: every field that decides what gets deleted and
-    /// under whose authority, in a fixed order, one per line.
-    pub fn fingerprint(&self) -> String {
-        let canonical = [
+    /// The canonical request, one length-prefixed field per line. Under a snapshot: the
+    /// subject, snapshot and channel; under a grant: a marker and the grant in their place.
+    fn fingerprint(&self) -> String {
+        let mut fields = vec![
             "deletion.request.v1".to_owned(),
             self.tenant_id.clone(),
             self.knowledge_space_id.to_string(),
@@ -148,23 +248,37 @@ impl DeletionRequest {
             self.mode().to_owned(),
             self.expected_revision
                 .map_or_else(|| "*".to_owned(), |r| r.to_string()),
-            self.requested_by_subject_id.clone(),
-            self.permission_snapshot_id.to_string(),
-            self.access_channel.clone(),
-            self.name_digest().unwrap_or_default(),
-        ]
-        .iter()
-        .map(|f| format!("{}:{f}", f.len()))
-        .collect::<Vec<_>>()
-        .join("\n");
-        sha256_hex(&canonical)
+        ];
+        match &self.asker {
+            Asker::Snapshot {
+                subject,
+                snapshot,
+                channel,
+            } => fields.extend([subject.clone(), snapshot.to_string(), channel.clone()]),
+            Asker::Grant(grant) => {
+                fields.extend(["capability-grant".to_owned(), grant.to_string()])
+            }
+        }
+        fields.push(self.name_digest().unwrap_or_default());
+        sha256_hex(
+            &fields
+                .iter()
+                .map(|f| format!("{}:{f}", f.len()))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
     }
 
     fn validate(&self) -> Result<(), RequestError> {
         check_text("tenant id", &self.tenant_id, 255)?;
-        check_text("requesting subject", &self.requested_by_subject_id, 255)?;
+        if let Asker::Snapshot {
+            subject, channel, ..
+        } = &self.asker
+        {
+            check_text("requesting subject", subject, 255)?;
+            check_channel(channel)?;
+        }
         check_text("idempotency key", &self.idempotency_key, 512)?;
-        check_channel(&self.access_channel)?;
         if let Target::Space { confirm_name } = &self.target {
             if confirm_name.is_empty() {
                 return Err(RequestError::Invalid(
@@ -172,8 +286,15 @@ impl DeletionRequest {
                 ));
             }
         }
-        if matches!(self.expected_revision, Some(r) if r < 1) {
-            return Err(RequestError::Invalid("a revision is at least 1".into()));
+        // A logical document's revision is its row_version, which starts at 0.
+        let least = match self.target {
+            Target::LogicalDocument { .. } => 0,
+            _ => 1,
+        };
+        if matches!(self.expected_revision, Some(r) if r < least) {
+            return Err(RequestError::Invalid(format!(
+                "a revision of this target is at least {least}"
+            )));
         }
         Ok(())
     }
@@ -187,6 +308,20 @@ pub async fn request_deletion(
     conn: &mut PgConnection,
     req: &DeletionRequest,
 ) -> Result<Requested, RequestError> {
+    request(conn, &Ask::from(req)).await
+}
+
+/// [`request_deletion`] under a capability grant: refused, with nothing written, unless the
+/// grant is active in an unfenced space (and, for a source, admits the source's permission
+/// scope). The job records the grant alone.
+pub async fn request_deletion_under_grant(
+    conn: &mut PgConnection,
+    req: &GrantDeletionRequest,
+) -> Result<Requested, RequestError> {
+    request(conn, &Ask::from(req)).await
+}
+
+async fn request(conn: &mut PgConnection, req: &Ask) -> Result<Requested, RequestError> {
     req.validate()?;
     let fingerprint = req.fingerprint();
     let mut sp = conn.begin().await?;
@@ -221,7 +356,7 @@ pub async fn request_deletion(
 
 async fn existing_request(
     conn: &mut PgConnection,
-    req: &DeletionRequest,
+    req: &Ask,
     fingerprint: &str,
 ) -> Result<Option<Requested>, RequestError> {
     let row: Option<(Uuid, String, Option<Uuid>)> = sqlx::query_as(
@@ -249,7 +384,7 @@ async fn existing_request(
 
 async fn write_request(
     conn: &mut PgConnection,
-    req: &DeletionRequest,
+    req: &Ask,
     fingerprint: &str,
 ) -> Result<Requested, RequestError> {
     if let Some(found) = existing_request(conn, req, fingerprint).await? {
@@ -280,6 +415,12 @@ async fn write_request(
             job_id: space_job,
         });
     }
+    // A grant is locked after the space and before the target, as the platform does, so a
+    // revocation cannot slip between the check and the fences.
+    let grant = match &req.asker {
+        Asker::Grant(grant) => Some(active_grant(conn, tenant, space, *grant).await?),
+        Asker::Snapshot { .. } => None,
+    };
 
     let check_revision = |what: String, current: i32| -> Result<(), RequestError> {
         match req.expected_revision {
@@ -316,8 +457,8 @@ async fn write_request(
             space_revision
         }
         Target::Source { id, .. } => {
-            let row: Option<(i32, String, Option<Uuid>)> = sqlx::query_as(
-                "SELECT s.version, s.status, s.deletion_job_id FROM sources s \
+            let row: Option<(i32, String, Option<Uuid>, serde_json::Value)> = sqlx::query_as(
+                "SELECT s.version, s.status, s.deletion_job_id, s.permission_scope FROM sources s \
                  WHERE s.id = $3 AND s.knowledge_space_id = $2 \
                    AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = s.knowledge_space_id AND k.tenant_id = $1) \
                  FOR UPDATE",
@@ -327,11 +468,18 @@ async fn write_request(
             .bind(id)
             .fetch_optional(&mut *conn)
             .await?;
-            let Some((version, status, job)) = row else {
+            let Some((version, status, job, scope)) = row else {
                 return Err(RequestError::NotFound(format!(
                     "no source {id} in knowledge space {space}"
                 )));
             };
+            if let Some(g) = &grant {
+                if !scope_allows(&scope, &g.content_scope_ids) {
+                    return Err(RequestError::Permission(format!(
+                        "the permission scope of source {id} is not within the capability grant's content scope"
+                    )));
+                }
+            }
             if status == "deleting" {
                 return Err(RequestError::TargetBusy {
                     what: format!("source {id}"),
@@ -394,31 +542,115 @@ async fn write_request(
             check_revision(format!("document {id}"), row_version)?;
             row_version
         }
+        Target::LogicalDocument { id } => {
+            let row: Option<(i32, String, Option<Uuid>, Option<Uuid>)> = sqlx::query_as(
+                "SELECT row_version, status, deletion_job_id, source_id FROM logical_documents \
+                 WHERE tenant_id = $1 AND knowledge_space_id = $2 AND id = $3 FOR UPDATE",
+            )
+            .bind(tenant)
+            .bind(space)
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+            let Some((row_version, status, job, source)) = row else {
+                return Err(RequestError::NotFound(format!(
+                    "no logical document {id} in knowledge space {space}"
+                )));
+            };
+            if status == "deleting" || job.is_some() {
+                return Err(RequestError::TargetBusy {
+                    what: format!("logical document {id}"),
+                    job_id: job,
+                });
+            }
+            if let Some(source) = source {
+                let parent: Option<(String, Option<Uuid>)> = sqlx::query_as(
+                    "SELECT status, deletion_job_id FROM sources WHERE knowledge_space_id = $1 AND id = $2 FOR UPDATE",
+                )
+                .bind(space)
+                .bind(source)
+                .fetch_optional(&mut *conn)
+                .await?;
+                if let Some((status, job)) = parent {
+                    if status == "deleting" || job.is_some() {
+                        return Err(RequestError::TargetBusy {
+                            what: format!("the source of logical document {id}"),
+                            job_id: job,
+                        });
+                    }
+                }
+            }
+            // One of its assets already being deleted by another job is a live child deletion.
+            let busy: Option<(Uuid, Option<Uuid>)> = sqlx::query_as(
+                "SELECT d.id, d.deletion_job_id FROM document_assets d \
+                 WHERE d.knowledge_space_id = $2 AND d.lifecycle_state = 'deleting' \
+                   AND d.id IN (SELECT r.document_asset_id FROM document_revisions r \
+                     WHERE r.tenant_id = $1 AND r.knowledge_space_id = $2 AND r.document_id = $3) \
+                 LIMIT 1",
+            )
+            .bind(tenant)
+            .bind(space)
+            .bind(id)
+            .fetch_optional(&mut *conn)
+            .await?;
+            if let Some((doc, job)) = busy {
+                return Err(RequestError::TargetBusy {
+                    what: format!("document {doc} of logical document {id}"),
+                    job_id: job,
+                });
+            }
+            check_revision(format!("logical document {id}"), row_version)?;
+            row_version
+        }
     };
 
-    let snap = valid_snapshot(
-        conn,
-        tenant,
-        space,
-        req.permission_snapshot_id,
-        &req.requested_by_subject_id,
-        &req.access_channel,
-        match req.target {
-            Target::Space { .. } => Access::Owner,
-            _ => Access::Write,
+    // The columns of the authority, as the platform writes them: a snapshot binding (with its
+    // API key), or the grant alone.
+    let binding = match &req.asker {
+        Asker::Snapshot {
+            subject,
+            snapshot,
+            channel,
+        } => {
+            let snap = valid_snapshot(
+                conn,
+                tenant,
+                space,
+                *snapshot,
+                subject,
+                channel,
+                match req.target {
+                    Target::Space { .. } => Access::Owner,
+                    _ => Access::Write,
+                },
+            )
+            .await?;
+            Binding {
+                grant: None,
+                subject: Some(subject.clone()),
+                snapshot: Some(*snapshot),
+                revision: Some(snap.revision),
+                channel: Some(channel.clone()),
+                api_key_id: snap.api_key_id,
+                api_key_revision: snap.api_key_revision,
+                api_key_expires_at: snap.api_key_expires_at,
+            }
+        }
+        Asker::Grant(grant) => Binding {
+            grant: Some(*grant),
+            ..Binding::default()
         },
-    )
-    .await?;
+    };
 
     let job_id = Uuid::now_v7();
     sqlx::query(
         r#"INSERT INTO deletion_jobs (id, tenant_id, knowledge_space_id, target_type, target_id, target_revision,
              delete_mode, requested_by_subject_id, permission_snapshot_id, permission_snapshot_revision, access_channel,
-             api_key_id, api_key_revision, api_key_expires_at, idempotency_key, request_fingerprint, name_challenge_digest,
-             checkpoint, scan_phase, scan_cursor, inventory_complete, run_state, active_slot, execution_attempts,
-             max_execution_attempts, row_version, created_at, updated_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17,
-             'requested', NULL, NULL, false, 'dispatch_pending', 1, 0, $18, 1, now(), now())"#,
+             api_key_id, api_key_revision, api_key_expires_at, capability_grant_id, idempotency_key, request_fingerprint,
+             name_challenge_digest, checkpoint, scan_phase, scan_cursor, inventory_complete, run_state, active_slot,
+             execution_attempts, max_execution_attempts, row_version, created_at, updated_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
+             'requested', NULL, NULL, false, 'dispatch_pending', 1, 0, $19, 1, now(), now())"#,
     )
     .bind(job_id)
     .bind(tenant)
@@ -427,13 +659,14 @@ async fn write_request(
     .bind(target_id)
     .bind(target_revision)
     .bind(req.mode())
-    .bind(&req.requested_by_subject_id)
-    .bind(req.permission_snapshot_id)
-    .bind(snap.revision)
-    .bind(&req.access_channel)
-    .bind(snap.api_key_id)
-    .bind(snap.api_key_revision)
-    .bind(snap.api_key_expires_at)
+    .bind(&binding.subject)
+    .bind(binding.snapshot)
+    .bind(binding.revision)
+    .bind(&binding.channel)
+    .bind(binding.api_key_id)
+    .bind(binding.api_key_revision)
+    .bind(binding.api_key_expires_at)
+    .bind(binding.grant)
     .bind(&req.idempotency_key)
     .bind(fingerprint)
     .bind(req.name_digest())
@@ -473,6 +706,33 @@ async fn write_request(
         outbox_id,
         created: true,
     })
+}
+
+/// The authority columns of a job row.
+#[derive(Default)]
+struct Binding {
+    grant: Option<Uuid>,
+    subject: Option<String>,
+    snapshot: Option<Uuid>,
+    revision: Option<i32>,
+    channel: Option<String>,
+    api_key_id: Option<Uuid>,
+    api_key_revision: Option<i32>,
+    api_key_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+/// The grant, if the platform's fence finds it active in an unfenced space (share-locked for
+/// the rest of the caller's transaction); else the refusal, naming why.
+pub(super) async fn active_grant(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    grant: Uuid,
+) -> Result<crate::capability::Grant, RequestError> {
+    crate::capability::check(conn, tenant, space, grant)
+        .await?
+        .into_result()
+        .map_err(|why| RequestError::Permission(format!("capability grant refused: {why}")))
 }
 
 pub(super) async fn insert_outbox(
@@ -554,6 +814,60 @@ mod tests {
         ] {
             assert_ne!(a.fingerprint(), other.fingerprint());
         }
+    }
+
+    #[test]
+    fn a_grant_request_is_fingerprinted_by_its_grant_without_subject_or_channel() {
+        let grant = |g: u128, key: &str| GrantDeletionRequest {
+            tenant_id: "t1".into(),
+            knowledge_space_id: Uuid::from_u128(1),
+            target: Target::Document {
+                id: Uuid::from_u128(2),
+            },
+            expected_revision: None,
+            capability_grant_id: Uuid::from_u128(g),
+            idempotency_key: key.into(),
+        };
+        assert_eq!(grant(7, "a").fingerprint(), grant(7, "b").fingerprint());
+        assert_ne!(grant(7, "a").fingerprint(), grant(8, "a").fingerprint());
+        assert_ne!(grant(3, "k").fingerprint(), req().fingerprint());
+        let ask = Ask::from(&grant(7, "a"));
+        assert_eq!(ask.asker, Asker::Grant(Uuid::from_u128(7)));
+        assert!(ask.validate().is_ok());
+    }
+
+    #[test]
+    fn a_logical_document_may_be_asked_at_revision_zero_and_nothing_else_may() {
+        let logical = DeletionRequest {
+            target: Target::LogicalDocument {
+                id: Uuid::from_u128(2),
+            },
+            expected_revision: Some(0),
+            ..req()
+        };
+        assert!(logical.validate().is_ok());
+        assert_eq!(
+            Ask::from(&logical).target_type(),
+            TargetType::LogicalDocument
+        );
+        assert!(matches!(
+            DeletionRequest {
+                expected_revision: Some(-1),
+                ..logical.clone()
+            }
+            .validate(),
+            Err(RequestError::Invalid(_))
+        ));
+        assert_ne!(
+            logical.fingerprint(),
+            DeletionRequest {
+                target: Target::Document {
+                    id: Uuid::from_u128(2)
+                },
+                ..logical.clone()
+            }
+            .fingerprint()
+        );
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! The residue check of the completing transaction: the platform's `hasForbiddenDerivedResidue`
-//! over every table the target can leave rows in, plus the published head (it must not serve the
-//! target) and a probe of the object store under the target's prefix. Invariant: the check reads
+//! over every table the target can leave derived rows in (the source product's workflow rows,
+//! the space's quality history and the target's overview rows included), plus the published head
+//! (it must not serve the target) and a probe of the object store under the target's prefix (a
+//! logical document's: under each asset its request fenced). Its primary rows (a logical
+//! document's aggregate among them) are probed again after they are deleted, in `primary`. Invariant: the check reads
 //! only rows of the job's tenant and space and objects under the space's manifest prefix, and any
 //! hit names what it found; the completing transaction deletes primary rows only when nothing is
 //! found.
@@ -9,8 +12,8 @@ use sqlx::PgConnection;
 
 use super::ports::Ports;
 use super::purge::{
-    document_children, document_tail, publication_source_identity, source_identity, space_children,
-    space_row, SPACE_TABLES,
+    document_children, document_tail, overview, publication_source_identity, quality,
+    source_identity, source_product, space_children, space_row, SPACE_TABLES,
 };
 use super::sql::{
     self, exists, fs_lease_target, golden, in_space, items_ref, scoped, semantic_path, OWNED,
@@ -58,6 +61,13 @@ pub(super) fn checks(scope: Scope) -> Vec<(String, String)> {
         "research_task_progress_events",
         scoped("t"),
     );
+    for (table, filter, _) in source_product(scope)
+        .into_iter()
+        .chain(quality())
+        .chain(overview(scope))
+    {
+        add(table, table, filter);
+    }
     if scope != Scope::Space {
         add(
             "historical publications of the target",
@@ -232,6 +242,36 @@ pub(super) async fn find(
                 }
             }
         }
+        Scope::LogicalDocument(_) => {
+            let assets: Vec<(uuid::Uuid, String)> = sqlx::query_as(
+                "SELECT d.id, d.object_key FROM document_assets d WHERE d.knowledge_space_id = $2 \
+                   AND d.deletion_job_id = $3 \
+                   AND EXISTS (SELECT 1 FROM knowledge_spaces k WHERE k.id = $2 AND k.tenant_id = $1) \
+                 ORDER BY d.id",
+            )
+            .bind(&job.tenant)
+            .bind(job.space)
+            .bind(job.id)
+            .fetch_all(&mut *tx)
+            .await?;
+            for (doc, raw) in assets {
+                let left = ports
+                    .objects
+                    .list_objects(&format!("{prefix}/documents/{doc}/"), None, 1)
+                    .await
+                    .map_err(port)?;
+                if !left.is_empty() {
+                    return Ok(Some(
+                        "objects under a folder of the logical document".into(),
+                    ));
+                }
+                if raw.starts_with(&format!("{prefix}/"))
+                    && ports.objects.object_exists(&raw).await.map_err(port)?
+                {
+                    return Ok(Some("a raw object of the logical document".into()));
+                }
+            }
+        }
         Scope::SourceKeep(_) | Scope::SourceCascade(_) => {}
     }
     Ok(None)
@@ -249,6 +289,7 @@ mod tests {
             Scope::Document(Uuid::nil()),
             Scope::SourceKeep(Uuid::nil()),
             Scope::SourceCascade(Uuid::nil()),
+            Scope::LogicalDocument(Uuid::nil()),
         ] {
             let checks = checks(scope);
             for (what, sql) in &checks {
@@ -263,7 +304,12 @@ mod tests {
                     assert!(names.contains(&t), "{t}");
                 }
             }
-            if let Scope::Document(_) = scope {
+            if scope.is_source() || scope == Scope::Space {
+                for t in ["source_workflow_runs", "source_sync_policies"] {
+                    assert!(names.contains(&t), "{scope:?} {t}");
+                }
+            }
+            if let Scope::Document(_) | Scope::LogicalDocument(_) = scope {
                 for t in [
                     "knowledge nodes",
                     "parse_artifacts",

@@ -1,9 +1,11 @@
 //! Manual retries of failed deletion jobs, in the caller's transaction, as the platform's API
 //! does them. Invariant: only a failed job that still holds its active slot and its active
 //! tombstone can be retried, by its original requester (same subject, channel and API key
-//! binding, with a snapshot that still revalidates) or by an interactive owner rescue (no API key,
-//! the owner role); a retry writes the new outbox revision, the re-armed dead items, the job back
-//! to `dispatch_pending` and its audit row together or not at all; a refused retry changes nothing.
+//! binding, with a snapshot that still revalidates; or, for a job requested under a capability
+//! grant, the same grant, still active in an unfenced space) or by an interactive owner rescue
+//! (no API key, the owner role; never under a grant); a retry writes the new outbox revision, the
+//! re-armed dead items, the job back to `dispatch_pending` and its audit row (recording the grant
+//! alone under a grant) together or not at all; a refused retry changes nothing.
 
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
@@ -11,7 +13,7 @@ use uuid::Uuid;
 use super::authz::{
     check_channel, check_text, is_unique_violation, sha256_hex, valid_snapshot, Access,
 };
-use super::request::{insert_outbox, RequestError};
+use super::request::{active_grant, insert_outbox, Asker, RequestError};
 
 /// Who may retry a failed job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,6 +45,50 @@ pub struct RetryRequest {
     pub idempotency_key: String,
 }
 
+/// A manual retry of a failed deletion job under the capability grant it was requested with:
+/// always as its original requester (the platform refuses an owner rescue under a grant).
+#[derive(Clone, Debug)]
+pub struct GrantRetryRequest {
+    pub job_id: Uuid,
+    pub capability_grant_id: Uuid,
+    /// Per retry; must differ from the original request's key.
+    pub idempotency_key: String,
+}
+
+/// A retry as the write path sees it, whatever its authority.
+struct RetryAsk {
+    job_id: Uuid,
+    asker: Asker,
+    authority: RetryAuthority,
+    idempotency_key: String,
+}
+
+impl From<&RetryRequest> for RetryAsk {
+    fn from(r: &RetryRequest) -> Self {
+        RetryAsk {
+            job_id: r.job_id,
+            asker: Asker::Snapshot {
+                subject: r.actor_subject_id.clone(),
+                snapshot: r.permission_snapshot_id,
+                channel: r.access_channel.clone(),
+            },
+            authority: r.authority,
+            idempotency_key: r.idempotency_key.clone(),
+        }
+    }
+}
+
+impl From<&GrantRetryRequest> for RetryAsk {
+    fn from(r: &GrantRetryRequest) -> Self {
+        RetryAsk {
+            job_id: r.job_id,
+            asker: Asker::Grant(r.capability_grant_id),
+            authority: RetryAuthority::OriginalRequester,
+            idempotency_key: r.idempotency_key.clone(),
+        }
+    }
+}
+
 /// The outbox revision a retry created or found.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Retried {
@@ -54,19 +100,42 @@ pub struct Retried {
 
 impl RetryRequest {
     pub fn fingerprint(&self) -> String {
-        let canonical = [
+        RetryAsk::from(self).fingerprint()
+    }
+}
+
+impl GrantRetryRequest {
+    /// As [`RetryRequest::fingerprint`], with the grant in place of the actor, snapshot and
+    /// channel.
+    pub fn fingerprint(&self) -> String {
+        RetryAsk::from(self).fingerprint()
+    }
+}
+
+impl RetryAsk {
+    fn fingerprint(&self) -> String {
+        let mut fields = vec![
             "deletion.retry.v1".to_owned(),
             self.job_id.to_string(),
             self.authority.as_str().to_owned(),
-            self.actor_subject_id.clone(),
-            self.permission_snapshot_id.to_string(),
-            self.access_channel.clone(),
-        ]
-        .iter()
-        .map(|f| format!("{}:{f}", f.len()))
-        .collect::<Vec<_>>()
-        .join("\n");
-        sha256_hex(&canonical)
+        ];
+        match &self.asker {
+            Asker::Snapshot {
+                subject,
+                snapshot,
+                channel,
+            } => fields.extend([subject.clone(), snapshot.to_string(), channel.clone()]),
+            Asker::Grant(grant) => {
+                fields.extend(["capability-grant".to_owned(), grant.to_string()])
+            }
+        }
+        sha256_hex(
+            &fields
+                .iter()
+                .map(|f| format!("{}:{f}", f.len()))
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
     }
 }
 
@@ -80,8 +149,22 @@ pub async fn retry_deletion(
     req: &RetryRequest,
 ) -> Result<Retried, RequestError> {
     check_text("acting subject", &req.actor_subject_id, 255)?;
-    check_text("idempotency key", &req.idempotency_key, 512)?;
     check_channel(&req.access_channel)?;
+    retry(conn, &RetryAsk::from(req)).await
+}
+
+/// [`retry_deletion`] under the capability grant the job was requested with: refused, with
+/// nothing written, for a job of another authority or a grant that is no longer active. The
+/// audit row records the grant and no actor, snapshot, channel or API key.
+pub async fn retry_deletion_under_grant(
+    conn: &mut PgConnection,
+    req: &GrantRetryRequest,
+) -> Result<Retried, RequestError> {
+    retry(conn, &RetryAsk::from(req)).await
+}
+
+async fn retry(conn: &mut PgConnection, req: &RetryAsk) -> Result<Retried, RequestError> {
+    check_text("idempotency key", &req.idempotency_key, 512)?;
     let fingerprint = req.fingerprint();
     let mut sp = conn.begin().await?;
     let written = write_retry(&mut sp, req, &fingerprint).await;
@@ -110,9 +193,22 @@ pub async fn retry_deletion(
     }
 }
 
+/// The authority columns of a retry's audit row.
+#[derive(Default)]
+struct Audit {
+    grant: Option<Uuid>,
+    actor: Option<String>,
+    snapshot: Option<Uuid>,
+    revision: Option<i32>,
+    channel: Option<String>,
+    api_key_id: Option<Uuid>,
+    api_key_revision: Option<i32>,
+    api_key_expires_at: Option<chrono::DateTime<chrono::Utc>>,
+}
+
 async fn existing_retry(
     conn: &mut PgConnection,
-    req: &RetryRequest,
+    req: &RetryAsk,
     fingerprint: &str,
 ) -> Result<Option<Retried>, RequestError> {
     let row: Option<(Uuid, String, i32)> = sqlx::query_as(
@@ -141,7 +237,7 @@ async fn existing_retry(
 
 async fn write_retry(
     conn: &mut PgConnection,
-    req: &RetryRequest,
+    req: &RetryAsk,
     fingerprint: &str,
 ) -> Result<Retried, RequestError> {
     if let Some(found) = existing_retry(conn, req, fingerprint).await? {
@@ -150,18 +246,19 @@ async fn write_retry(
     type JobRow = (
         String,
         Uuid,
-        String,
+        Option<String>,
         String,
         String,
         Option<i32>,
-        String,
+        Option<String>,
         Option<Uuid>,
         Option<i32>,
         Option<chrono::DateTime<chrono::Utc>>,
+        Option<Uuid>,
     );
     let row: Option<JobRow> = sqlx::query_as(
         "SELECT tenant_id, knowledge_space_id, requested_by_subject_id, run_state, idempotency_key, active_slot, \
-           access_channel, api_key_id, api_key_revision, api_key_expires_at \
+           access_channel, api_key_id, api_key_revision, api_key_expires_at, capability_grant_id \
          FROM deletion_jobs WHERE id = $1 FOR UPDATE",
     )
     .bind(req.job_id)
@@ -178,6 +275,7 @@ async fn write_retry(
         job_key_id,
         job_key_revision,
         job_key_expires_at,
+        job_grant,
     )) = row
     else {
         return Err(RequestError::NotFound(format!(
@@ -211,65 +309,109 @@ async fn write_retry(
             "a retry needs its own idempotency key, not the original request's".into(),
         ));
     }
-    match req.authority {
-        RetryAuthority::OriginalRequester => {
-            if req.actor_subject_id != requester {
-                return Err(RequestError::RetryRefused(format!(
-                    "{} is not the subject that requested this deletion; only the requester or an interactive owner rescue may retry it",
-                    req.actor_subject_id
-                )));
-            }
-            if req.access_channel != job_channel {
-                return Err(RequestError::RetryRefused(format!(
-                    "the requester asked on the {job_channel} channel, not {}",
-                    req.access_channel
-                )));
-            }
-        }
-        RetryAuthority::InteractiveOwnerRescue => {
-            if req.access_channel != "interactive" {
+    let audit = match &req.asker {
+        Asker::Grant(grant) => {
+            if job_grant != Some(*grant) {
                 return Err(RequestError::RetryRefused(
-                    "an owner rescue must come from the interactive channel".into(),
+                    "this deletion was not requested under that capability grant; only its original \
+                     requester may retry it"
+                        .into(),
                 ));
             }
+            active_grant(conn, &tenant, space, *grant)
+                .await
+                .map_err(|e| match e {
+                    RequestError::Permission(m) => RequestError::RetryRefused(m),
+                    other => other,
+                })?;
+            Audit {
+                grant: Some(*grant),
+                ..Audit::default()
+            }
         }
-    }
-    let snap = valid_snapshot(
-        conn,
-        &tenant,
-        space,
-        req.permission_snapshot_id,
-        &req.actor_subject_id,
-        &req.access_channel,
-        match req.authority {
-            RetryAuthority::OriginalRequester => Access::Write,
-            RetryAuthority::InteractiveOwnerRescue => Access::Owner,
-        },
-    )
-    .await
-    .map_err(|e| match e {
-        RequestError::Permission(m) => RequestError::RetryRefused(m),
-        other => other,
-    })?;
-    match req.authority {
-        RetryAuthority::InteractiveOwnerRescue if snap.api_key_id.is_some() => {
-            return Err(RequestError::RetryRefused(
-                "an owner rescue cannot use an API key".into(),
-            ));
+        Asker::Snapshot {
+            subject,
+            snapshot,
+            channel,
+        } => {
+            match req.authority {
+                RetryAuthority::OriginalRequester => {
+                    let Some(requester) = requester.as_deref() else {
+                        return Err(RequestError::RetryRefused(
+                            "this deletion was requested under a capability grant; its requester \
+                             retries it under the same grant"
+                                .into(),
+                        ));
+                    };
+                    if subject != requester {
+                        return Err(RequestError::RetryRefused(format!(
+                            "{subject} is not the subject that requested this deletion; only the requester or an interactive owner rescue may retry it"
+                        )));
+                    }
+                    if Some(channel) != job_channel.as_ref() {
+                        return Err(RequestError::RetryRefused(format!(
+                            "the requester asked on the {} channel, not {channel}",
+                            job_channel.as_deref().unwrap_or("(none)")
+                        )));
+                    }
+                }
+                RetryAuthority::InteractiveOwnerRescue => {
+                    if channel != "interactive" {
+                        return Err(RequestError::RetryRefused(
+                            "an owner rescue must come from the interactive channel".into(),
+                        ));
+                    }
+                }
+            }
+            let snap = valid_snapshot(
+                conn,
+                &tenant,
+                space,
+                *snapshot,
+                subject,
+                channel,
+                match req.authority {
+                    RetryAuthority::OriginalRequester => Access::Write,
+                    RetryAuthority::InteractiveOwnerRescue => Access::Owner,
+                },
+            )
+            .await
+            .map_err(|e| match e {
+                RequestError::Permission(m) => RequestError::RetryRefused(m),
+                other => other,
+            })?;
+            match req.authority {
+                RetryAuthority::InteractiveOwnerRescue if snap.api_key_id.is_some() => {
+                    return Err(RequestError::RetryRefused(
+                        "an owner rescue cannot use an API key".into(),
+                    ));
+                }
+                RetryAuthority::OriginalRequester
+                    if (
+                        snap.api_key_id,
+                        snap.api_key_revision,
+                        snap.api_key_expires_at,
+                    ) != (job_key_id, job_key_revision, job_key_expires_at) =>
+                {
+                    return Err(RequestError::RetryRefused(
+                        "the requester's retry must use the API key binding of the original request"
+                            .into(),
+                    ));
+                }
+                _ => {}
+            }
+            Audit {
+                grant: None,
+                actor: Some(subject.clone()),
+                snapshot: Some(*snapshot),
+                revision: Some(snap.revision),
+                channel: Some(channel.clone()),
+                api_key_id: snap.api_key_id,
+                api_key_revision: snap.api_key_revision,
+                api_key_expires_at: snap.api_key_expires_at,
+            }
         }
-        RetryAuthority::OriginalRequester
-            if (
-                snap.api_key_id,
-                snap.api_key_revision,
-                snap.api_key_expires_at,
-            ) != (job_key_id, job_key_revision, job_key_expires_at) =>
-        {
-            return Err(RequestError::RetryRefused(
-                "the requester's retry must use the API key binding of the original request".into(),
-            ));
-        }
-        _ => {}
-    }
+    };
     let revision: i32 = sqlx::query_scalar(
         "SELECT coalesce(max(delivery_revision), 0) + 1 FROM deletion_outbox WHERE deletion_job_id = $1",
     )
@@ -316,8 +458,9 @@ async fn write_retry(
     sqlx::query(
         r#"INSERT INTO deletion_retry_audits (id, deletion_job_id, outbox_id, tenant_id, knowledge_space_id,
              retry_authority, actor_subject_id, permission_snapshot_id, permission_snapshot_revision, access_channel,
-             api_key_id, api_key_revision, api_key_expires_at, request_idempotency_key, request_fingerprint, created_at)
-           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, now())"#,
+             api_key_id, api_key_revision, api_key_expires_at, capability_grant_id, request_idempotency_key,
+             request_fingerprint, created_at)
+           VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, now())"#,
     )
     .bind(Uuid::now_v7())
     .bind(req.job_id)
@@ -325,13 +468,14 @@ async fn write_retry(
     .bind(&tenant)
     .bind(space)
     .bind(req.authority.as_str())
-    .bind(&req.actor_subject_id)
-    .bind(req.permission_snapshot_id)
-    .bind(snap.revision)
-    .bind(&req.access_channel)
-    .bind(snap.api_key_id)
-    .bind(snap.api_key_revision)
-    .bind(snap.api_key_expires_at)
+    .bind(&audit.actor)
+    .bind(audit.snapshot)
+    .bind(audit.revision)
+    .bind(&audit.channel)
+    .bind(audit.api_key_id)
+    .bind(audit.api_key_revision)
+    .bind(audit.api_key_expires_at)
+    .bind(audit.grant)
     .bind(&req.idempotency_key)
     .bind(fingerprint)
     .execute(&mut *conn)

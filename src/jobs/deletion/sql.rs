@@ -29,11 +29,13 @@ pub(super) fn in_space(a: &str) -> String {
     format!("{a}.knowledge_space_id = p.space AND {OWNED}")
 }
 
-/// The target's documents (`td`): the space's, the source's, or the one document.
+/// The target's documents (`td`): the space's, the source's, the one document, or the assets a
+/// logical document's request fenced with the job.
 fn td(scope: Scope) -> String {
     let filter = match scope {
         Scope::Space => "TRUE",
         Scope::Document(_) => "d.id = p.target",
+        Scope::LogicalDocument(_) => "d.deletion_job_id = p.job",
         Scope::SourceKeep(_) | Scope::SourceCascade(_) => "d.source_id = p.target",
     };
     format!(
@@ -171,6 +173,22 @@ pub(super) fn fs_lease_target(scope: Scope, l: &str) -> String {
                   AND sc.document_asset_id IN (SELECT id FROM td) AND x IS NOT NULL)))",
         sem = semantic_path(scope, "kp"),
     )
+}
+
+/// A source workflow run (`r`) the target takes with it: every run of the space; for a source,
+/// its own runs and the bulk runs with an item for it that does not remove it (a bulk remove
+/// run observes this very deletion and stays). `None`: the target takes no run.
+pub(super) fn source_runs(scope: Scope, r: &str) -> Option<String> {
+    match scope {
+        Scope::Space => Some(scoped(r)),
+        Scope::SourceKeep(_) | Scope::SourceCascade(_) => Some(format!(
+            "{} AND ({r}.source_id = p.target OR EXISTS (SELECT 1 FROM source_bulk_workflow_items sb \
+               WHERE sb.run_id = {r}.id AND sb.tenant_id = p.tenant AND sb.knowledge_space_id = p.space \
+                 AND sb.source_id = p.target AND sb.action <> 'remove'))",
+            scoped(r)
+        )),
+        Scope::Document(_) | Scope::LogicalDocument(_) => None,
+    }
 }
 
 /// A publication (`pb`) of the space other than the head's that serves a target document or
