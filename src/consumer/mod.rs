@@ -137,6 +137,9 @@ impl Engine {
         handlers: Vec<Arc<dyn Handler>>,
         cfg: ConsumerConfig,
     ) -> Self {
+        for h in &handlers {
+            h.attach(&pool);
+        }
         let handlers: HashMap<Kind, Arc<dyn Handler>> =
             handlers.into_iter().map(|h| (h.kind(), h)).collect();
         let statements = handlers

@@ -498,6 +498,11 @@ pub trait Handler: Send + Sync + 'static {
     fn shares_transaction(&self) -> bool {
         false
     }
+
+    /// Called by an engine that runs this handler, with the engine's pool, for writes a step
+    /// commits on their own beside its transaction (research streams its answer this way).
+    /// The default ignores it.
+    fn attach(&self, _pool: &sqlx::PgPool) {}
 }
 
 /// Records a job's failure beyond its job and outbox rows: the one function every way a job

@@ -1,23 +1,103 @@
-//! Whether a task may read its space, decided the platform's way. Invariant: fail closed. A
-//! request and every step revalidate the permission snapshot with the platform's own statement
+//! Whether a task may read its space, decided the platform's way. Invariant: fail closed. A task
+//! acts on the one authority its row records ([`crate::access::Authority`]), and a request and
+//! every step check it in the same transaction as the work it guards, with what they read
+//! share-locked so that a revocation waits for that transaction and is seen by the next one:
+//! a permission snapshot is revalidated with the platform's own statement
 //! ([`crate::access::revalidate`]: active, unrevoked, unexpired, and still matching the space's
-//! member, access policy, API access and API key), in the same transaction as the work it
-//! guards, with its rows share-locked so that a revocation waits for that transaction and is seen
-//! by the next one; a step also requires the snapshot's revision to be the one the task was
-//! requested under. A denial is explained from the snapshot row, but only revalidation grants.
-//! The deletion fence is read in the same way: a space being deleted stops every task in it.
-//! Tasks stepped in one transaction share these reads ([`Reads`]): the locks make a second read
-//! return what the first did.
+//! member, access policy, API access and API key), and a step also requires the revision the
+//! task was requested under (`RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID`); a capability grant
+//! goes through the platform's capability fence ([`crate::capability::check`]: active in the
+//! task's tenant and space, the space not fenced; `RESEARCH_TASK_CAPABILITY_REVOKED`). A row
+//! that records no authority, or a mix, authorizes nothing. What a task may read is what its
+//! authority's scopes cover ([`reader_scopes`]), and the subject it acts for is the snapshot's
+//! or the grant's. A snapshot denial is explained from the snapshot row, but only revalidation
+//! grants. The deletion fence is read in the same way: a space being deleted stops every task in
+//! it. Tasks stepped in one transaction share these reads ([`Reads`]): the locks make a second
+//! read return what the first did.
 
 use std::collections::HashMap;
 
+use serde_json::Value;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-pub use crate::access::Valid;
+pub use crate::access::{Authority, Valid};
+use crate::capability::{self, Verdict};
 
 /// The platform's error of a task whose snapshot no longer grants access.
 pub const SNAPSHOT_INVALID: &str = "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID";
+/// The platform's error of a task whose capability grant no longer authorizes it.
+pub const CAPABILITY_REVOKED: &str = "RESEARCH_TASK_CAPABILITY_REVOKED";
+/// The platform's longest permission-scope token (UTF-16 code units).
+pub const MAX_SCOPE_UNITS: usize = 512;
+
+/// What a task's authority lets a step do: act for `subject_id` and read content whose every
+/// permission scope is among `scopes`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Authorized {
+    pub subject_id: String,
+    /// The snapshot's `permission_scopes` or the grant's `content_scope_ids`, as stored.
+    pub scopes: Value,
+    /// The grant, when that is the authority.
+    pub grant: Option<Uuid>,
+}
+
+/// Why a task's authority no longer stands: the platform's code, and what was found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Denial {
+    pub code: &'static str,
+    pub why: String,
+}
+
+impl Denial {
+    fn snapshot(why: impl Into<String>) -> Self {
+        Self {
+            code: SNAPSHOT_INVALID,
+            why: why.into(),
+        }
+    }
+
+    fn capability(why: impl Into<String>) -> Self {
+        Self {
+            code: CAPABILITY_REVOKED,
+            why: why.into(),
+        }
+    }
+}
+
+/// What the capability fence's verdict lets a task do. Pure.
+pub fn granted_by(grant: Uuid, verdict: Verdict) -> Result<Authorized, Denial> {
+    match verdict {
+        Verdict::Active(g) => Ok(Authorized {
+            subject_id: g.subject_id,
+            scopes: g.content_scope_ids,
+            grant: Some(grant),
+        }),
+        other => Err(Denial::capability(
+            other.into_result().err().unwrap_or_default(),
+        )),
+    }
+}
+
+/// The reader's scopes as the platform normalizes them before matching content: an array of
+/// strings, each 1 to [`MAX_SCOPE_UNITS`] long and without surrounding whitespace, deduplicated.
+/// `None` for anything else: then, as on the platform, no content at all may be read. With
+/// well-formed reader scopes, matching "every scope of the content is among them" by JSON
+/// containment refuses content with a malformed scope, as the platform does. Pure.
+pub fn reader_scopes(scopes: &Value) -> Option<Value> {
+    let mut out: Vec<&str> = Vec::new();
+    for s in scopes.as_array()? {
+        let s = s.as_str()?;
+        let units = s.encode_utf16().count();
+        if s.is_empty() || s.trim() != s || units > MAX_SCOPE_UNITS {
+            return None;
+        }
+        if !out.contains(&s) {
+            out.push(s);
+        }
+    }
+    Some(Value::from(out))
+}
 /// The platform's cancel reason of a task whose space is being deleted.
 pub const DELETION_FENCE_ACTIVE: &str = "RESEARCH_TASK_DELETION_FENCE_ACTIVE";
 
@@ -229,17 +309,19 @@ pub async fn deletions(
     })
 }
 
-/// The deletions and revalidations one transaction has read, so that tasks stepped together in
-/// it read each space's fence and each snapshot once. Sound because the first read share-locks
-/// what it read until the transaction ends (the space row; the snapshot and the rows its
-/// revalidation joins), and a space's deletion starts by updating that space row: nothing read
-/// can change before the commit, so a second read would return the same. Lives no longer than
-/// its transaction.
+/// The deletions, revalidations and capability checks one transaction has read, so that tasks stepped together in
+/// it read each space's fence, each snapshot and each grant once. Sound because the first read
+/// share-locks what it read until the transaction ends (the space row; the snapshot and the rows
+/// its revalidation joins; the grant and the space's capability fence), and a space's deletion
+/// starts by updating that space row: nothing read can change before the commit, so a second
+/// read would return the same. Lives no longer than its transaction.
 #[derive(Default)]
 pub struct Reads {
     deletions: HashMap<(String, Uuid), Deletions>,
     /// By `(tenant, space, snapshot, subject, channel)`: what the platform's revalidation found.
     valid: HashMap<(String, Uuid, Uuid, String, String), Option<Valid>>,
+    /// By `(tenant, space, grant)`: what the capability fence found.
+    grants: HashMap<(String, Uuid, Uuid), Verdict>,
 }
 
 impl Reads {
@@ -282,6 +364,80 @@ impl Reads {
         };
         decide(conn, valid, want).await
     }
+
+    /// [`capability::check`], run once per grant.
+    pub async fn capability(
+        &mut self,
+        conn: &mut PgConnection,
+        tenant_id: &str,
+        space_id: Uuid,
+        grant: Uuid,
+    ) -> Result<Verdict, sqlx::Error> {
+        let key = (tenant_id.to_owned(), space_id, grant);
+        if let Some(v) = self.grants.get(&key) {
+            return Ok(v.clone());
+        }
+        let v = capability::check(conn, tenant_id, space_id, grant).await?;
+        self.grants.insert(key, v.clone());
+        Ok(v)
+    }
+
+    /// Checks the authority a task's row records (`Err`: the row records none, or a mix):
+    /// what it lets the step do, or why it no longer stands.
+    pub async fn authorize(
+        &mut self,
+        conn: &mut PgConnection,
+        tenant_id: &str,
+        space_id: Uuid,
+        authority: Result<&Authority, &str>,
+    ) -> Result<Result<Authorized, Denial>, sqlx::Error> {
+        match authority {
+            Err(why) => Ok(Err(Denial::snapshot(why))),
+            Ok(Authority::Internal) => Ok(Err(Denial::snapshot(
+                "the task records neither a permission snapshot nor a capability grant",
+            ))),
+            Ok(Authority::Grant(grant)) => {
+                let verdict = self.capability(conn, tenant_id, space_id, *grant).await?;
+                Ok(granted_by(*grant, verdict))
+            }
+            Ok(Authority::Snapshot {
+                subject,
+                snapshot,
+                revision,
+                channel,
+            }) => {
+                let want = Expected {
+                    tenant_id,
+                    space_id,
+                    snapshot_id: *snapshot,
+                    subject_id: subject,
+                    access_channel: channel,
+                    revision: Some(*revision),
+                };
+                Ok(self
+                    .revalidate(conn, &want)
+                    .await?
+                    .map(|valid| Authorized {
+                        subject_id: subject.clone(),
+                        scopes: valid.permission_scopes,
+                        grant: None,
+                    })
+                    .map_err(Denial::snapshot))
+            }
+        }
+    }
+}
+
+/// Checks a grant again, bypassing [`Reads`]: for a step that made its answer over some time,
+/// before it completes the task.
+pub async fn recheck_grant(
+    conn: &mut PgConnection,
+    tenant_id: &str,
+    space_id: Uuid,
+    grant: Uuid,
+) -> Result<Result<(), Denial>, sqlx::Error> {
+    let verdict = capability::check(conn, tenant_id, space_id, grant).await?;
+    Ok(granted_by(grant, verdict).map(|_| ()))
 }
 
 #[cfg(test)]
@@ -425,6 +581,67 @@ mod tests {
                 ..want
             }
         ));
+    }
+
+    #[test]
+    fn reader_scopes_are_normalized_as_the_platform_does_or_refused_whole() {
+        use serde_json::json;
+        let long = "s".repeat(MAX_SCOPE_UNITS);
+        let too_long = "s".repeat(MAX_SCOPE_UNITS + 1);
+        // 256 astral characters: 512 UTF-16 units, the most allowed.
+        let astral = "😀".repeat(256);
+        let astral_too_long = "😀".repeat(257);
+        let table: Vec<(Value, Option<Value>)> = vec![
+            (json!([]), Some(json!([]))),
+            (
+                json!(["tenant:t", "source:a", "tenant:t"]),
+                Some(json!(["tenant:t", "source:a"])),
+            ),
+            (json!([long]), Some(json!([long]))),
+            (json!([astral]), Some(json!([astral]))),
+            (json!([too_long]), None),
+            (json!([astral_too_long]), None),
+            (json!(["tenant:t", ""]), None),
+            (json!([" tenant:t"]), None),
+            (json!(["tenant:t\n"]), None),
+            (json!(["tenant:t", 5]), None),
+            (json!([["tenant:t"]]), None),
+            (json!("tenant:t"), None),
+            (json!({"tenant": "t"}), None),
+            (Value::Null, None),
+        ];
+        for (input, want) in table {
+            assert_eq!(reader_scopes(&input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn only_an_active_grant_authorizes_and_a_refusal_is_capability_revoked() {
+        use crate::capability::Grant;
+        use serde_json::json;
+        let id = Uuid::from_u128(9);
+        assert_eq!(
+            granted_by(
+                id,
+                Verdict::Active(Grant {
+                    subject_id: "app-user".into(),
+                    content_scope_ids: json!(["tenant:t"]),
+                })
+            ),
+            Ok(Authorized {
+                subject_id: "app-user".into(),
+                scopes: json!(["tenant:t"]),
+                grant: Some(id),
+            })
+        );
+        for (verdict, says) in [
+            (Verdict::Revoked("grant x is revoked".into()), "is revoked"),
+            (Verdict::Fenced, "fence is tombstoned"),
+        ] {
+            let d = granted_by(id, verdict).unwrap_err();
+            assert_eq!(d.code, CAPABILITY_REVOKED);
+            assert!(d.why.contains(says), "{d:?}");
+        }
     }
 
     #[test]

@@ -3,14 +3,16 @@
 //! ```text
 //! kfs-worker research <spaceId> "<question>" --subject <s> --snapshot <id> [--channel interactive]
 //!            [--budget-usd X] [--top-k N] [--mode auto] [--idempotency-key K]
+//! kfs-worker research <spaceId> "<question>" --grant <id> [--budget-usd X] [--top-k N] ...
 //! kfs-worker research pause|cancel <jobId> [--reason R]
 //! kfs-worker research resume <jobId>
 //! kfs-worker research follow <jobId>
 //! kfs-worker research show <jobId>
 //! ```
 //!
-//! Invariant: every input is validated before Postgres is touched, and a bad input or a refused
-//! request ends in one `error:` line with exit code 2 and changes nothing.
+//! Invariant: every input is validated before Postgres is touched, a request names exactly one
+//! authority (a permission snapshot with its subject, or a capability grant), and a bad input or
+//! a refused request ends in one `error:` line with exit code 2 and changes nothing.
 
 use std::time::Duration;
 
@@ -37,9 +39,12 @@ pub struct ResearchArgs {
     /// The permission snapshot that grants access
     #[arg(long)]
     pub snapshot: Option<String>,
-    /// Access channel: interactive, service_api, mcp or agent
-    #[arg(long, default_value = "interactive")]
-    pub channel: String,
+    /// The capability grant that authorizes the task (instead of --subject and --snapshot)
+    #[arg(long)]
+    pub grant: Option<String>,
+    /// Access channel of the snapshot: interactive (the default), service_api, mcp or agent
+    #[arg(long)]
+    pub channel: Option<String>,
     /// Most USD the answer may cost (HTTP generator)
     #[arg(long)]
     pub budget_usd: Option<String>,
@@ -79,7 +84,7 @@ pub enum ResearchAction {
         #[arg(long, default_value = "250ms")]
         poll: String,
     },
-    /// Print a task's state, answer and citations as JSON
+    /// Print a task's state, answer (from its final partial result) and evidence as JSON
     Show { job_id: String },
 }
 
@@ -88,23 +93,62 @@ fn uuid(what: &str, raw: &str) -> Result<Uuid, Failure> {
         .map_err(|_| Failure::usage(format!("{what} must be a UUID, got '{}'", raw.trim())))
 }
 
+/// The authority the arguments name, as given.
+#[derive(Debug, PartialEq, Eq)]
+enum Authority<'a> {
+    Snapshot { subject: &'a str, snapshot: &'a str },
+    Grant(&'a str),
+}
+
+const ONE_AUTHORITY: &str =
+    "a research request needs exactly one authority: --subject <s> --snapshot <id>, or --grant <id>";
+
+/// Which one authority the arguments name: `--grant`, or `--subject` with `--snapshot` (and
+/// `--channel` only with them). Pure.
+fn authority(args: &ResearchArgs) -> Result<Authority<'_>, Failure> {
+    let snapshot_flags = args.subject.is_some() || args.snapshot.is_some();
+    match (&args.grant, snapshot_flags) {
+        (Some(_), true) => Err(Failure::usage(format!(
+            "{ONE_AUTHORITY}; --grant cannot be given with --subject or --snapshot"
+        ))),
+        (Some(_), false) if args.channel.is_some() => Err(Failure::usage(
+            "--channel names a permission snapshot's channel; a request under --grant has none",
+        )),
+        (Some(grant), false) => Ok(Authority::Grant(grant)),
+        (None, false) => Err(Failure::usage(format!("{ONE_AUTHORITY}; none was given"))),
+        (None, true) => {
+            let subject = args.subject.as_deref().ok_or_else(|| {
+                Failure::usage("--subject is required with --snapshot: who asks the question")
+            })?;
+            let snapshot = args.snapshot.as_deref().ok_or_else(|| {
+                Failure::usage("--snapshot is required with --subject: the permission snapshot id")
+            })?;
+            Ok(Authority::Snapshot { subject, snapshot })
+        }
+    }
+}
+
 /// The request the arguments describe. Pure: no service is touched.
 pub fn parse_request(args: &ResearchArgs) -> Result<request::ResearchRequest, Failure> {
     let (Some(space), Some(question)) = (&args.space_id, &args.question) else {
         return Err(Failure::usage(
-            "research needs <spaceId> \"<question>\" --subject <s> --snapshot <id>, or one of pause, resume, cancel, follow, show",
+            "research needs <spaceId> \"<question>\" and either --subject <s> --snapshot <id> or --grant <id>, or one of pause, resume, cancel, follow, show",
         ));
     };
     let space_id = uuid("the space id", space)?;
-    let subject = args
-        .subject
-        .clone()
-        .ok_or_else(|| Failure::usage("--subject is required: who asks the question"))?;
-    let snapshot = args
-        .snapshot
-        .as_deref()
-        .ok_or_else(|| Failure::usage("--snapshot is required: the permission snapshot id"))?;
-    let snapshot = uuid("--snapshot", snapshot)?;
+    let asked_by = match authority(args)? {
+        Authority::Grant(grant) => request::AskedBy::Grant(uuid("--grant", grant)?),
+        Authority::Snapshot { subject, snapshot } => request::AskedBy::Snapshot {
+            subject_id: subject.to_owned(),
+            permission_snapshot_id: uuid("--snapshot", snapshot)?,
+            access_channel: args
+                .channel
+                .as_deref()
+                .unwrap_or("interactive")
+                .trim()
+                .to_owned(),
+        },
+    };
     let budget_usd = args
         .budget_usd
         .as_deref()
@@ -124,12 +168,13 @@ pub fn parse_request(args: &ResearchArgs) -> Result<request::ResearchRequest, Fa
         })
         .transpose()?;
     let req = request::ResearchRequest {
-        access_channel: args.channel.trim().to_owned(),
+        space_id,
+        question: question.clone(),
+        asked_by,
         budget_usd,
         top_k,
         mode: args.mode.trim().to_owned(),
         idempotency_key: args.idempotency_key.clone(),
-        ..request::ResearchRequest::new(space_id, question.clone(), subject, snapshot)
     };
     req.validate().map_err(Failure::usage)?;
     Ok(req)
@@ -249,12 +294,15 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
                    'query', j.query, 'mode', j.mode, 'topK', j.top_k, 'stage', j.stage, \
                    'pausedFromStage', j.paused_from_stage, 'error', j.error, 'rowVersion', j.row_version, \
                    'attempts', j.execution_attempts, 'cost', j.cost, 'budgetUsd', j.budget_usd, \
-                   'result', j.metadata -> 'result', 'plan', j.metadata -> 'plan', \
+                   'subjectId', j.subject_id, 'capabilityGrantId', j.capability_grant_id, \
+                   'answer', p.answer, 'result', j.metadata -> 'result', 'plan', j.metadata -> 'plan', \
                    'publication', j.metadata -> '__knowledgeFsPublishedRuntimeSnapshot' -> 'projectionSnapshot', \
-                   'evidence', (SELECT p.evidence_bundle FROM research_task_partial_results p \
-                     WHERE p.tenant_id = j.tenant_id AND p.research_task_job_id = j.id \
-                       AND p.idempotency_key = 'research-task:' || j.id::text || ':final-evidence')) \
-                 FROM research_task_jobs j WHERE j.id = $1",
+                   'evidence', p.evidence_bundle) \
+                 FROM research_task_jobs j \
+                 LEFT JOIN research_task_partial_results p ON p.tenant_id = j.tenant_id \
+                   AND p.research_task_job_id = j.id \
+                   AND p.idempotency_key = 'research-task:' || j.id::text || ':final-evidence' \
+                 WHERE j.id = $1",
             )
             .bind(id)
             .fetch_optional(&pool)
@@ -266,6 +314,71 @@ pub async fn run(conn: &ConnArgs, args: &ResearchArgs) -> Result<(), Failure> {
                 serde_json::to_string_pretty(&row).unwrap_or_else(|_| row.to_string())
             );
             Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(flags: &[(&str, &str)]) -> ResearchArgs {
+        let get = |k: &str| {
+            flags
+                .iter()
+                .find(|(f, _)| *f == k)
+                .map(|(_, v)| (*v).to_owned())
+        };
+        ResearchArgs {
+            action: None,
+            space_id: Some(Uuid::from_u128(1).to_string()),
+            question: Some("How do leases expire?".into()),
+            subject: get("subject"),
+            snapshot: get("snapshot"),
+            grant: get("grant"),
+            channel: get("channel"),
+            budget_usd: None,
+            top_k: None,
+            mode: "auto".into(),
+            idempotency_key: None,
+        }
+    }
+
+    #[test]
+    fn a_request_names_exactly_one_authority() {
+        let snap = Uuid::from_u128(2).to_string();
+        let grant = Uuid::from_u128(3).to_string();
+        let ok = parse_request(&args(&[("grant", &grant)])).unwrap();
+        assert_eq!(ok.asked_by, request::AskedBy::Grant(Uuid::from_u128(3)));
+        let ok = parse_request(&args(&[("subject", "alice"), ("snapshot", &snap)])).unwrap();
+        assert_eq!(
+            ok.asked_by,
+            request::AskedBy::Snapshot {
+                subject_id: "alice".into(),
+                permission_snapshot_id: Uuid::from_u128(2),
+                access_channel: "interactive".into(),
+            }
+        );
+        // (flags, what the one error line says)
+        let bad: Vec<(Vec<(&str, &str)>, &str)> = vec![
+            (vec![], "none was given"),
+            (
+                vec![("grant", &grant), ("subject", "alice"), ("snapshot", &snap)],
+                "--grant cannot be given with --subject or --snapshot",
+            ),
+            (
+                vec![("grant", &grant), ("snapshot", &snap)],
+                "cannot be given",
+            ),
+            (vec![("grant", &grant), ("channel", "mcp")], "--channel"),
+            (vec![("grant", "nope")], "--grant must be a UUID"),
+            (vec![("subject", "alice")], "--snapshot is required"),
+            (vec![("snapshot", &snap)], "--subject is required"),
+        ];
+        for (flags, says) in bad {
+            let e = parse_request(&args(&flags)).unwrap_err().message;
+            assert!(e.contains(says), "{flags:?}: {e}");
+            assert_eq!(e.lines().count(), 1, "{e}");
         }
     }
 }

@@ -1,6 +1,7 @@
 //! Following a task's progress. Invariant: events are reported in sequence order, each once, and
-//! only after they committed; because sequences are assigned under the job row's lock, polling
-//! "after the last sequence seen" never skips one. Following ends once the job is terminal and
+//! only after they committed (a streamed answer's deltas as each commits, before the task ends);
+//! because sequences are assigned by one writer of the job at a time (see [`super::progress`]),
+//! polling "after the last sequence seen" never skips one. Following ends once the job is terminal and
 //! every event committed up to then was reported.
 
 use std::io::IsTerminal;
@@ -136,6 +137,13 @@ pub fn format_event(e: &ProgressEvent, pretty: bool) -> String {
         "paused" | "canceled" => s("reason").unwrap_or_else(|| short.to_owned()),
         "resumed" => format!("resumed at {}", e.stage),
         "failed" => s("error").unwrap_or_else(|| "failed".into()),
+        "answer_delta" => format!(
+            "+{:?} (attempt {}, at {})",
+            s("delta").unwrap_or_default(),
+            p.get("executionAttempt")
+                .unwrap_or(&serde_json::Value::Null),
+            p.get("offset").unwrap_or(&serde_json::Value::Null)
+        ),
         _ => p.to_string(),
     };
     format!("#{:<3} {time}  {short:<13} {detail}", e.sequence)
@@ -179,8 +187,20 @@ mod tests {
             event_type: "research_task.failed".into(),
             stage: "failed".into(),
             payload: json!({ "error": "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID" }),
-            ..e
+            ..e.clone()
         };
         assert!(format_event(&failed, true).contains("RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID"));
+        let delta = ProgressEvent {
+            event_type: "research_task.answer_delta".into(),
+            stage: "generating".into(),
+            payload: json!({ "delta": "Fencing \"uses\"\nthe token", "executionAttempt": 1, "offset": 0 }),
+            ..e
+        };
+        let line = format_event(&delta, true);
+        assert!(
+            line.contains(r#"+"Fencing \"uses\"\nthe token" (attempt 1, at 0)"#),
+            "{line}"
+        );
+        assert!(!line.contains('\n'));
     }
 }

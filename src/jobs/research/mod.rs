@@ -4,26 +4,48 @@
 //!
 //! Invariant: each step does the work of the job's current stage and moves it exactly one stage
 //! along the walk of [`walk::next_stage`] (or ends it), writing its effects (plan, retrieval,
-//! evidence, cost, answer, the final evidence bundle) and its progress events in the engine's
-//! fenced transaction; so a step commits all of that together with the stage it returns, or
-//! none of it. Every step first applies the deletion fence, then revalidates the task's
-//! permission snapshot with the platform's statement and fails closed
-//! (`RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID`); retrieval reads only the publication frozen
-//! into the task at admission, through its members, under the snapshot's permission scopes,
-//! always naming the job's tenant and space. Tasks stepped together in one transaction read
-//! each space's fence and each snapshot's revalidation once ([`access::Reads`]) and write each
-//! table in one statement; a task alone goes the same way.
+//! evidence, cost, the final evidence bundle with the answer) and its progress events in the
+//! engine's fenced transaction; so a step commits all of that together with the stage it
+//! returns, or none of it. The one exception is a model's answer, which streams: its
+//! `research_task.answer_delta` events commit as it is made, each only while the task's lease
+//! (and grant) still holds ([`stream`]). Every step first applies the deletion fence, then checks
+//! the one authority the task's row records and fails closed: a permission snapshot revalidated
+//! with the platform's statement (`RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID`), or a capability
+//! grant through the platform's capability fence (`RESEARCH_TASK_CAPABILITY_REVOKED`), each
+//! share-locked until the step commits; a row that records neither, or a mix, runs nothing.
+//! Retrieval reads only the publication frozen into the task at admission, through its members,
+//! and only content whose every permission scope is among the authority's (the snapshot's
+//! permission scopes, or the grant's content scope), always naming the job's tenant and space.
+//! Tasks stepped together in one transaction read each space's fence and each snapshot's
+//! revalidation or grant's check once ([`access::Reads`]) and write each table in one
+//! statement; a task alone goes the same way.
 //!
 //! Where kfs-worker differs from the platform's runtime (each also said where it is done):
 //! - The engine's claim commits on its own, so the claim's `stage_changed`
 //!   (`{"executionAttempt", "workerClaimed"}`) is written by the attempt's first step (or its
-//!   failure), keyed by the row version the claim wrote.
+//!   failure, or before the first streamed delta), keyed by the row version the claim wrote.
+//! - The platform checks a task's grant in its claim and, when that fails, throws: the claim
+//!   rolls back and the task stays runnable, claimed and refused again at every tick. kfs-worker
+//!   claims it and fails it closed at the first step after the claim, with
+//!   `RESEARCH_TASK_CAPABILITY_REVOKED` and its `research_task.failed` event.
+//! - The platform re-reads the grant, unlocked, before each read of the model's stream and
+//!   again when it completes the task. kfs-worker's step share-locks it for the whole step (a
+//!   revocation waits for the step), each streamed delta re-reads it, and the generating step
+//!   checks it once more before it completes the task (`stages`).
+//! - The platform writes the final partial result (evidence and answer) in a transaction of its
+//!   own before completing the task, so it stays when the completion fails; kfs-worker writes it
+//!   in the step that completes the task (`stages`).
+//! - An answer made in-process (the extractive generator) is one delta written with the step,
+//!   at stage `generating`: it takes no time, so there is nothing to stream ahead of the step.
+//!   The platform streams it too, and writes the no-evidence answer's delta at `analyzing`.
 //! - The deletion fence cancels a running task (`RESEARCH_TASK_DELETION_FENCE_ACTIVE`) when its
 //!   space is being deleted; a deletion of a document or source in the space refuses new tasks
 //!   but does not cancel running ones (the platform cancels those too): their documents are
 //!   already never read (only `active`, parsed documents are), and kfs-worker's deletion does not
 //!   wait for research tasks.
-//! - The answer is kept in `metadata.result` (0018 has no answer column), for `research show`.
+//! - Besides the platform's records, `metadata.result` keeps which evidence the answer cites and
+//!   which generator and model made it (the answer itself is only in the final partial result's
+//!   `answer`), for `research show` and replays of the answering step.
 //!
 //! - [`request`] — request a task (library fn in the caller's transaction).
 //! - [`control`] — pause, resume, cancel.
@@ -32,6 +54,7 @@
 //! - [`plan`], [`evidence`], [`budget`] — planning and ranking, the evidence bundle, the spend,
 //!   as pure functions.
 //! - [`generator`] — the answer: extractive (default) or an OpenAI-compatible service.
+//! - [`stream`] — the answer's deltas as it is made (batching as a pure function).
 //! - [`access`], [`snapshot`], [`retrieve`], [`progress`] — the SQL around them; `stages` does
 //!   each stage's work.
 
@@ -49,6 +72,7 @@ pub mod request;
 pub mod retrieve;
 pub mod snapshot;
 mod stages;
+pub mod stream;
 pub mod walk;
 
 use std::collections::{HashMap, HashSet};
@@ -62,7 +86,7 @@ pub use control::{cancel, pause, pause_with, resume, ControlError, Controlled};
 pub use follow::{follow, Ended};
 pub use generator::{Generator, GeneratorConfig};
 pub use progress::ProgressEvent;
-pub use request::{request, RequestError, Requested, ResearchRequest};
+pub use request::{request, AskedBy, RequestError, Requested, ResearchRequest};
 pub use walk::Stage;
 
 use super::{
@@ -78,10 +102,11 @@ use snapshot::RuntimeSnapshot;
 struct JobRow {
     tenant_id: String,
     knowledge_space_id: Uuid,
-    subject_id: String,
-    permission_snapshot_id: Uuid,
-    permission_snapshot_revision: i32,
-    access_channel: String,
+    capability_grant_id: Option<Uuid>,
+    subject_id: Option<String>,
+    permission_snapshot_id: Option<Uuid>,
+    permission_snapshot_revision: Option<i32>,
+    access_channel: Option<String>,
     query: String,
     mode: Option<String>,
     top_k: Option<i32>,
@@ -100,15 +125,15 @@ impl JobRow {
         }
     }
 
-    fn expected(&self) -> access::Expected<'_> {
-        access::Expected {
-            tenant_id: &self.tenant_id,
-            space_id: self.knowledge_space_id,
-            snapshot_id: self.permission_snapshot_id,
-            subject_id: &self.subject_id,
-            access_channel: &self.access_channel,
-            revision: Some(self.permission_snapshot_revision),
-        }
+    /// The authority the row records: a whole snapshot binding or a grant alone.
+    fn authority(&self) -> Result<access::Authority, String> {
+        access::Authority::from_columns(
+            self.capability_grant_id,
+            self.subject_id.clone(),
+            self.permission_snapshot_id,
+            self.permission_snapshot_revision,
+            self.access_channel.clone(),
+        )
     }
 
     /// The frozen runtime snapshot; `None` for a task admitted before its space had a head.
@@ -151,8 +176,8 @@ impl JobRow {
 async fn load(tx: &mut PgConnection, ctxs: &[JobCtx]) -> Result<HashMap<Uuid, JobRow>, JobError> {
     let ids: Vec<Uuid> = ctxs.iter().map(|c| c.job_id).collect();
     let rows: Vec<(Uuid, JobRow)> = sqlx::query_as(
-        "SELECT id, tenant_id, knowledge_space_id, subject_id, permission_snapshot_id, permission_snapshot_revision, \
-           access_channel, query, mode, top_k, budget_usd, metadata, cost, stage \
+        "SELECT id, tenant_id, knowledge_space_id, capability_grant_id, subject_id, permission_snapshot_id, \
+           permission_snapshot_revision, access_channel, query, mode, top_k, budget_usd, metadata, cost, stage \
          FROM research_task_jobs WHERE id = ANY($1)",
     )
     .bind(ids)
@@ -174,6 +199,9 @@ struct IdRow {
 pub struct ResearchHandler {
     generator: Arc<dyn Generator>,
     embedder: Arc<dyn Embedder>,
+    /// Where a streamed answer's deltas take their connections (see [`stream`]): the pool of
+    /// the engine that runs this handler. Without one, deltas are written with the step.
+    stream_pool: std::sync::Mutex<Option<sqlx::PgPool>>,
 }
 
 impl ResearchHandler {
@@ -184,6 +212,7 @@ impl ResearchHandler {
         Ok(Self {
             generator: generator::build(&cfg)?,
             embedder: deps.embedder,
+            stream_pool: std::sync::Mutex::new(None),
         })
     }
 
@@ -192,6 +221,7 @@ impl ResearchHandler {
         Self {
             generator,
             embedder: Arc::new(crate::embed::Offline),
+            stream_pool: std::sync::Mutex::new(None),
         }
     }
 
@@ -203,6 +233,14 @@ impl ResearchHandler {
 
     pub fn generator(&self) -> &Arc<dyn Generator> {
         &self.generator
+    }
+
+    /// The pool a streamed answer writes its deltas through, when an engine gave one.
+    fn stream_pool(&self) -> Option<sqlx::PgPool> {
+        self.stream_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 }
 
@@ -267,6 +305,15 @@ impl Handler for ResearchHandler {
     /// service, each step keeps its own transaction.
     fn shares_transaction(&self) -> bool {
         self.generator.in_process() && self.embedder.in_process()
+    }
+
+    /// A model's answer streams through connections of the engine's pool, beside the step's
+    /// transaction.
+    fn attach(&self, pool: &sqlx::PgPool) {
+        *self
+            .stream_pool
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(pool.clone());
     }
 
     /// A scheduled retry gets its `stage_changed {"error", "retryAt", "retryScheduled": true}`
@@ -392,23 +439,29 @@ impl ResearchHandler {
             .await?;
         if let Some(why) = access::running_fence(&deletions) {
             claimed(group);
-            group.event(progress::NewEvent {
-                scope: scope.clone(),
-                row_version: next_rv,
-                event_type: EventType::Canceled,
-                stage: Stage::Canceled,
-                payload: payload::because(Some(access::DELETION_FENCE_ACTIVE)),
-            });
+            group.event(progress::NewEvent::at(
+                &scope,
+                next_rv,
+                EventType::Canceled,
+                Stage::Canceled,
+                payload::because(Some(access::DELETION_FENCE_ACTIVE)),
+            ));
             return Ok(Step::Cancel {
                 code: access::DELETION_FENCE_ACTIVE.into(),
                 message: why,
             });
         }
-        let valid = group
+        let authority = job.authority();
+        let authorized = group
             .reads
-            .revalidate(tx, &job.expected())
+            .authorize(
+                tx,
+                &job.tenant_id,
+                job.knowledge_space_id,
+                authority.as_ref().map_err(String::as_str),
+            )
             .await?
-            .map_err(|why| JobError::fatal(access::SNAPSHOT_INVALID, why))?;
+            .map_err(|d| JobError::fatal(d.code, d.why))?;
         claimed(group);
         // As on the platform, the frozen tuple is loaded once the task is planning.
         let (frozen, mode, top_k) = if stage == Stage::Queued {
@@ -425,7 +478,8 @@ impl ResearchHandler {
             scope,
             ctx,
             next_rv,
-            valid,
+            claim,
+            authorized,
             frozen,
             mode,
             top_k,

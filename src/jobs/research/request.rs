@@ -2,7 +2,10 @@
 //! (`queued`, row version 1), its first outbox row (revision 1, pending) and the
 //! `research_task.started` event (sequence 1) are written together in the caller's transaction,
 //! or nothing is; nothing is written for an invalid request, a space being deleted or with a
-//! deletion in progress, or a permission snapshot the platform's revalidation does not grant;
+//! deletion in progress, a permission snapshot the platform's revalidation does not grant, or a
+//! capability grant the platform's capability fence refuses (revoked, of another space, or its
+//! space fenced); the job records exactly one authority, as the platform's API writes it: the
+//! snapshot's subject, id, revision and channel with no grant, or the grant with those four NULL;
 //! the job records the mode and top-k it will run with (an `auto` request is routed here, by the
 //! platform's fallback, since kfs-worker has no routing model) and the published runtime
 //! snapshot of the space at this moment, so that the task reads what was published when it was
@@ -23,6 +26,7 @@ use super::plan;
 use super::progress::{self, payload, EventType, JobScope, NOW_MS};
 use super::snapshot::{self, RuntimeSnapshot};
 use super::walk::Stage;
+use crate::capability;
 use crate::jobs::RESEARCH;
 
 pub const CHANNELS: [&str; 4] = ["interactive", "service_api", "mcp", "agent"];
@@ -32,15 +36,26 @@ pub const DEFAULT_TOP_K: i32 = 10;
 pub const MAX_TOP_K: i32 = 100;
 pub const MAX_QUESTION_CHARS: usize = 4000;
 
+/// The authority a task is asked on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AskedBy {
+    /// A permission snapshot issued to `subject_id` for `access_channel` (`interactive`,
+    /// `service_api`, `mcp` or `agent`).
+    Snapshot {
+        subject_id: String,
+        permission_snapshot_id: Uuid,
+        access_channel: String,
+    },
+    /// A capability grant: it names the subject and the content it may read.
+    Grant(Uuid),
+}
+
 /// A research request.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ResearchRequest {
     pub space_id: Uuid,
     pub question: String,
-    pub subject_id: String,
-    pub permission_snapshot_id: Uuid,
-    /// `interactive`, `service_api`, `mcp` or `agent`.
-    pub access_channel: String,
+    pub asked_by: AskedBy,
     pub budget_usd: Option<f64>,
     pub top_k: Option<i32>,
     /// `auto`, `fast`, `research` or `deep`.
@@ -61,13 +76,23 @@ impl ResearchRequest {
         Self {
             space_id,
             question: question.into(),
-            subject_id: subject_id.into(),
-            permission_snapshot_id,
-            access_channel: "interactive".into(),
+            asked_by: AskedBy::Snapshot {
+                subject_id: subject_id.into(),
+                permission_snapshot_id,
+                access_channel: "interactive".into(),
+            },
             budget_usd: None,
             top_k: None,
             mode: "auto".into(),
             idempotency_key: None,
+        }
+    }
+
+    /// A request on a capability grant, in `auto` mode with no budget.
+    pub fn under_grant(space_id: Uuid, question: impl Into<String>, grant: Uuid) -> Self {
+        Self {
+            asked_by: AskedBy::Grant(grant),
+            ..Self::new(space_id, question, "", Uuid::nil())
         }
     }
 
@@ -87,18 +112,24 @@ impl ResearchRequest {
                 "the question has no word to search for".into(),
             ));
         }
-        let subject = self.subject_id.trim();
-        if subject.is_empty() || subject.len() > 255 {
-            return Err(RequestError::Invalid(
-                "the subject must be 1 to 255 characters".into(),
-            ));
-        }
-        if !CHANNELS.contains(&self.access_channel.as_str()) {
-            return Err(RequestError::Invalid(format!(
-                "unknown channel '{}'; expected one of {}",
-                self.access_channel,
-                CHANNELS.join(", ")
-            )));
+        if let AskedBy::Snapshot {
+            subject_id,
+            access_channel,
+            ..
+        } = &self.asked_by
+        {
+            let subject = subject_id.trim();
+            if subject.is_empty() || subject.len() > 255 {
+                return Err(RequestError::Invalid(
+                    "the subject must be 1 to 255 characters".into(),
+                ));
+            }
+            if !CHANNELS.contains(&access_channel.as_str()) {
+                return Err(RequestError::Invalid(format!(
+                    "unknown channel '{access_channel}'; expected one of {}",
+                    CHANNELS.join(", ")
+                )));
+            }
         }
         if !MODES.contains(&self.mode.as_str()) {
             return Err(RequestError::Invalid(format!(
@@ -133,16 +164,25 @@ impl ResearchRequest {
 
     /// The request fingerprint: hex SHA-256 over every field that shapes the task.
     pub fn fingerprint(&self) -> String {
-        let canonical = json!({
+        let mut canonical = json!({
             "space": self.space_id,
             "question": self.question.trim(),
-            "subject": self.subject_id.trim(),
-            "snapshot": self.permission_snapshot_id,
-            "channel": self.access_channel,
             "budgetUsd": self.budget_usd,
             "topK": self.top_k,
             "mode": self.mode,
         });
+        match &self.asked_by {
+            AskedBy::Snapshot {
+                subject_id,
+                permission_snapshot_id,
+                access_channel,
+            } => {
+                canonical["subject"] = json!(subject_id.trim());
+                canonical["snapshot"] = json!(permission_snapshot_id);
+                canonical["channel"] = json!(access_channel);
+            }
+            AskedBy::Grant(grant) => canonical["grant"] = json!(grant),
+        }
         hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
     }
 
@@ -266,17 +306,48 @@ pub async fn request(
             reason,
         });
     }
-    let want = Expected {
-        tenant_id: &tenant,
-        space_id: req.space_id,
-        snapshot_id: req.permission_snapshot_id,
-        subject_id: req.subject_id.trim(),
-        access_channel: &req.access_channel,
-        revision: None,
+    // The authority, checked and locked for the rest of the transaction: the snapshot columns
+    // (subject, snapshot, revision, channel) or the grant, as the row records them.
+    type Binding<'a> = (
+        Option<&'a str>,
+        Option<Uuid>,
+        Option<i32>,
+        Option<&'a str>,
+        Option<Uuid>,
+    );
+    let binding: Binding<'_> = match &req.asked_by {
+        AskedBy::Snapshot {
+            subject_id,
+            permission_snapshot_id,
+            access_channel,
+        } => {
+            let want = Expected {
+                tenant_id: &tenant,
+                space_id: req.space_id,
+                snapshot_id: *permission_snapshot_id,
+                subject_id: subject_id.trim(),
+                access_channel,
+                revision: None,
+            };
+            let valid = access::revalidate(&mut tx, &want)
+                .await?
+                .map_err(RequestError::PermissionDenied)?;
+            (
+                Some(subject_id.trim()),
+                Some(*permission_snapshot_id),
+                Some(valid.revision),
+                Some(access_channel.as_str()),
+                None,
+            )
+        }
+        AskedBy::Grant(grant) => {
+            capability::check(&mut tx, &tenant, req.space_id, *grant)
+                .await?
+                .into_result()
+                .map_err(RequestError::PermissionDenied)?;
+            (None, None, None, None, Some(*grant))
+        }
     };
-    let valid = access::revalidate(&mut tx, &want)
-        .await?
-        .map_err(RequestError::PermissionDenied)?;
 
     let fingerprint = req.fingerprint();
     if let Some(key) = &req.idempotency_key {
@@ -357,17 +428,17 @@ pub async fn request(
            permission_snapshot_revision, access_channel, query, mode, top_k, budget_usd, limits, metadata, cost, \
            stage, paused_from_stage, queue_job_id, error, resume_after, paused_at, completed_at, row_version, \
            execution_attempts, max_execution_attempts, worker_id, lease_token, lease_expires_at, heartbeat_at, \
-           retry_at, created_at, updated_at) \
+           retry_at, created_at, updated_at, capability_grant_id) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, 'queued', NULL, NULL, NULL, NULL, NULL, \
-           NULL, 1, 0, $15, NULL, NULL, NULL, NULL, NULL, {NOW_MS}, {NOW_MS})"
+           NULL, 1, 0, $15, NULL, NULL, NULL, NULL, NULL, {NOW_MS}, {NOW_MS}, $16)"
     ))
     .bind(scope.job_id)
     .bind(&scope.tenant_id)
     .bind(scope.space_id)
-    .bind(req.subject_id.trim())
-    .bind(req.permission_snapshot_id)
-    .bind(valid.revision)
-    .bind(&req.access_channel)
+    .bind(binding.0)
+    .bind(binding.1)
+    .bind(binding.2)
+    .bind(binding.3)
     .bind(req.question.trim())
     .bind(&mode)
     .bind(top_k)
@@ -376,6 +447,7 @@ pub async fn request(
     .bind(metadata)
     .bind(Cost::initial(req.budget_usd).to_json())
     .bind(RESEARCH.policy.max_attempts)
+    .bind(binding.4)
     .execute(&mut *tx)
     .await?;
     let outbox_id = insert_outbox(&mut tx, &scope, 1).await?;
@@ -437,15 +509,16 @@ mod tests {
                 "longer",
             ),
             (
-                ResearchRequest {
-                    subject_id: " ".into(),
-                    ..ok()
-                },
+                ResearchRequest::new(Uuid::from_u128(1), "How do leases work?", " ", Uuid::nil()),
                 "subject",
             ),
             (
                 ResearchRequest {
-                    access_channel: "email".into(),
+                    asked_by: AskedBy::Snapshot {
+                        subject_id: "alice".into(),
+                        permission_snapshot_id: Uuid::from_u128(2),
+                        access_channel: "email".into(),
+                    },
                     ..ok()
                 },
                 "channel",
@@ -500,8 +573,46 @@ mod tests {
     }
 
     #[test]
+    fn a_grant_request_needs_no_subject_or_channel() {
+        let g = ResearchRequest::under_grant(
+            Uuid::from_u128(1),
+            "How do leases work?",
+            Uuid::from_u128(3),
+        );
+        assert!(g.validate().is_ok());
+        assert_eq!(g.asked_by, AskedBy::Grant(Uuid::from_u128(3)));
+        assert!(ResearchRequest {
+            question: " ".into(),
+            ..g
+        }
+        .validate()
+        .is_err());
+    }
+
+    #[test]
     fn fingerprints_follow_the_fields() {
         assert_eq!(ok().fingerprint(), ok().fingerprint());
+        // The authority is part of the request: a grant, or another grant, is another request.
+        let g = |n| {
+            ResearchRequest::under_grant(
+                Uuid::from_u128(1),
+                "How do leases work?",
+                Uuid::from_u128(n),
+            )
+        };
+        assert_eq!(g(3).fingerprint(), g(3).fingerprint());
+        assert_ne!(g(3).fingerprint(), g(4).fingerprint());
+        assert_ne!(g(2).fingerprint(), ok().fingerprint());
+        // A snapshot request's fingerprint is the one kfs-worker always wrote for it.
+        let canonical = json!({
+            "space": Uuid::from_u128(1), "question": "How do leases work?", "subject": "alice",
+            "snapshot": Uuid::from_u128(2), "channel": "interactive", "budgetUsd": null,
+            "topK": null, "mode": "auto",
+        });
+        assert_eq!(
+            ok().fingerprint(),
+            hex::encode(Sha256::digest(canonical.to_string().as_bytes()))
+        );
         assert_ne!(
             ok().fingerprint(),
             ResearchRequest {

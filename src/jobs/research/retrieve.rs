@@ -6,9 +6,10 @@
 //! publication, then fused by reciprocal rank (k = 60). Invariant: every statement names the
 //! task's tenant, space and publication, reads only `index-projection` members of that
 //! publication, only nodes of parsed, active documents whose source is not being deleted, and
-//! only nodes whose permission scope the task's snapshot covers; so another tenant's or space's
-//! rows, unpublished generations, deleted documents and nodes the reader may not see are never
-//! found.
+//! only nodes whose every permission scope is among the reader's scopes (the snapshot's, or the
+//! capability grant's content scope), and nothing at all when those are malformed; so another
+//! tenant's or space's rows, unpublished generations, deleted documents and nodes the reader may
+//! not see are never found.
 
 use std::collections::BTreeMap;
 
@@ -53,8 +54,9 @@ pub struct ReadModel {
     pub tenant_id: String,
     pub space_id: Uuid,
     pub publication_id: Uuid,
-    /// The snapshot's `permission_scopes` (a JSON array of strings).
-    pub scopes: serde_json::Value,
+    /// The reader's scopes, normalized ([`super::access::reader_scopes`]: a JSON array of
+    /// strings); `None`: they are malformed and nothing may be read.
+    pub scopes: Option<serde_json::Value>,
     pub embedding: Option<Profile>,
 }
 
@@ -136,6 +138,9 @@ pub async fn fts(
     limit: usize,
 ) -> Result<Vec<LegRow>, sqlx::Error> {
     let q = crate::canonical::normalize_fts_text(text);
+    let Some(scopes) = &read.scopes else {
+        return Ok(Vec::new());
+    };
     if q.is_empty() {
         return Ok(Vec::new());
     }
@@ -150,7 +155,7 @@ pub async fn fts(
         .bind(q)
         .bind(&read.tenant_id)
         .bind(read.publication_id)
-        .bind(&read.scopes)
+        .bind(scopes)
         .bind(i64::try_from(limit).unwrap_or(100))
         .fetch_all(conn)
         .await
@@ -171,6 +176,9 @@ pub async fn dense(
     vector: &[f32],
     limit: usize,
 ) -> Result<Vec<LegRow>, sqlx::Error> {
+    let Some(scopes) = &read.scopes else {
+        return Ok(Vec::new());
+    };
     let sql = format!(
         "SELECT {NODE_FIELDS} FROM ({} LIMIT $8) r \
          JOIN knowledge_nodes n ON n.id = r.node_id AND n.knowledge_space_id = $1 \
@@ -184,7 +192,7 @@ pub async fn dense(
         .bind(read.publication_id)
         .bind(i32::try_from(profile.dimension).unwrap_or(i32::MAX))
         .bind(&profile.vector_space_id)
-        .bind(&read.scopes)
+        .bind(scopes)
         .bind(i64::try_from(limit).unwrap_or(100))
         .fetch_all(conn)
         .await

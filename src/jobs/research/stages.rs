@@ -2,9 +2,12 @@
 //! the stages before it committed (`metadata.plan`, `metadata.retrieval`, `metadata.evidence`)
 //! and writes its own result there, its progress event (the platform's `stage_changed` with the
 //! runtime's details, keyed by the row version this step's transition writes) and, at the end,
-//! the final evidence bundle; a step replayed at the same row version writes the same rows, and
-//! a model call is made only after its price was reserved within the budget, and once per
-//! execution attempt.
+//! the final evidence bundle with the trimmed answer in its `answer` (and `metadata.result`: what
+//! the answer cites and which generator made it); the answer's deltas go out as it is made
+//! ([`super::stream`]); a step replayed at the same row version writes the same rows, and a model
+//! call is made only after its price was reserved within the budget, and once per execution
+//! attempt. Under a capability grant, the grant is checked once more after the answer is made,
+//! before the task completes.
 
 use std::collections::BTreeSet;
 
@@ -13,14 +16,15 @@ use serde_json::{json, Value};
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::access::{Reads, Valid};
+use super::access::{self, Authorized, Reads};
 use super::budget::{self, Actual, Cost};
 use super::evidence;
-use super::generator::{Generation, GenerationRequest, NO_EVIDENCE_ANSWER};
+use super::generator::{AnswerSink, Generation, GenerationRequest, NO_EVIDENCE_ANSWER};
 use super::plan::{self, Bundle, Evidence, Plan};
 use super::progress::{self, payload, EventType, JobScope, NewEvent, NewPartial, NOW_MS};
 use super::retrieve::{self, ReadModel};
 use super::snapshot::{self, RuntimeSnapshot};
+use super::stream::{self, Stream};
 use super::walk::{self, Stage};
 use super::{JobRow, ResearchHandler};
 use crate::embed::{self, EmbedError, Input};
@@ -122,7 +126,9 @@ pub(super) struct Run<'a> {
     pub ctx: &'a JobCtx,
     /// The row version this step's transition writes (its events' key).
     pub next_rv: i32,
-    pub valid: Valid,
+    /// This step is its attempt's first: the claim event is still to be written.
+    pub claim: bool,
+    pub authorized: Authorized,
     pub frozen: Option<RuntimeSnapshot>,
     pub mode: String,
     pub top_k: usize,
@@ -159,9 +165,20 @@ fn iso(ms: i64) -> String {
         .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
-/// The answer as `metadata.result` keeps it.
+/// What `metadata.result` keeps of an answer: what it cites and what made it (the answer itself
+/// is in the final partial result).
 fn result_of(g: &Generation) -> Value {
-    json!({ "answer": g.answer, "citations": g.citations, "generator": g.generator, "model": g.model })
+    json!({ "citations": g.citations, "generator": g.generator, "model": g.model })
+}
+
+/// An answer made (or found made) by the generating step.
+struct Made {
+    /// The answer as generated (`None`: a replay found none stored).
+    answer: Option<String>,
+    /// `metadata.result`, when this step made the answer.
+    result: Option<Value>,
+    /// Deltas to write with the step's writes.
+    deltas: Vec<NewEvent>,
 }
 
 impl Run<'_> {
@@ -193,13 +210,13 @@ impl Run<'_> {
     ) -> Result<Step, JobError> {
         let to = walk::next_stage(from)
             .ok_or_else(|| JobError::fatal("bad_stage", format!("no stage follows {from}")))?;
-        g.event(NewEvent {
-            scope: self.scope.clone(),
-            row_version: self.next_rv,
-            event_type: EventType::StageChanged,
-            stage: to,
-            payload: payload::advanced(from, details),
-        });
+        g.event(NewEvent::at(
+            &self.scope,
+            self.next_rv,
+            EventType::StageChanged,
+            to,
+            payload::advanced(from, details),
+        ));
         Ok(if to == Stage::Completed {
             Step::Succeed(to.as_str().into())
         } else {
@@ -260,7 +277,7 @@ impl Run<'_> {
             tenant_id: tenant.clone(),
             space_id: space,
             publication_id,
-            scopes: self.valid.permission_scopes.clone(),
+            scopes: access::reader_scopes(&self.authorized.scopes),
             embedding,
         }))
     }
@@ -289,7 +306,9 @@ impl Run<'_> {
         let mut bundles = Vec::with_capacity(plan.sub_queries.len());
         for (i, sq) in plan.sub_queries.iter().enumerate() {
             let hits = match &read {
+                // No publication, or reader scopes that let nothing be read.
                 None => Vec::new(),
+                Some(r) if r.scopes.is_none() => Vec::new(),
                 Some(r) => {
                     let fts = retrieve::fts(tx, r, &sq.search_text(), fan.leg).await?;
                     let dense = match &r.embedding {
@@ -347,13 +366,13 @@ impl Run<'_> {
     }
 
     fn cancel_for_budget(&self, g: &mut Group, message: String) -> Step {
-        g.event(NewEvent {
-            scope: self.scope.clone(),
-            row_version: self.next_rv,
-            event_type: EventType::Canceled,
-            stage: Stage::Canceled,
-            payload: payload::because(Some(budget::BUDGET_EXHAUSTED)),
-        });
+        g.event(NewEvent::at(
+            &self.scope,
+            self.next_rv,
+            EventType::Canceled,
+            Stage::Canceled,
+            payload::because(Some(budget::BUDGET_EXHAUSTED)),
+        ));
         Step::Cancel {
             code: budget::BUDGET_EXHAUSTED.into(),
             message,
@@ -365,32 +384,72 @@ impl Run<'_> {
         g.job(&self.scope).cost = Some(cost.to_json());
     }
 
-    /// The answer: no call without evidence; else the call reserved, made, and settled.
-    /// `Err(step)`: the budget canceled the task.
+    /// Where this step's answer goes as it is made: streamed on connections of its own when a
+    /// service makes it and an engine gave a pool; else with the step's writes.
+    fn stream(&self, in_process: bool) -> Stream {
+        let target = match self.handler.stream_pool() {
+            Some(pool) if !in_process => stream::Target::Own {
+                pool,
+                fence: progress::LeaseFence {
+                    scope: self.scope.clone(),
+                    lease_token: self.ctx.lease_token,
+                    row_version: self.ctx.row_version,
+                    grant: self.authorized.grant,
+                },
+                claim: self.claim.then(|| {
+                    progress::claimed_event(
+                        &self.scope,
+                        self.ctx.row_version,
+                        self.ctx.execution_attempts,
+                        Stage::Generating,
+                    )
+                }),
+            },
+            _ => stream::Target::Step(Vec::new()),
+        };
+        Stream::new(self.scope.clone(), self.ctx.execution_attempts, target)
+    }
+
+    /// The answer: no call without evidence; else the call reserved, made (its deltas going out
+    /// as it is made), and settled. `Err(step)`: the budget canceled the task.
     async fn answer(
         &self,
+        tx: &mut PgConnection,
         w: &mut Group,
         evidence: &[Evidence],
         now_ms: i64,
-    ) -> Result<Result<Value, Step>, JobError> {
+    ) -> Result<Result<Made, Step>, JobError> {
         let gen = self.handler.generator.as_ref();
         if evidence.is_empty() {
-            return Ok(Ok(result_of(&Generation {
+            let mut out = self.stream(gen.in_process());
+            out.text(NO_EVIDENCE_ANSWER).await?;
+            let deltas = out.finish().await?;
+            let made = Generation {
                 answer: NO_EVIDENCE_ANSWER.into(),
                 citations: Vec::new(),
                 generator: gen.name().into(),
                 model: None,
                 usage: None,
                 cost_usd: 0.0,
-            })));
+            };
+            return Ok(Ok(Made {
+                result: Some(result_of(&made)),
+                answer: Some(made.answer),
+                deltas,
+            }));
         }
         let mut cost = Cost::parse(&self.job.cost, self.job.budget_usd);
         let call =
             budget::answer_call_id(self.scope.job_id, self.ctx.execution_attempts, gen.name());
-        if let (Some(e), Some(done)) = (cost.entry(&call), self.job.metadata.get("result")) {
+        if let (Some(e), Some(_)) = (cost.entry(&call), self.job.metadata.get("result")) {
             if e.usage.status != "reserved" {
-                // A replay of this attempt's answer: it was made and paid for.
-                return Ok(Ok(done.clone()));
+                // A replay of this attempt's answer: it was made, paid for and stored.
+                let answer = progress::final_answer(tx, &self.scope).await?.flatten();
+                return Ok(Ok(Made {
+                    answer,
+                    result: None,
+                    deltas: Vec::new(),
+                }));
             }
         }
         let req = GenerationRequest {
@@ -410,7 +469,9 @@ impl Run<'_> {
             );
             return Ok(Err(self.cancel_for_budget(w, message)));
         }
-        let g = gen.generate(&req).await?;
+        let mut out = self.stream(gen.in_process());
+        let g = gen.generate(&req, &mut out).await?;
+        let deltas = out.finish().await?;
         let u = g.usage.unwrap_or_default();
         let actual = Actual {
             prompt_tokens: u.prompt_tokens,
@@ -430,7 +491,11 @@ impl Run<'_> {
             );
             return Ok(Err(self.cancel_for_budget(w, message)));
         }
-        Ok(Ok(result_of(&g)))
+        Ok(Ok(Made {
+            result: Some(result_of(&g)),
+            answer: Some(g.answer),
+            deltas,
+        }))
     }
 
     async fn generate(&self, tx: &mut PgConnection, g: &mut Group) -> Result<Step, JobError> {
@@ -442,11 +507,23 @@ impl Run<'_> {
         })?;
         let legs = self.retrieved().map_or(1, |r| r.legs);
         let now_ms = g.now_ms(tx).await?;
-        let result = match self.answer(g, &evidence, now_ms).await? {
-            Ok(result) => result,
+        let made = match self.answer(tx, g, &evidence, now_ms).await? {
+            Ok(made) => made,
             Err(canceled) => return Ok(canceled),
         };
-        self.merge(g, "result", result);
+        if let Some(grant) = self.authorized.grant {
+            // As the platform checks the grant when it completes a task: the answer took time,
+            // and a fence put on the space meanwhile is seen only by a new read.
+            access::recheck_grant(tx, &self.scope.tenant_id, self.scope.space_id, grant)
+                .await?
+                .map_err(|d| JobError::fatal(d.code, d.why))?;
+        }
+        for delta in made.deltas {
+            g.event(delta);
+        }
+        if let Some(result) = made.result {
+            self.merge(g, "result", result);
+        }
         let bundle = evidence::assemble(
             Uuid::new_v4(),
             self.scope.job_id,
@@ -468,6 +545,10 @@ impl Run<'_> {
             scope: self.scope.clone(),
             key: progress::final_evidence_key(self.scope.job_id),
             bundle: value,
+            answer: made
+                .answer
+                .map(|a| a.trim().to_owned())
+                .filter(|a| !a.is_empty()),
         });
         self.advance(g, Stage::Generating, Some(details))
     }

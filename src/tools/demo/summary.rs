@@ -19,7 +19,16 @@ pub(super) async fn wait_research(
     let start = Instant::now();
     loop {
         let (stage, result): (String, Option<serde_json::Value>) =
-            sqlx::query_as("SELECT stage, metadata -> 'result' FROM research_task_jobs WHERE id = $1 AND tenant_id = $2")
+            // The answer is in the final partial result; what it cites, in `metadata.result`.
+            sqlx::query_as(
+                "SELECT j.stage, coalesce(j.metadata -> 'result', '{}'::jsonb) \
+                   || jsonb_build_object('answer', p.answer) \
+                 FROM research_task_jobs j \
+                 LEFT JOIN research_task_partial_results p ON p.tenant_id = j.tenant_id \
+                   AND p.research_task_job_id = j.id \
+                   AND p.idempotency_key = 'research-task:' || j.id::text || ':final-evidence' \
+                 WHERE j.id = $1 AND j.tenant_id = $2",
+            )
                 .bind(job)
                 .bind(TENANT)
                 .fetch_one(pool)

@@ -3,8 +3,10 @@
 //! generator is deterministic and offline, and a generator states before each call what it may
 //! cost at most ([`Generator::estimate`]: the estimated prompt and its largest answer) and after
 //! it the tokens it was billed for (or an estimate, marked as such), so the budget is reserved
-//! before the call and settled after it. The API key is never logged, printed or put into an
-//! error.
+//! before the call and settled after it. A generator hands its answer to an [`AnswerSink`] piece
+//! by piece as it makes it, and the pieces, in order, are exactly the answer it returns; when the
+//! sink refuses a piece, it stops and fails with the sink's error. The API key is never logged,
+//! printed or put into an error.
 //!
 //! - [`openai`] — the OpenAI-compatible HTTP generator.
 
@@ -77,6 +79,24 @@ pub struct Generation {
     pub cost_usd: f64,
 }
 
+/// Where a generator sends its answer while it makes it.
+#[async_trait::async_trait]
+pub trait AnswerSink: Send {
+    /// The next piece of the answer. `Err`: stop generating and fail with it.
+    async fn text(&mut self, piece: &str) -> Result<(), JobError>;
+}
+
+/// A sink that keeps nothing: for a caller that wants only the answer returned.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Discard;
+
+#[async_trait::async_trait]
+impl AnswerSink for Discard {
+    async fn text(&mut self, _piece: &str) -> Result<(), JobError> {
+        Ok(())
+    }
+}
+
 /// Something that turns evidence into an answer with citations.
 #[async_trait::async_trait]
 pub trait Generator: Send + Sync + 'static {
@@ -95,7 +115,12 @@ pub trait Generator: Send + Sync + 'static {
         Estimate::default()
     }
 
-    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError>;
+    /// The answer to `req`, each piece of it sent to `sink` as it is made.
+    async fn generate(
+        &self,
+        req: &GenerationRequest<'_>,
+        sink: &mut dyn AnswerSink,
+    ) -> Result<Generation, JobError>;
 }
 
 /// What the platform answers when retrieval found nothing (no model is called then).
@@ -203,8 +228,14 @@ impl Generator for ExtractiveGenerator {
         true
     }
 
-    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
+    /// The whole answer is one piece: it is made at once.
+    async fn generate(
+        &self,
+        req: &GenerationRequest<'_>,
+        sink: &mut dyn AnswerSink,
+    ) -> Result<Generation, JobError> {
         let (answer, citations) = extract(req.question, req.evidence, self.max_sentences);
+        sink.text(&answer).await?;
         Ok(Generation {
             answer,
             citations,

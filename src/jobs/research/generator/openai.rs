@@ -1,16 +1,18 @@
-//! The OpenAI-compatible generator: `POST {base}/chat/completions`. Invariant: the prompt holds
-//! only the task's question and its numbered evidence, the request asks for at most
+//! The OpenAI-compatible generator: `POST {base}/chat/completions`, streamed. Invariant: the
+//! prompt holds only the task's question and its numbered evidence, the request asks for at most
 //! `max_output_tokens`, so [`Generator::estimate`] bounds what a call may cost before it is made;
-//! the usage the service reports (or an estimate from text length, marked as such) is what the
-//! call cost; the API key is only ever sent as a bearer token, never printed, logged or put into
-//! an error.
+//! the answer reaches the sink as the service sends it (server-sent events, `stream: true`; a
+//! service that answers with one JSON completion instead gives it in one piece), and a stream
+//! that ends before the service finished its answer is an error, never an answer; the usage the
+//! service reports (or an estimate from text length, marked as such) is what the call cost; the
+//! API key is only ever sent as a bearer token, never printed, logged or put into an error.
 
 use std::fmt;
 use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Citation, Generation, GenerationRequest, Generator, Usage};
+use super::{AnswerSink, Citation, Generation, GenerationRequest, Generator, Usage};
 use crate::config::{self, ConfigError};
 use crate::jobs::research::budget::Estimate;
 use crate::jobs::JobError;
@@ -156,6 +158,59 @@ struct ChatUsage {
     completion_tokens: Option<u64>,
 }
 
+/// One event of a streamed completion (`chat.completion.chunk`).
+#[derive(Deserialize)]
+struct StreamChunk {
+    #[serde(default)]
+    choices: Vec<StreamChoice>,
+    usage: Option<ChatUsage>,
+    model: Option<String>,
+    error: Option<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct StreamChoice {
+    #[serde(default)]
+    index: u32,
+    delta: Option<StreamDelta>,
+    finish_reason: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct StreamDelta {
+    content: Option<String>,
+}
+
+/// The `data` of server-sent events, from bytes as they arrive. Pure.
+#[derive(Debug, Default)]
+pub struct SseData {
+    buf: Vec<u8>,
+    lines: Vec<String>,
+}
+
+impl SseData {
+    /// Takes the next bytes; returns the `data` of each event they complete (its `data:` lines
+    /// joined by newlines), in order. Other fields and comments are skipped; a line is only read
+    /// once it is whole, so a character split between two reads is never cut.
+    pub fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
+            let raw: Vec<u8> = self.buf.drain(..=end).collect();
+            let line = String::from_utf8_lossy(&raw[..end]);
+            let line = line.strip_suffix('\r').unwrap_or(&line);
+            if line.is_empty() {
+                if !self.lines.is_empty() {
+                    out.push(std::mem::take(&mut self.lines).join("\n"));
+                }
+            } else if let Some(data) = line.strip_prefix("data:") {
+                self.lines
+                    .push(data.strip_prefix(' ').unwrap_or(data).to_owned());
+            }
+        }
+        out
+    }
+}
 impl OpenAiGenerator {
     pub fn new(cfg: OpenAiConfig) -> Result<Self, ConfigError> {
         let client = config::http_client("KFS_GENERATOR", cfg.timeout)?;
@@ -191,12 +246,18 @@ impl Generator for OpenAiGenerator {
         }
     }
 
-    async fn generate(&self, req: &GenerationRequest<'_>) -> Result<Generation, JobError> {
+    async fn generate(
+        &self,
+        req: &GenerationRequest<'_>,
+        sink: &mut dyn AnswerSink,
+    ) -> Result<Generation, JobError> {
         let prompt = user_prompt(req);
         let body = serde_json::json!({
             "model": self.cfg.model,
             "temperature": 0,
             "max_tokens": self.cfg.max_output_tokens,
+            "stream": true,
+            "stream_options": { "include_usage": true },
             "messages": [
                 { "role": "system", "content": SYSTEM_PROMPT },
                 { "role": "user", "content": prompt },
@@ -206,6 +267,10 @@ impl Generator for OpenAiGenerator {
             .client
             .post(self.cfg.endpoint())
             .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(
+                reqwest::header::ACCEPT,
+                "text/event-stream, application/json",
+            )
             .body(body.to_string());
         if let Some(key) = &self.cfg.api_key {
             call = call.bearer_auth(key.expose());
@@ -221,12 +286,6 @@ impl Generator for OpenAiGenerator {
             )
         })?;
         let status = resp.status();
-        let bytes = resp.bytes().await.map_err(|e| {
-            JobError::retryable(
-                "generator_unavailable",
-                format!("reading the generator's answer failed: {}", e.without_url()),
-            )
-        })?;
         if status.as_u16() == 429 || status.is_server_error() {
             return Err(JobError::retryable(
                 "generator_unavailable",
@@ -242,26 +301,24 @@ impl Generator for OpenAiGenerator {
                 ),
             ));
         }
-        let parsed: ChatResponse = serde_json::from_slice(&bytes).map_err(|e| {
-            JobError::fatal(
+        let streamed = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim_start().starts_with("text/event-stream"));
+        let made = if streamed {
+            read_stream(resp, sink).await?
+        } else {
+            read_whole(resp, sink).await?
+        };
+        if made.answer.trim().is_empty() {
+            return Err(JobError::fatal(
                 "generator_bad_response",
-                format!("the generator's answer is not a chat completion: {e}"),
-            )
-        })?;
-        let answer = parsed
-            .choices
-            .into_iter()
-            .next()
-            .and_then(|c| c.message.content)
-            .map(|a| a.trim().to_owned())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| {
-                JobError::fatal(
-                    "generator_bad_response",
-                    "the generator's answer has no message content",
-                )
-            })?;
-        let usage = match parsed.usage {
+                "the generator's answer has no message content",
+            ));
+        }
+        let answer = made.answer;
+        let usage = match made.usage {
             Some(ChatUsage {
                 prompt_tokens: Some(p),
                 completion_tokens: Some(c),
@@ -272,7 +329,7 @@ impl Generator for OpenAiGenerator {
             },
             _ => Usage {
                 prompt_tokens: estimate_tokens(SYSTEM_PROMPT.len() + prompt.len()),
-                completion_tokens: estimate_tokens(answer.len()),
+                completion_tokens: estimate_tokens(answer.trim().len()),
                 estimated: true,
             },
         };
@@ -289,11 +346,107 @@ impl Generator for OpenAiGenerator {
             answer,
             citations,
             generator: self.name().into(),
-            model: Some(parsed.model.unwrap_or_else(|| self.cfg.model.clone())),
+            model: Some(made.model.unwrap_or_else(|| self.cfg.model.clone())),
             cost_usd: self.cfg.cost(&usage),
             usage: Some(usage),
         })
     }
+}
+
+/// What a call returned: the answer as sent, and what the service said of it.
+struct Made {
+    answer: String,
+    usage: Option<ChatUsage>,
+    model: Option<String>,
+}
+
+fn bad_response(what: impl fmt::Display) -> JobError {
+    JobError::fatal(
+        "generator_bad_response",
+        format!("the generator's answer is not a chat completion: {what}"),
+    )
+}
+
+fn cut_off(e: reqwest::Error) -> JobError {
+    JobError::retryable(
+        "generator_unavailable",
+        format!("reading the generator's answer failed: {}", e.without_url()),
+    )
+}
+
+/// A streamed completion: each piece of the first choice's content to `sink` as it arrives.
+async fn read_stream(
+    mut resp: reqwest::Response,
+    sink: &mut dyn AnswerSink,
+) -> Result<Made, JobError> {
+    let mut sse = SseData::default();
+    let mut made = Made {
+        answer: String::new(),
+        usage: None,
+        model: None,
+    };
+    let mut finished = false;
+    let mut done = false;
+    while !done {
+        let Some(bytes) = resp.chunk().await.map_err(cut_off)? else {
+            break;
+        };
+        for data in sse.feed(&bytes) {
+            if data.trim() == "[DONE]" {
+                done = true;
+                break;
+            }
+            let chunk: StreamChunk = serde_json::from_str(&data).map_err(bad_response)?;
+            if chunk.error.is_some() {
+                return Err(JobError::retryable(
+                    "generator_unavailable",
+                    "the generator reported an error in the middle of its answer",
+                ));
+            }
+            if chunk.usage.is_some() {
+                made.usage = chunk.usage;
+            }
+            if made.model.is_none() {
+                made.model = chunk.model;
+            }
+            for choice in chunk.choices.into_iter().filter(|c| c.index == 0) {
+                if let Some(piece) = choice.delta.and_then(|d| d.content) {
+                    if !piece.is_empty() {
+                        made.answer.push_str(&piece);
+                        sink.text(&piece).await?;
+                    }
+                }
+                finished |= choice.finish_reason.is_some();
+            }
+        }
+    }
+    if !(done || finished) {
+        return Err(JobError::retryable(
+            "generator_unavailable",
+            "the generator's stream ended before its answer was finished",
+        ));
+    }
+    Ok(made)
+}
+
+/// A completion in one JSON body (a service that does not stream): its content in one piece.
+async fn read_whole(resp: reqwest::Response, sink: &mut dyn AnswerSink) -> Result<Made, JobError> {
+    let bytes = resp.bytes().await.map_err(cut_off)?;
+    let parsed: ChatResponse = serde_json::from_slice(&bytes).map_err(bad_response)?;
+    let answer = parsed
+        .choices
+        .into_iter()
+        .next()
+        .and_then(|c| c.message.content)
+        .unwrap_or_default();
+    if !answer.is_empty() {
+        sink.text(&answer).await?;
+    }
+    Ok(Made {
+        answer,
+        usage: parsed.usage,
+        model: parsed.model,
+    })
 }
 
 #[cfg(test)]
@@ -311,6 +464,33 @@ mod tests {
         ];
         for (answer, n, want) in table {
             assert_eq!(cited_indices(answer, n), want, "{answer:?}");
+        }
+    }
+
+    #[test]
+    fn server_sent_events_are_read_whole_lines_at_a_time() {
+        let mut sse = SseData::default();
+        // (bytes fed, data completed by them)
+        let table: Vec<(&[u8], Vec<&str>)> = vec![
+            (b"data: {\"a\":1}\n\n", vec!["{\"a\":1}"]),
+            (b"data: {\"b\":", vec![]),
+            (b"2}\r\n\r\n: keep-alive\n\n", vec!["{\"b\":2}"]),
+            (
+                b"event: x\nid: 3\ndata:one\ndata: two\n\n",
+                vec!["one\ntwo"],
+            ),
+            // A character split between two reads.
+            (&[b'd', b'a', b't', b'a', b':', b' ', 0xC3], vec![]),
+            (&[0xA9, b'\n', b'\n'], vec!["\u{e9}"]),
+            (b"data: [DONE]\n\n", vec!["[DONE]"]),
+        ];
+        for (bytes, want) in table {
+            assert_eq!(
+                sse.feed(bytes),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(bytes)
+            );
         }
     }
 
