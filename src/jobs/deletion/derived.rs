@@ -68,8 +68,8 @@ pub(super) async fn historical_held(tx: &mut PgConnection, job: &JobRow) -> Resu
 }
 
 /// A page of historical publications of the target's documents (never the head's, never an
-/// active attempt's candidate), with the finished compile attempts, bootstraps and page-index
-/// backfills that reference them and their members.
+/// active attempt's candidate), with the finished compile attempts, bootstraps, page-index
+/// backfills and profile bindings that reference them and their members.
 pub(super) async fn historical(
     tx: &mut PgConnection,
     job: &JobRow,
@@ -109,6 +109,8 @@ pub(super) async fn historical(
         format!("{w} DELETE FROM legacy_space_publication_bootstraps x USING p WHERE {} AND x.published_publication_id = ANY($6)", scoped("x")),
         format!("{w} DELETE FROM page_index_upgrade_backfills x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
         format!("{w} DELETE FROM projection_set_publication_members x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
+        // The profile bindings of the page's publications go first (their key is RESTRICT).
+        format!("{w} DELETE FROM knowledge_space_profile_publication_bindings x USING p WHERE {} AND x.publication_id = ANY($6)", scoped("x")),
         format!(
             "{w} DELETE FROM projection_set_publications x USING p WHERE {} AND x.id = ANY($6) \
                AND NOT EXISTS (SELECT 1 FROM projection_set_publication_heads h WHERE h.tenant_id = p.tenant \

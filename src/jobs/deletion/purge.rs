@@ -92,7 +92,7 @@ fn uncorrelated(filter: &str) -> String {
 
 /// The space's cascade residue tables, in the platform's explicit order (0018 subset), and
 /// whether each has a tenant column.
-pub(super) const SPACE_TABLES: [(&str, bool); 39] = [
+pub(super) const SPACE_TABLES: [(&str, bool); 40] = [
     ("research_task_partial_results", true),
     ("research_task_progress_events", true),
     ("research_task_jobs", true),
@@ -131,6 +131,7 @@ pub(super) const SPACE_TABLES: [(&str, bool); 39] = [
     ("knowledge_space_api_keys", true),
     ("knowledge_space_api_access", true),
     ("knowledge_space_members", true),
+    ("knowledge_space_profile_publication_bindings", true),
     ("projection_set_publications", true),
 ];
 
@@ -646,6 +647,10 @@ mod tests {
         assert!(pos("knowledge_space_access_policies") < pos("knowledge_space_members"));
         assert!(pos("projection_set_publication_heads") < pos("projection_set_publications"));
         assert!(pos("document_compilation_attempts") < pos("projection_set_publications"));
+        assert!(
+            pos("knowledge_space_profile_publication_bindings")
+                < pos("projection_set_publications")
+        );
     }
 
     #[test]
