@@ -2829,3 +2829,137 @@ async fn a_retry_restores_a_failed_revision_to_candidate_and_publishes_it() {
     assert_eq!(fx.logical(logical).await, ("ready".into(), Some(1), 1));
     fx.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reindex_and_a_chunk_change_bound_to_an_attempt_are_applied_by_its_publish() {
+    let fx = Fx::new().await;
+    let doc = fx
+        .add(
+            "intents.md",
+            "text/markdown",
+            b"# Intents\n\nOystercatchers probe.",
+        )
+        .await;
+    fx.compile(doc).await;
+    let (logical, ..) = fx.revision_of(doc).await;
+    // Each rebuild below runs under a new embedding profile revision, so it is not the build
+    // the head already serves (kfs-worker builds no document settings into the projections; an
+    // identical rebuild would end superseded).
+    let new_embedding = || async {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(&mut conn, TENANT, fx.space, "e", "openai", 8)
+            .await
+            .unwrap();
+    };
+    // A settings reindex of the active revision: its settings at revision 1 (active, the head),
+    // a candidate revision 2 and a running reindex bound to a new compile attempt, as the
+    // platform's settings update writes them.
+    new_embedding().await;
+    let reindex = fx.request(doc, false).await.unwrap();
+    sqlx::query(
+        "INSERT INTO document_settings_revisions (tenant_id, knowledge_space_id, document_id, revision, settings, \
+           state, created_by_subject_id, created_at, activated_at) \
+         VALUES ($1, $2, $3, 1, '{}', 'active', 'owner-1', now(), now()), \
+                ($1, $2, $3, 2, '{\"language\": \"en\"}', 'candidate', 'owner-1', now(), NULL)",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO document_settings_heads (tenant_id, knowledge_space_id, document_id, active_revision, \
+           row_version, updated_at) VALUES ($1, $2, $3, 1, 0, now())",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let reindex_id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO document_reindex_attempts (id, tenant_id, knowledge_space_id, document_id, document_revision, \
+           settings_revision, expected_settings_head_revision, compilation_attempt_id, state, active_slot, \
+           row_version, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, 1, 2, 1, $5, 'running', 1, 0, now(), now())",
+    )
+    .bind(reindex_id)
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .bind(reindex)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let done = fx.drive(&fx.engine("w-intents", 64), reindex).await;
+    assert_succeeded(&done);
+    let (state, slot, publication): (String, Option<i32>, Option<Uuid>) = sqlx::query_as(
+        "SELECT state::text, active_slot, candidate_publication_id FROM document_reindex_attempts WHERE id = $1",
+    )
+    .bind(reindex_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), slot, publication),
+        ("succeeded", None, done.candidate_publication_id)
+    );
+    let (settings, head): (Vec<String>, i32) = sqlx::query_as(
+        "SELECT array_agg(r.state::text ORDER BY r.revision), max(h.active_revision) \
+         FROM document_settings_revisions r JOIN document_settings_heads h ON h.document_id = r.document_id \
+         WHERE r.document_id = $1",
+    )
+    .bind(logical)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (settings, head),
+        (vec!["superseded".to_owned(), "active".to_owned()], 2)
+    );
+
+    // A chunk disabled: a candidate chunk state change bound to another attempt.
+    let chunk: Uuid = sqlx::query_scalar(
+        "SELECT id FROM document_revision_chunks WHERE document_id = $1 AND document_revision = 1 \
+         ORDER BY ordinal LIMIT 1",
+    )
+    .bind(logical)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    new_embedding().await;
+    let change = fx.request(doc, false).await.unwrap();
+    sqlx::query(
+        "INSERT INTO document_chunk_state_changes (id, tenant_id, knowledge_space_id, document_id, document_revision, \
+           chunk_id, compilation_attempt_id, enabled, state, created_at) \
+         VALUES ($1, $2, $3, $4, 1, $5, $6, false, 'candidate', now())",
+    )
+    .bind(Uuid::new_v4())
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .bind(chunk)
+    .bind(change)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let done = fx.drive(&fx.engine("w-intents", 64), change).await;
+    assert_succeeded(&done);
+    let (state, publication): (String, Option<Uuid>) = sqlx::query_as(
+        "SELECT state::text, candidate_publication_id FROM document_chunk_state_changes \
+         WHERE compilation_attempt_id = $1",
+    )
+    .bind(change)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), publication),
+        ("active", done.candidate_publication_id)
+    );
+    // The document stays at its revision: neither intent is a new revision.
+    assert_eq!(fx.logical(logical).await, ("ready".into(), Some(1), 1));
+    fx.cleanup().await;
+}

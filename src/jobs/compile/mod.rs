@@ -17,15 +17,16 @@
 //!   `_terms`, status `building`), `knowledge_paths` and `document_multimodal_manifests`.
 //! - **nodes_generated**: `knowledge_nodes` from the platform's chunker, an `fts` projection of
 //!   each (`to_tsvector('simple', …)` of its normalised path and text), and a `dense-vector`
-//!   projection of each where the space has an active embedding profile, through the
+//!   projection of each where the attempt froze an embedding profile, through the
 //!   [`crate::embed`] port; all `building`.
 //! - **projection_built**: a `candidate` publication (the platform's fingerprint) whose members
 //!   are the head's other documents and this document's components, bound to the attempt.
 //! - **smoke_eval_passed**: the platform's structural check of the candidate.
-//! - **published**: in one transaction, projections and page index `ready`, the document
-//!   `parsed`, the candidate `validating` then `published`, the old head's publication
-//!   `superseded`, and the head moved by compare-and-swap (see [`publish`] for what happens when
-//!   another publication moved it first).
+//! - **published**: in one transaction, the profile fence, projections and page index `ready`,
+//!   the document `parsed`, the candidate `validating` then `published`, the old head's
+//!   publication `superseded`, the publication's profile binding, the head moved by
+//!   compare-and-swap (see [`publish`] for what happens when another publication moved it
+//!   first), then the attempt's logical-document intents applied.
 //!
 //! Every step first re-checks the authority the attempt was requested under when it is a
 //! capability grant ([`crate::capability::check`], share-locking the grant and the space's

@@ -200,8 +200,10 @@ fn refuse_deleting(document: Uuid, d: &DocScope) -> Result<(), CompileError> {
 
 /// Requests the compilation of a document's current version, in the caller's transaction:
 /// the attempt (`dispatch_pending`, checkpoint `queued`, `active_slot` 1, `row_version` 0, a
-/// fresh publication generation, `base_head_revision` = the space's head revision or 0) and
-/// its one pending outbox row. Returns the attempt id.
+/// fresh publication generation, `base_head_revision` = the space's head revision or 0, the
+/// authority given — a requester binding, a capability grant alone, or none — and the space's
+/// frozen profile tuple) and its one pending outbox row; the version's unbound candidate
+/// revision is bound to it. Returns the attempt id.
 pub async fn request(
     conn: &mut PgConnection,
     document_id: Uuid,
