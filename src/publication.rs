@@ -5,15 +5,17 @@
 //! readers use. Invariant: the head only moves by compare-and-swap on its revision (a first head
 //! has the space's id as its own id and revision 1), to a publication that is `published`, and
 //! the publication it replaces becomes `superseded` with the new fingerprint; a publication a
-//! head has pointed at is never given other members.
+//! head has pointed at is never given other members; a compile's publication is bound to its
+//! profile tuple ([`binding`]) in the transaction that moves the head to it.
 
+pub mod binding;
 mod read_sql;
 mod write;
 
 pub use read_sql::{DENSE_READ_SQL, FTS_READ_SQL};
 pub use write::{
     deletion_fingerprint, insert, publish, publish_excluding, set_members, swap_head, transition,
-    Moved,
+    Moved, Refused,
 };
 
 use std::collections::BTreeMap;

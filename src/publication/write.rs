@@ -2,11 +2,13 @@
 //! [`swap_head`], by compare-and-swap on its revision (a first head has the space's id as its
 //! own id and revision 1); [`publish`] and [`publish_excluding`] supersede the publication the
 //! head names (with the new fingerprint) and make the new one `published` before they swap, all
-//! in the caller's transaction.
+//! in the caller's transaction; [`publish`] given a profile tuple binds the publication to it
+//! ([`super::binding`]) after those transitions and before the swap.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use super::binding::{self, Tuple};
 use super::{head, members, serves_any, Member};
 
 /// The fingerprint of the publication a deletion job makes when it takes a target out of the
@@ -290,10 +292,21 @@ pub async fn swap_head(
     }
 }
 
+/// Why [`publish`] did not move the head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Refused {
+    /// The head moved (or appeared) since the expected revision.
+    Moved(Moved),
+    /// The publication already has a profile binding other than the one to be written.
+    Binding(binding::Conflict),
+}
+
 /// Publishes `publication` in place of the space's head at revision `expected`: the publication
 /// goes `from` → `published` (through `validating` when it was a candidate), the old head's
-/// publication becomes `superseded` by its fingerprint, and the head moves by compare-and-swap.
-/// On `Err(Moved)` nothing was written that the caller's transaction should keep.
+/// publication becomes `superseded` by its fingerprint, the publication is bound to `profiles`
+/// when given (a compile's publish: the platform's content-publication binding), and the head
+/// moves by compare-and-swap. On `Err` nothing was written that the caller's transaction should
+/// keep.
 pub async fn publish(
     conn: &mut PgConnection,
     tenant: &str,
@@ -301,11 +314,12 @@ pub async fn publish(
     expected: i32,
     publication: Uuid,
     fingerprint: &str,
-) -> Result<Result<i32, Moved>, sqlx::Error> {
+    profiles: Option<&Tuple>,
+) -> Result<Result<i32, Refused>, sqlx::Error> {
     let old = head(conn, tenant, space, true).await?;
     let current = old.as_ref().map_or(0, |h| h.revision);
     if current != expected {
-        return Ok(Err(Moved { current }));
+        return Ok(Err(Refused::Moved(Moved { current })));
     }
     let status: Option<String> = sqlx::query_scalar(
         "SELECT status::text FROM projection_set_publications \
@@ -352,5 +366,14 @@ pub async fn publish(
         None,
     )
     .await?;
-    swap_head(conn, tenant, space, expected, publication).await
+    if let Some(tuple) = profiles {
+        if let Err(conflict) =
+            binding::bind(conn, tenant, space, publication, fingerprint, tuple).await?
+        {
+            return Ok(Err(Refused::Binding(conflict)));
+        }
+    }
+    Ok(swap_head(conn, tenant, space, expected, publication)
+        .await?
+        .map_err(Refused::Moved))
 }

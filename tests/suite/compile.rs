@@ -733,6 +733,7 @@ async fn the_requester_binding_is_recorded_whole_and_checked_at_publish() {
                 subject: "editor-1".into(),
                 snapshot: snap,
             }),
+            grant: None,
         },
     )
     .await
@@ -768,6 +769,7 @@ async fn the_requester_binding_is_recorded_whole_and_checked_at_publish() {
                 subject: "someone-else".into(),
                 snapshot: snap,
             }),
+            grant: None,
         },
     )
     .await
@@ -791,6 +793,7 @@ async fn the_requester_binding_is_recorded_whole_and_checked_at_publish() {
                 subject: "editor-1".into(),
                 snapshot: snap,
             }),
+            grant: None,
         },
     )
     .await
@@ -2219,5 +2222,744 @@ async fn the_publish_reads_stay_within_their_publication_on_tables_without_stati
             "{rows} rows of {members}: {smoke:?}"
         );
     }
+    fx.cleanup().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The platform's 0019–0041 rows around a compile: capability grants, the frozen profile tuple and
+// its fence, the publication's profile binding, and the logical-document intents.
+// ---------------------------------------------------------------------------------------------
+
+impl Fx {
+    /// Requests `doc` under `opts` in a transaction of its own.
+    async fn request_with(&self, doc: Uuid, opts: RequestOptions) -> Result<Uuid, CompileError> {
+        let mut tx = self.pool().begin().await.unwrap();
+        let r = compile::request(&mut tx, doc, opts).await;
+        tx.commit().await.unwrap();
+        r
+    }
+
+    /// A capability grant of `subject` in this space for every content scope.
+    async fn grant(&self, subject: &str) -> Uuid {
+        let mut conn = self.pool().acquire().await.unwrap();
+        platform::create_capability_grant(&mut conn, TENANT, self.space, subject, &[])
+            .await
+            .unwrap()
+    }
+
+    /// The space's profile binding rows.
+    async fn bindings(&self) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(*) FROM knowledge_space_profile_publication_bindings WHERE knowledge_space_id = $1",
+        )
+        .bind(self.space)
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
+    }
+
+    /// A publication's status.
+    async fn publication_status(&self, id: Uuid) -> String {
+        sqlx::query_scalar("SELECT status::text FROM projection_set_publications WHERE id = $1")
+            .bind(id)
+            .fetch_one(self.pool())
+            .await
+            .unwrap()
+    }
+
+    /// The revision of asset `asset`: (logical document, revision, state, bound attempt,
+    /// activated).
+    async fn revision_of(&self, asset: Uuid) -> (Uuid, i32, String, Option<Uuid>, bool) {
+        sqlx::query_as(
+            "SELECT document_id, revision, state::text, compilation_attempt_id, activated_at IS NOT NULL \
+             FROM document_revisions WHERE document_asset_id = $1",
+        )
+        .bind(asset)
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
+    }
+
+    /// A logical document: (status, active revision, row version).
+    async fn logical(&self, id: Uuid) -> (String, Option<i32>, i32) {
+        sqlx::query_as(
+            "SELECT status::text, active_revision, row_version FROM logical_documents WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_one(self.pool())
+        .await
+        .unwrap()
+    }
+
+    /// The space's active profile heads: (kind, revision id, revision, digest), in kind order.
+    async fn active_heads(&self) -> Vec<(String, Uuid, i32, String)> {
+        sqlx::query_as(
+            "SELECT h.kind::text, r.id, r.revision, r.snapshot_digest::text FROM knowledge_space_profile_heads h \
+             JOIN knowledge_space_profile_revisions r ON r.id = h.profile_revision_id AND r.revision = h.active_revision \
+             WHERE h.knowledge_space_id = $1 AND r.state = 'active' ORDER BY h.kind",
+        )
+        .bind(self.space)
+        .fetch_all(self.pool())
+        .await
+        .unwrap()
+    }
+}
+
+fn by_grant(grant: Uuid) -> RequestOptions {
+    RequestOptions {
+        grant: Some(grant),
+        ..RequestOptions::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_grant_authorized_compile_records_the_grant_alone_and_publishes() {
+    let fx = Fx::new().await;
+    let grant = fx.grant("app-1").await;
+    let doc = fx
+        .add(
+            "g.md",
+            "text/markdown",
+            b"# Grant\n\nPuffins nest in burrows.",
+        )
+        .await;
+    let attempt = fx.request_with(doc, by_grant(grant)).await.unwrap();
+    let s = fx.status(attempt).await;
+    assert_eq!(s.capability_grant_id, Some(grant));
+    assert_eq!(
+        (
+            s.requested_by_subject_id.as_deref(),
+            s.permission_snapshot_id,
+            s.permission_snapshot_revision,
+            s.access_channel.as_deref()
+        ),
+        (None, None, None, None),
+        "a grant is recorded alone"
+    );
+    let done = fx.drive(&fx.engine("w-grant", 64), attempt).await;
+    assert_succeeded(&done);
+    assert_eq!(fx.search("puffins burrows").await.len(), 1);
+
+    // The command line takes --grant in place of --as/--snapshot, and refuses both at once.
+    let doc2 = fx
+        .add("g2.md", "text/markdown", b"# CLI grant\n\nGannets dive.")
+        .await;
+    let out = kfs(
+        &fx,
+        &["compile", &doc2.to_string(), "--grant", &grant.to_string()],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let by_cli: Uuid = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap();
+    assert_eq!(fx.status(by_cli).await.capability_grant_id, Some(grant));
+    let snap = fx.snapshot("editor-1").await;
+    let doc3 = fx.add("g3.md", "text/markdown", b"# Both\n\nTerns.").await;
+    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    let out = kfs(
+        &fx,
+        &[
+            "compile",
+            &doc3.to_string(),
+            "--grant",
+            &grant.to_string(),
+            "--as",
+            "editor-1",
+            "--snapshot",
+            &snap.to_string(),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let e = fx
+        .request_with(
+            doc3,
+            RequestOptions {
+                requester: Some(Requester {
+                    subject: "editor-1".into(),
+                    snapshot: snap,
+                }),
+                grant: Some(grant),
+                ..RequestOptions::default()
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, CompileError::TwoAuthorities) && e.is_refusal(),
+        "{e}"
+    );
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    assert_eq!(after, before, "two authorities wrote nothing");
+    fx.cleanup().await;
+}
+
+/// Drives a grant-authorized compile of a new document to `smoke_eval_passed`, then lets
+/// `fence` end the grant's authority, and runs the publish: the attempt fails closed as the
+/// platform fails it, and nothing but the attempt's failure is written.
+async fn grant_fenced_at_publish(fx: &Fx, name: &str, fence: impl AsyncFnOnce(Uuid)) {
+    let grant = fx.grant("app-2").await;
+    let doc = fx
+        .add(name, "text/markdown", b"# Fenced\n\nKittiwakes on cliffs.")
+        .await;
+    let attempt = fx.request_with(doc, by_grant(grant)).await.unwrap();
+    fx.drive_to(&fx.engine("w-fence-1", 1), attempt, "smoke_eval_passed")
+        .await;
+    let head_before = fx.head().await;
+    let bindings_before = fx.bindings().await;
+    let candidate = fx.status(attempt).await.candidate_publication_id.unwrap();
+    fence(grant).await;
+    let s = fx.drive(&fx.engine("w-fence", 64), attempt).await;
+    assert_failed(&s, "DOCUMENT_COMPILATION_FAILED");
+    assert_eq!(
+        s.last_error_message.as_deref(),
+        Some("Capability publication is fenced")
+    );
+    assert_eq!(s.checkpoint, "smoke_eval_passed", "the checkpoint is kept");
+    assert_eq!(fx.head().await, head_before, "the head is untouched");
+    assert_eq!(fx.bindings().await, bindings_before, "no binding");
+    assert_eq!(fx.publication_status(candidate).await, "candidate");
+    let (logical, _, state, bound, _) = fx.revision_of(doc).await;
+    assert_eq!((state.as_str(), bound), ("candidate", Some(attempt)));
+    assert_eq!(fx.logical(logical).await, ("pending".into(), None, 0));
+    assert!(fx.search("kittiwakes").await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_revoked_grant_or_a_fenced_space_fails_the_attempt_closed_and_writes_nothing_else() {
+    let fx = Fx::new().await;
+    // A head to stay untouched.
+    let base = fx.add("base.md", "text/markdown", b"# Base\n\nAuks.").await;
+    fx.compile(base).await;
+    grant_fenced_at_publish(&fx, "revoked.md", async |grant| {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::revoke_capability_grant(&mut conn, TENANT, fx.space, grant)
+            .await
+            .unwrap();
+    })
+    .await;
+    // A request under a revoked grant is refused with nothing written.
+    let revoked = fx.grant("app-3").await;
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::revoke_capability_grant(&mut conn, TENANT, fx.space, revoked)
+            .await
+            .unwrap();
+    }
+    let doc = fx
+        .add("late.md", "text/markdown", b"# Late\n\nMurres.")
+        .await;
+    let before: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    let e = fx.request_with(doc, by_grant(revoked)).await.unwrap_err();
+    assert!(
+        matches!(e, CompileError::Grant { grant, .. } if grant == revoked) && e.is_refusal(),
+        "{e}"
+    );
+    let after: i64 = sqlx::query_scalar("SELECT count(*) FROM document_compilation_attempts")
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    assert_eq!(after, before);
+    assert_eq!(
+        fx.revision_of(doc).await.3,
+        None,
+        "the revision stays unbound"
+    );
+    // A fenced space: every grant of it stops authorizing.
+    grant_fenced_at_publish(&fx, "fenced.md", async |_| {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::fence_capability_space(&mut conn, TENANT, fx.space)
+            .await
+            .unwrap();
+    })
+    .await;
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_attempt_carries_the_frozen_profile_tuple() {
+    let fx = Fx::new().await;
+    let retrieval_only = fx.add("r.md", "text/markdown", b"# R\n\nSkuas.").await;
+    let a1 = fx.request(retrieval_only, false).await.unwrap();
+    let heads = fx.active_heads().await;
+    assert_eq!(heads.len(), 1, "a new space has its retrieval profile");
+    let s1 = fx.status(a1).await;
+    let (_, rid, rrev, rdigest) = &heads[0];
+    assert_eq!(
+        (
+            s1.retrieval_profile_kind.as_deref(),
+            s1.retrieval_profile_revision_id,
+            s1.retrieval_profile_revision,
+            s1.retrieval_profile_snapshot_digest.as_deref()
+        ),
+        (
+            Some("retrieval"),
+            Some(*rid),
+            Some(*rrev),
+            Some(rdigest.as_str())
+        )
+    );
+    assert_eq!(
+        (
+            s1.embedding_profile_kind,
+            s1.embedding_profile_revision_id,
+            s1.embedding_profile_revision,
+            s1.embedding_profile_snapshot_digest
+        ),
+        (None, None, None, None)
+    );
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(&mut conn, TENANT, fx.space, "e-small", "openai", 16)
+            .await
+            .unwrap();
+    }
+    let both = fx
+        .add("e.md", "text/markdown", b"# E\n\nShearwaters.")
+        .await;
+    let a2 = fx.request(both, false).await.unwrap();
+    let s2 = fx.status(a2).await;
+    let heads = fx.active_heads().await;
+    let (ekind, eid, erev, edigest) = &heads[0];
+    assert_eq!(ekind, "embedding");
+    assert_eq!(
+        (
+            s2.embedding_profile_kind.as_deref(),
+            s2.embedding_profile_revision_id,
+            s2.embedding_profile_revision,
+            s2.embedding_profile_snapshot_digest.as_deref()
+        ),
+        (
+            Some("embedding"),
+            Some(*eid),
+            Some(*erev),
+            Some(edigest.as_str())
+        )
+    );
+    assert_eq!(
+        s2.retrieval_profile_revision_id,
+        s1.retrieval_profile_revision_id
+    );
+    // The attempt builds with its frozen embedding profile and publishes under the tuple.
+    assert_succeeded(&fx.drive(&fx.engine("w-tuple", 64), a2).await);
+    let dense: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM index_projections WHERE publication_generation_id = $1 AND type = 'dense-vector'",
+    )
+    .bind(s2.publication_generation_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert!(dense > 0);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_profile_changed_between_request_and_publish_fails_the_fence_with_nothing_published() {
+    let fx = Fx::new().await;
+    let one_step = fx.engine("w-profile-1", 1);
+    let engine = fx.engine("w-profile", 64);
+    // (what changes the space's profiles after the attempt froze them)
+    for (name, change) in [("retrieval.md", "retrieval"), ("embedding.md", "embedding")] {
+        let doc = fx
+            .add(name, "text/markdown", b"# Profiles\n\nPetrels glide.")
+            .await;
+        let attempt = fx.request(doc, false).await.unwrap();
+        fx.drive_to(&one_step, attempt, "smoke_eval_passed").await;
+        let candidate = fx.status(attempt).await.candidate_publication_id.unwrap();
+        let head_before = fx.head().await;
+        {
+            let mut conn = fx.pool().acquire().await.unwrap();
+            if change == "retrieval" {
+                platform::activate_retrieval_profile(&mut conn, TENANT, fx.space, "r2", "offline")
+                    .await
+                    .unwrap();
+            } else {
+                platform::activate_embedding_profile(&mut conn, TENANT, fx.space, "e", "openai", 8)
+                    .await
+                    .map(|_| ())
+                    .unwrap();
+            }
+        }
+        let s = fx.drive(&engine, attempt).await;
+        assert_failed(&s, "DOCUMENT_COMPILATION_FAILED");
+        assert!(
+            s.last_error_message
+                .as_deref()
+                .is_some_and(|m| m.contains("profile fence")),
+            "{change}: {s:?}"
+        );
+        assert_eq!(fx.head().await, head_before, "{change}: nothing published");
+        assert_eq!(fx.bindings().await, 0);
+        assert_eq!(
+            fx.publication_status(candidate).await,
+            "candidate",
+            "{change}: the candidate stays a candidate"
+        );
+        assert!(fx.search("petrels").await.is_empty());
+    }
+    // An attempt requested after the change freezes the new tuple and publishes.
+    let doc = fx
+        .add("after.md", "text/markdown", b"# After\n\nFulmars.")
+        .await;
+    assert_succeeded(
+        &fx.drive(&engine, fx.request(doc, false).await.unwrap())
+            .await,
+    );
+    assert_eq!(fx.bindings().await, 1);
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_attempt_without_profiles_binds_the_current_heads_and_a_space_without_retrieval_cannot_compile(
+) {
+    let fx = Fx::new().await;
+    let engine = fx.engine("w-bare", 64);
+    let fxr = &fx;
+    let bare = |slug: &'static str| async move {
+        let fx = fxr;
+        let mut conn = fx.pool().acquire().await.unwrap();
+        let space = platform::create_bare_space(&mut conn, TENANT, slug, slug, "owner-1")
+            .await
+            .unwrap();
+        let doc = platform::add_document(
+            &mut conn,
+            &fx.store,
+            space,
+            None,
+            "b.md",
+            "text/markdown",
+            Bytes::from_static(b"# Bare\n\nGuillemots."),
+        )
+        .await
+        .unwrap();
+        (space, doc)
+    };
+    // No retrieval profile: the attempt is written with no tuple and fails at its first step.
+    let (_, doc) = bare("no-profiles").await;
+    let attempt = fx.request(doc, false).await.unwrap();
+    assert_eq!(fx.status(attempt).await.retrieval_profile_revision_id, None);
+    let s = fx.drive(&engine, attempt).await;
+    assert_failed(&s, "KNOWLEDGE_SPACE_MODEL_CONFIGURATION_REQUIRED");
+    assert_eq!(s.checkpoint, "queued");
+    let parsed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM parse_artifacts WHERE document_asset_id = $1")
+            .bind(doc)
+            .fetch_one(fx.pool())
+            .await
+            .unwrap();
+    assert_eq!(parsed, 0, "nothing else written");
+    // Profiles configured after the request: the first step binds the current heads.
+    let (space, doc) = bare("later-profiles").await;
+    let attempt = fx.request(doc, false).await.unwrap();
+    let rid = {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_retrieval_profile(&mut conn, TENANT, space, "r", "offline")
+            .await
+            .unwrap()
+    };
+    let s = fx.drive(&engine, attempt).await;
+    assert_succeeded(&s);
+    assert_eq!(
+        (
+            s.retrieval_profile_revision_id,
+            s.retrieval_profile_revision
+        ),
+        (Some(rid), Some(1))
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_compile_publishes_the_documents_candidate_revision_and_a_new_revision_supersedes_it() {
+    let fx = Fx::new().await;
+    let doc = fx
+        .add(
+            "rev.md",
+            "text/markdown",
+            b"# Revisions\n\nAlbatross glide far.",
+        )
+        .await;
+    let (logical, revision, state, bound, _) = fx.revision_of(doc).await;
+    assert_eq!((revision, state.as_str(), bound), (1, "candidate", None));
+    assert_eq!(fx.logical(logical).await, ("pending".into(), None, 0));
+    let done = fx.compile(doc).await;
+    let (_, _, state, bound, activated) = fx.revision_of(doc).await;
+    assert_eq!(
+        (state.as_str(), bound, activated),
+        ("active", Some(done.id), true)
+    );
+    assert_eq!(fx.logical(logical).await, ("ready".into(), Some(1), 1));
+    // The revision's chunks are the candidate's nodes, each chunk's id its node's.
+    let (chunks, same_ids, ordinals): (i64, i64, Vec<i32>) = sqlx::query_as(
+        "SELECT count(*), count(n.id), array_agg(c.ordinal ORDER BY c.ordinal) FROM document_revision_chunks c \
+         LEFT JOIN knowledge_nodes n ON n.id = c.id AND n.publication_generation_id = $3 \
+         WHERE c.document_id = $1 AND c.document_revision = $2",
+    )
+    .bind(logical)
+    .bind(1)
+    .bind(done.publication_generation_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        chunks,
+        fx.rows_of_generation("knowledge_nodes", done.publication_generation_id)
+            .await
+    );
+    assert_eq!(same_ids, chunks);
+    assert_eq!(ordinals, (0..chunks as i32).collect::<Vec<_>>());
+
+    // A new revision of the document, uploaded as a new asset, supersedes the first.
+    let next = {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::add_revision(
+            &mut conn,
+            &fx.store,
+            logical,
+            "rev.md",
+            "text/markdown",
+            Bytes::from_static(b"# Revisions\n\nAlbatross glide farther."),
+        )
+        .await
+        .unwrap()
+    };
+    let (same_doc, revision, state, _, _) = fx.revision_of(next).await;
+    assert_eq!(
+        (same_doc, revision, state.as_str()),
+        (logical, 2, "candidate")
+    );
+    fx.compile(next).await;
+    assert_eq!(fx.revision_of(next).await.2, "active");
+    let (_, _, old_state, _, still_activated) = fx.revision_of(doc).await;
+    assert_eq!((old_state.as_str(), still_activated), ("superseded", true));
+    assert_eq!(fx.logical(logical).await, ("ready".into(), Some(2), 2));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_disabled_document_fails_with_document_disabled_and_writes_nothing_else() {
+    let fx = Fx::new().await;
+    let doc = fx
+        .add(
+            "off.md",
+            "text/markdown",
+            b"# Off\n\nCormorants dry their wings.",
+        )
+        .await;
+    let attempt = fx.request(doc, false).await.unwrap();
+    let (logical, ..) = fx.revision_of(doc).await;
+    let disable = sqlx::query(
+        "UPDATE logical_documents SET enabled = false, disabled_at = now(), disabled_by_subject_id = 'owner-1' \
+         WHERE id = $1",
+    )
+    .bind(logical);
+    disable.execute(fx.pool()).await.unwrap();
+    let s = fx.drive(&fx.engine("w-disabled", 64), attempt).await;
+    assert_failed(&s, "DOCUMENT_DISABLED");
+    assert_eq!(s.checkpoint, "queued");
+    assert_eq!(s.candidate_publication_id, None);
+    let parsed: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM parse_artifacts WHERE document_asset_id = $1")
+            .bind(doc)
+            .fetch_one(fx.pool())
+            .await
+            .unwrap();
+    assert_eq!(parsed, 0, "nothing else written");
+    assert_eq!(fx.revision_of(doc).await.2, "candidate");
+    assert_eq!(fx.logical(logical).await, ("pending".into(), None, 0));
+    assert!(fx.head().await.is_none());
+    // A new request of a disabled document is refused.
+    let e = fx.request(doc, false).await.unwrap_err();
+    assert!(
+        matches!(e, CompileError::DocumentDisabled(d) if d == doc) && e.is_refusal(),
+        "{e}"
+    );
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_restores_a_failed_revision_to_candidate_and_publishes_it() {
+    let fx = Fx::new().await;
+    let engine = fx.engine("w-restore", 64);
+    let good = b"Gulls follow the ferry.";
+    let doc = fx.add("gulls.txt", "text/plain", good).await;
+    let key: String = sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
+        .bind(doc)
+        .fetch_one(fx.pool())
+        .await
+        .unwrap();
+    fx.store
+        .put(&key, Bytes::from_static(b"garbled"))
+        .await
+        .unwrap();
+    let attempt = fx.request(doc, false).await.unwrap();
+    assert_failed(&fx.drive(&engine, attempt).await, "hash_mismatch");
+    // The platform's reconcile sweep fails the bound revision and its never-ready document.
+    let (logical, ..) = fx.revision_of(doc).await;
+    sqlx::query("UPDATE document_revisions SET state = 'failed' WHERE compilation_attempt_id = $1")
+        .bind(attempt)
+        .execute(fx.pool())
+        .await
+        .unwrap();
+    sqlx::query("UPDATE logical_documents SET status = 'failed' WHERE id = $1")
+        .bind(logical)
+        .execute(fx.pool())
+        .await
+        .unwrap();
+    fx.store.put(&key, Bytes::from_static(good)).await.unwrap();
+    {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        compile::retry(&mut conn, attempt).await.unwrap();
+    }
+    let (_, _, state, bound, _) = fx.revision_of(doc).await;
+    assert_eq!((state.as_str(), bound), ("candidate", Some(attempt)));
+    assert_eq!(fx.logical(logical).await, ("pending".into(), None, 0));
+    assert_succeeded(&fx.drive(&engine, attempt).await);
+    assert_eq!(fx.revision_of(doc).await.2, "active");
+    assert_eq!(fx.logical(logical).await, ("ready".into(), Some(1), 1));
+    fx.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_reindex_and_a_chunk_change_bound_to_an_attempt_are_applied_by_its_publish() {
+    let fx = Fx::new().await;
+    let doc = fx
+        .add(
+            "intents.md",
+            "text/markdown",
+            b"# Intents\n\nOystercatchers probe.",
+        )
+        .await;
+    fx.compile(doc).await;
+    let (logical, ..) = fx.revision_of(doc).await;
+    // Each rebuild below runs under a new embedding profile revision, so it is not the build
+    // the head already serves (kfs-worker builds no document settings into the projections; an
+    // identical rebuild would end superseded).
+    let new_embedding = || async {
+        let mut conn = fx.pool().acquire().await.unwrap();
+        platform::activate_embedding_profile(&mut conn, TENANT, fx.space, "e", "openai", 8)
+            .await
+            .unwrap();
+    };
+    // A settings reindex of the active revision: its settings at revision 1 (active, the head),
+    // a candidate revision 2 and a running reindex bound to a new compile attempt, as the
+    // platform's settings update writes them.
+    new_embedding().await;
+    let reindex = fx.request(doc, false).await.unwrap();
+    sqlx::query(
+        "INSERT INTO document_settings_revisions (tenant_id, knowledge_space_id, document_id, revision, settings, \
+           state, created_by_subject_id, created_at, activated_at) \
+         VALUES ($1, $2, $3, 1, '{}', 'active', 'owner-1', now(), now()), \
+                ($1, $2, $3, 2, '{\"language\": \"en\"}', 'candidate', 'owner-1', now(), NULL)",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO document_settings_heads (tenant_id, knowledge_space_id, document_id, active_revision, \
+           row_version, updated_at) VALUES ($1, $2, $3, 1, 0, now())",
+    )
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let reindex_id = Uuid::new_v4();
+    sqlx::query(
+        "INSERT INTO document_reindex_attempts (id, tenant_id, knowledge_space_id, document_id, document_revision, \
+           settings_revision, expected_settings_head_revision, compilation_attempt_id, state, active_slot, \
+           row_version, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, 1, 2, 1, $5, 'running', 1, 0, now(), now())",
+    )
+    .bind(reindex_id)
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .bind(reindex)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let done = fx.drive(&fx.engine("w-intents", 64), reindex).await;
+    assert_succeeded(&done);
+    let (state, slot, publication): (String, Option<i32>, Option<Uuid>) = sqlx::query_as(
+        "SELECT state::text, active_slot, candidate_publication_id FROM document_reindex_attempts WHERE id = $1",
+    )
+    .bind(reindex_id)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), slot, publication),
+        ("succeeded", None, done.candidate_publication_id)
+    );
+    let (settings, head): (Vec<String>, i32) = sqlx::query_as(
+        "SELECT array_agg(r.state::text ORDER BY r.revision), max(h.active_revision) \
+         FROM document_settings_revisions r JOIN document_settings_heads h ON h.document_id = r.document_id \
+         WHERE r.document_id = $1",
+    )
+    .bind(logical)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (settings, head),
+        (vec!["superseded".to_owned(), "active".to_owned()], 2)
+    );
+
+    // A chunk disabled: a candidate chunk state change bound to another attempt.
+    let chunk: Uuid = sqlx::query_scalar(
+        "SELECT id FROM document_revision_chunks WHERE document_id = $1 AND document_revision = 1 \
+         ORDER BY ordinal LIMIT 1",
+    )
+    .bind(logical)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    new_embedding().await;
+    let change = fx.request(doc, false).await.unwrap();
+    sqlx::query(
+        "INSERT INTO document_chunk_state_changes (id, tenant_id, knowledge_space_id, document_id, document_revision, \
+           chunk_id, compilation_attempt_id, enabled, state, created_at) \
+         VALUES ($1, $2, $3, $4, 1, $5, $6, false, 'candidate', now())",
+    )
+    .bind(Uuid::new_v4())
+    .bind(TENANT)
+    .bind(fx.space)
+    .bind(logical)
+    .bind(chunk)
+    .bind(change)
+    .execute(fx.pool())
+    .await
+    .unwrap();
+    let done = fx.drive(&fx.engine("w-intents", 64), change).await;
+    assert_succeeded(&done);
+    let (state, publication): (String, Option<Uuid>) = sqlx::query_as(
+        "SELECT state::text, candidate_publication_id FROM document_chunk_state_changes \
+         WHERE compilation_attempt_id = $1",
+    )
+    .bind(change)
+    .fetch_one(fx.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        (state.as_str(), publication),
+        ("active", done.candidate_publication_id)
+    );
+    // The document stays at its revision: neither intent is a new revision.
+    assert_eq!(fx.logical(logical).await, ("ready".into(), Some(1), 1));
     fx.cleanup().await;
 }

@@ -230,7 +230,7 @@ async fn publish_members(pool: &PgPool, s: &Space, own: &[Member]) {
     )
     .await
     .unwrap();
-    publication::publish(&mut c, &s.tenant, s.id, head.revision, new, &fp)
+    publication::publish(&mut c, &s.tenant, s.id, head.revision, new, &fp, None)
         .await
         .unwrap()
         .unwrap();

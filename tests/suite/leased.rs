@@ -87,9 +87,10 @@ async fn set_manifest_keys(pool: &PgPool, space: Uuid, keys: Value) -> i32 {
     .unwrap()
 }
 
+/// A legacy space: profiles (if any) only in its manifest, no profile heads.
 async fn new_space(pool: &PgPool, slug: &str) -> Uuid {
     let mut conn = pool.acquire().await.unwrap();
-    platform::create_space(&mut conn, TENANT, slug, slug, OWNER)
+    platform::create_bare_space(&mut conn, TENANT, slug, slug, OWNER)
         .await
         .unwrap()
 }
@@ -111,6 +112,13 @@ async fn run_backfills(pool: &PgPool, kind: &BackfillKind) -> usize {
 impl Fx {
     async fn new() -> Fx {
         let fx = SpaceFx::new(TENANT, "legacy", "Legacy space").await;
+        sqlx::raw_sql(STATE_LOG).execute(fx.pool()).await.unwrap();
+        Fx(fx)
+    }
+
+    /// A legacy space without profile heads, for the backfill to install them.
+    async fn bare() -> Fx {
+        let fx = SpaceFx::bare(TENANT, "legacy", "Legacy space").await;
         sqlx::raw_sql(STATE_LOG).execute(fx.pool()).await.unwrap();
         Fx(fx)
     }
@@ -353,7 +361,7 @@ fn assert_bootstrap_states(states: &[LoggedState]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn bootstrap_walk_rebuilds_every_document_verifies_the_head_and_sets_the_latch() {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     fx.install_profiles().await;
     let docs = fx.three_documents().await;
     let id = fx.enqueue_bootstrap().await;
@@ -531,7 +539,7 @@ async fn a_space_without_documents_bootstraps_without_a_publication_unless_legac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_compile_fails_the_bootstrap_until_an_operator_retry_compiles_it_again() {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     fx.install_profiles().await;
     let docs = fx.three_documents().await;
     // The bytes of one document are missing from the store: its compile fails for good.
@@ -852,7 +860,7 @@ async fn row_json(pool: &PgPool, table: &str, args: (Uuid, &str), drop: &[&str])
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn backfill_discovers_the_manifest_profiles_and_installs_revision_and_head_as_the_platform_does(
 ) {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     let version = set_manifest_keys(
         fx.pool(),
         fx.space,
@@ -1023,7 +1031,7 @@ type Fill<'a> = (&'a str, &'a str, Option<&'a str>);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn backfill_refuses_with_the_platforms_codes_and_writes_nothing() {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     let pool = fx.pool();
     let emb = |v: Value| json!({ "__knowledgeFsEmbeddingProfile": v });
     let ret = json!({ "__knowledgeFsRetrievalProfile": retrieval_profile() });
@@ -1843,7 +1851,7 @@ async fn check_constraints_refuse_invalid_states_of_both_tables() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     fx.install_profiles().await;
     fx.three_documents().await;
     let boot = fx.enqueue_bootstrap().await;
@@ -1917,7 +1925,7 @@ async fn worker_process_runs_both_leased_kinds_and_status_shows_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     fx.install_profiles().await;
     fx.three_documents().await;
     let boot = fx.enqueue_bootstrap().await;
@@ -1962,7 +1970,7 @@ async fn a_worker_killed_mid_walk_is_replaced_and_the_walk_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes() {
     use std::os::unix::process::ExitStatusExt;
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     fx.install_profiles().await;
     fx.three_documents().await;
     let boot = fx.enqueue_bootstrap().await;
@@ -2007,7 +2015,7 @@ async fn a_worker_dying_after_a_step_commit_is_taken_over_and_the_walk_finishes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_dying_inside_the_backfill_transaction_leaves_nothing_and_is_taken_over() {
     use std::os::unix::process::ExitStatusExt;
-    let fx = Fx::new().await;
+    let fx = Fx::bare().await;
     set_manifest_keys(
         fx.pool(),
         fx.space,

@@ -565,13 +565,22 @@ async fn the_whole_walk_answers_from_published_knowledge_with_the_platforms_payl
         (TENANT, 0, 5, 1, Some("research"), Some(10))
     );
     let head = s.head().await.unwrap();
+    // The space's retrieval profile (every fixture space starts with the platform's initial one).
+    let (profile, capability): (serde_json::Value, serde_json::Value) = sqlx::query_as(
+        "SELECT snapshot, capability_snapshot FROM knowledge_space_profile_revisions \
+         WHERE knowledge_space_id = $1 AND kind = 'retrieval' AND state = 'active'",
+    )
+    .bind(s.space)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
     assert_eq!(
         j.metadata["__knowledgeFsPublishedRuntimeSnapshot"],
         json!({
             "projectionSnapshot": {"fingerprint": head.fingerprint, "headRevision": head.revision,
               "knowledgeSpaceId": s.space, "projectionVersion": head.projection_version,
               "publicationId": head.publication_id, "tenantId": TENANT},
-            "retrievalCapabilitySnapshot": {}, "retrievalProfile": null
+            "retrievalCapabilitySnapshot": capability, "retrievalProfile": profile
         })
     );
     assert_eq!(

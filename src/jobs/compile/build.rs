@@ -15,7 +15,7 @@ use super::multimodal;
 use super::outline;
 use super::page_index;
 use super::paths;
-use super::steps::{embedding_profile, load_artifact, Attempt, Document};
+use super::steps::{load_artifact, Attempt, Document};
 use crate::canonical::{child_id, normalize_fts_text};
 use crate::embed::{Embedder, Input};
 use crate::jobs::JobError;
@@ -314,7 +314,7 @@ pub(crate) async fn nodes_step(
     .bind(&fts_meta)
     .execute(&mut *conn)
     .await?;
-    if let Some((profile, _)) = embedding_profile(conn, &a.tenant, a.space).await? {
+    if let Some((profile, _)) = a.embedding.clone() {
         let out = embedder
             .embed(&profile, &texts, Input::Document)
             .await

@@ -1,5 +1,6 @@
 //! The command line of compile jobs:
-//! `kfs-worker compile <documentId> [--defer] [--as SUBJECT --snapshot ID]`, `compile release <attemptId>`,
+//! `kfs-worker compile <documentId> [--defer] [--as SUBJECT --snapshot ID | --grant ID]`,
+//! `compile release <attemptId>`,
 //! `compile retry <attemptId>`, `compile show <attemptId>`, `compile wait <attemptId>`.
 //! Invariant: ids are validated before any service is contacted; a refusal (unknown document,
 //! document deleting, an attempt already active, an attempt in the wrong state) is one line on
@@ -29,6 +30,9 @@ pub struct CompileArgs {
     /// The permission snapshot that authorises the request
     #[arg(long, value_name = "SNAPSHOT_ID", requires = "requested_by")]
     pub snapshot: Option<String>,
+    /// The capability grant that authorises the request, in place of --as/--snapshot
+    #[arg(long, value_name = "GRANT_ID", conflicts_with_all = ["requested_by", "snapshot"])]
+    pub grant: Option<String>,
 }
 
 #[derive(Debug, clap::Subcommand)]
@@ -111,11 +115,21 @@ fn plan(args: &CompileArgs) -> Result<Plan, Failure> {
                 }
                 _ => None,
             };
+            let grant = match &args.grant {
+                Some(g) if requester.is_some() => {
+                    return Err(Failure::usage(format!(
+                        "--grant {g:?} cannot be combined with --as/--snapshot: one authority only"
+                    )))
+                }
+                Some(g) => Some(uuid_arg("grant id", g)?),
+                None => None,
+            };
             Ok(Plan::Request(
                 uuid_arg("document id", raw)?,
                 RequestOptions {
                     defer: args.defer,
                     requester,
+                    grant,
                 },
             ))
         }
@@ -212,7 +226,8 @@ mod tests {
                 _,
                 RequestOptions {
                     defer: false,
-                    requester: None
+                    requester: None,
+                    grant: None,
                 }
             ))
         ));
@@ -222,7 +237,8 @@ mod tests {
                 _,
                 RequestOptions {
                     defer: true,
-                    requester: None
+                    requester: None,
+                    grant: None,
                 }
             ))
         ));
@@ -241,6 +257,20 @@ mod tests {
             "--snapshot needs --as"
         );
         assert!(parse(&[id, "--as", " ", "--snapshot", snap]).is_err());
+        let grant = "0198c6a0-0000-7000-8000-000000000003";
+        assert!(matches!(
+            parse(&[id, "--grant", grant]),
+            Ok(Plan::Request(_, RequestOptions { requester: None, grant: Some(g), .. }))
+                if g.to_string() == grant
+        ));
+        for both in [
+            &[id, "--grant", grant, "--as", "alice", "--snapshot", snap][..],
+            &[id, "--grant", grant, "--snapshot", snap],
+            &[id, "--grant", "not-a-grant"],
+        ] {
+            let e = parse(both).err().expect("refused");
+            assert_eq!(e.code, 2, "{both:?}: {}", e.message);
+        }
         assert!(parse(&[id, "--as", "alice", "--snapshot", "nope"]).is_err());
         assert!(matches!(parse(&["release", id]), Ok(Plan::Release(_))));
         assert!(matches!(parse(&["retry", id]), Ok(Plan::Retry(_))));

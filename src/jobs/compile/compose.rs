@@ -13,7 +13,7 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::candidate::{self, ProjectionConfig, SourceSnapshot};
-use super::steps::{embedding_profile, Attempt};
+use super::steps::Attempt;
 use crate::canonical::child_id;
 use crate::jobs::{JobError, Step};
 use crate::publication::{
@@ -141,7 +141,7 @@ pub(crate) async fn compose(
         fingerprint,
         metadata,
         projection_version,
-    } = describe(conn, a, base, &configs, &snapshots).await?;
+    } = describe(a, base, &configs, &snapshots)?;
     publication::insert(
         conn,
         id,
@@ -220,8 +220,7 @@ struct Described {
     projection_version: i32,
 }
 
-async fn describe(
-    conn: &mut PgConnection,
+fn describe(
     a: &Attempt,
     base: i32,
     configs: &[ProjectionConfig],
@@ -233,7 +232,7 @@ async fn describe(
         "attemptId": a.id, "baseHeadRevision": base, "ownerDocumentAssetId": a.document,
         "ownerDocumentVersion": a.version, "publicationGenerationId": a.generation, "schemaVersion": 1,
     });
-    if let Some((p, digest)) = embedding_profile(conn, &a.tenant, a.space).await? {
+    if let Some((p, digest)) = &a.embedding {
         meta_candidate["embeddingProfile"] = json!({ "kind": "embedding", "revision": p.revision,
             "revisionId": p.revision_id, "snapshotDigest": digest });
     }
@@ -315,7 +314,7 @@ pub(crate) async fn rebase(
         fingerprint,
         metadata,
         projection_version,
-    } = describe(conn, a, head.revision, &configs, &snapshots).await?;
+    } = describe(a, head.revision, &configs, &snapshots)?;
     // The fingerprint is unique in a space: the row moves only when no other publication holds
     // it, and only while no other attempt (one that ended and left it) names it. The attempt's
     // binding moves in the same statement: its reference names the fingerprint, and the

@@ -17,21 +17,31 @@
 //!   `_terms`, status `building`), `knowledge_paths` and `document_multimodal_manifests`.
 //! - **nodes_generated**: `knowledge_nodes` from the platform's chunker, an `fts` projection of
 //!   each (`to_tsvector('simple', …)` of its normalised path and text), and a `dense-vector`
-//!   projection of each where the space has an active embedding profile, through the
+//!   projection of each where the attempt froze an embedding profile, through the
 //!   [`crate::embed`] port; all `building`.
 //! - **projection_built**: a `candidate` publication (the platform's fingerprint) whose members
 //!   are the head's other documents and this document's components, bound to the attempt.
 //! - **smoke_eval_passed**: the platform's structural check of the candidate.
-//! - **published**: in one transaction, projections and page index `ready`, the document
-//!   `parsed`, the candidate `validating` then `published`, the old head's publication
-//!   `superseded`, and the head moved by compare-and-swap (see [`publish`] for what happens when
-//!   another publication moved it first).
+//! - **published**: in one transaction, the profile fence, projections and page index `ready`,
+//!   the document `parsed`, the candidate `validating` then `published`, the old head's
+//!   publication `superseded`, the publication's profile binding, the head moved by
+//!   compare-and-swap (see [`publish`] for what happens when another publication moved it
+//!   first), then the attempt's logical-document intents applied.
 //!
-//! Every step first checks that the attempt may still go on ([`walk::gate`]): a document or
-//! space being deleted cancels it (`document_deleting`); a newer version of the document, an
-//! active attempt for a newer version, or (at publish) a head serving a newer version or a
-//! later attempt's generation of this version supersedes it: the attempt ends `superseded`,
-//! its slot freed, its outbox row canceled and its candidate `inactive`.
+//! Every step first re-checks the authority the attempt was requested under when it is a
+//! capability grant ([`crate::capability::check`], share-locking the grant and the space's
+//! fence): a revoked grant or a fenced space fails the attempt closed as the platform does
+//! (`DOCUMENT_COMPILATION_FAILED`, "Capability publication is fenced", not retried, nothing else
+//! written); a permission snapshot is revalidated at publish. Then it checks that the attempt
+//! may still go on ([`walk::gate`]): a document or space being deleted cancels it
+//! (`document_deleting`); a newer version of the document, an active attempt for a newer
+//! version, or (at publish) a head serving a newer version or a later attempt's generation of
+//! this version supersedes it: the attempt ends `superseded`, its slot freed, its outbox row
+//! canceled and its candidate `inactive`. The first step also fails an attempt whose logical
+//! document is disabled (`DOCUMENT_DISABLED`, [`intents`]) and makes sure the attempt has a
+//! frozen profile tuple ([`profiles`]); the later ones build with its frozen embedding profile,
+//! and the publish fences the tuple against the space's profile heads, binds the publication to
+//! it and applies the attempt's logical-document intents.
 
 pub mod artifact;
 pub(crate) mod build;
@@ -39,12 +49,14 @@ pub mod candidate;
 pub mod chunk;
 pub mod cli;
 pub(crate) mod compose;
+pub mod intents;
 pub mod multimodal;
 pub mod operate;
 pub mod outline;
 pub mod page_index;
 pub mod parse;
 pub mod paths;
+pub mod profiles;
 pub(crate) mod publish;
 pub mod request;
 pub(crate) mod steps;
@@ -65,14 +77,22 @@ pub use request::{
 };
 use walk::{Checkpoint, Outcome};
 
+/// The message of an attempt failed because its capability grant no longer authorizes it (the
+/// platform's `CapabilityPublicationFencedError`).
+pub const CAPABILITY_FENCED: &str = "Capability publication is fenced";
+
 /// A failed attempt's record on the kind's own rows (see [`crate::jobs::failed`]): its candidate
-/// publication is given up, and a document whose bytes could not be parsed says so.
+/// publication is given up, and a document whose bytes could not be parsed says so. An attempt
+/// failed `DOCUMENT_COMPILATION_FAILED` (a capability or profile fence, a logical-document
+/// conflict at publish) keeps its candidate a candidate, as the platform leaves it.
 pub(crate) async fn record_failure(
     tx: &mut PgConnection,
     job: &JobCtx,
     code: &str,
 ) -> Result<(), sqlx::Error> {
-    publish::deactivate(tx, job.job_id).await?;
+    if code != profiles::COMPILATION_FAILED {
+        publish::deactivate(tx, job.job_id).await?;
+    }
     if !matches!(
         code,
         "hash_mismatch" | "unsupported_format" | "corrupt_document" | "object_missing"
@@ -120,13 +140,30 @@ impl Handler for CompileHandler {
         if cp == Checkpoint::Published {
             return Ok(Step::Succeed(cp.as_str().into()));
         }
-        let attempt = steps::load_attempt(tx, job.job_id).await?;
+        let mut attempt = steps::load_attempt(tx, job.job_id).await?;
+        if let Some(grant) = attempt.authority.grant() {
+            let verdict =
+                crate::capability::check(tx, &attempt.tenant, attempt.space, grant).await?;
+            if let Err(why) = verdict.into_result() {
+                tracing::debug!(attempt = %attempt.id, %grant, why, "capability grant no longer authorizes");
+                return Err(JobError::fatal(
+                    profiles::COMPILATION_FAILED,
+                    CAPABILITY_FENCED,
+                ));
+            }
+        }
         let doc = steps::load_document(tx, &attempt).await?;
         let newest = steps::newest_other_active(tx, &attempt).await?;
         if let Some(stopped) = steps::stop(walk::gate(&steps::facts(&attempt, &doc, newest, None)))
         {
             publish::deactivate(tx, attempt.id).await?;
             return stopped;
+        }
+        if cp == Checkpoint::Queued {
+            intents::refuse_disabled(tx, &attempt).await?;
+            profiles::ensure_ready(tx, &mut attempt).await?;
+        } else {
+            attempt.embedding = profiles::frozen_embedding(tx, &attempt).await?;
         }
         let store = &self.deps.store;
         match cp {

@@ -1,8 +1,11 @@
 //! The compile steps after the candidate, inside the engine's fenced transaction: the smoke
 //! evaluation (the platform's structural check of the candidate, read only) and the publish.
-//! Invariant: publishing promotes the candidate's projections and page index to `ready`, marks
-//! the document `parsed` and moves the head by compare-and-swap, all in the one transaction, or
-//! changes nothing; a candidate given up (failure, cancel, supersede) becomes `inactive`.
+//! Invariant: publishing fences the attempt's authority and frozen profile tuple, promotes the
+//! candidate's projections and page index to `ready`, marks the document `parsed`, binds the
+//! publication to the verified profile tuple, moves the head by compare-and-swap and applies the
+//! attempt's logical-document intents, all in the one transaction, or changes nothing; a
+//! candidate given up (cancel, supersede, most failures) becomes `inactive`, one whose publish
+//! was refused by a fence stays a candidate.
 //!
 //! One deliberate difference from the platform's runtime: when another document's publication
 //! moved the head after this attempt's base, the platform fails the attempt; here the candidate
@@ -16,9 +19,12 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::compose::{already_served, bind, compose, rebase, Compose, Rebased};
+use super::intents;
 use super::page_index::TOKENIZER_VERSION;
-use super::steps::{self, embedding_profile, Attempt, Document};
+use super::profiles::{self, COMPILATION_FAILED};
+use super::steps::{self, Attempt, Document};
 use super::walk::{self, Checkpoint, Served};
+use crate::access::Authority;
 use crate::canonical::child_id;
 use crate::jobs::{JobError, Step};
 use crate::publication::{self, Head};
@@ -87,8 +93,7 @@ async fn fault(
     a: &Attempt,
     candidate: Uuid,
 ) -> Result<Option<String>, JobError> {
-    let profile = embedding_profile(conn, &a.tenant, a.space).await?;
-    let vsid = profile.as_ref().map(|(p, _)| p.vector_space_id.clone());
+    let vsid = a.embedding.as_ref().map(|(p, _)| p.vector_space_id.clone());
     let counts: Option<(Uuid, i64, i64, i64, i64, i64)> = sqlx::query_as(SMOKE_COUNTS_SQL)
         .bind(a.space)
         .bind(candidate)
@@ -274,7 +279,13 @@ pub(crate) async fn publish_step(
             message: "the knowledge space is being deleted".into(),
         });
     }
-    if let Some((subject, snapshot, revision, channel)) = &a.requester {
+    if let Authority::Snapshot {
+        subject,
+        snapshot,
+        revision,
+        channel,
+    } = &a.authority
+    {
         let valid =
             crate::access::revalidate(conn, &a.tenant, a.space, *snapshot, subject, channel)
                 .await?;
@@ -310,6 +321,15 @@ pub(crate) async fn publish_step(
         // Already published (a repeated step after an uncertain commit).
         return Ok(Step::Succeed(Checkpoint::Published.as_str().into()));
     }
+    // The platform's profile fence: the space's profile heads must still be the tuple the
+    // attempt froze. A refusal fails the attempt with nothing published.
+    let current_profiles = profiles::heads(conn, &a.tenant, a.space).await?;
+    let tuple = profiles::fence(a.profiles.as_ref(), &current_profiles).map_err(|why| {
+        JobError::fatal(
+            COMPILATION_FAILED,
+            format!("the publication lost its frozen knowledge-space profile fence: {why}"),
+        )
+    })?;
     let current = head.as_ref().map_or(0, |h| h.revision);
     let rebased = match head.as_ref() {
         Some(h) if current != a.base_head_revision => rebase(conn, a, h, candidate).await?,
@@ -359,6 +379,11 @@ pub(crate) async fn publish_step(
              OR (t.target_type = 'source' AND t.target_id IN \
                   (SELECT d.source_id FROM document_assets d JOIN projection_set_publication_members m \
                      ON m.document_asset_id = d.id \
+                   WHERE m.tenant_id = $1 AND m.knowledge_space_id = $2 AND m.publication_id = $3)) \
+             OR (t.target_type = 'logical_document' AND t.target_id IN \
+                  (SELECT r.document_id FROM document_revisions r JOIN projection_set_publication_members m \
+                     ON m.tenant_id = r.tenant_id AND m.knowledge_space_id = r.knowledge_space_id \
+                    AND m.document_asset_id = r.document_asset_id \
                    WHERE m.tenant_id = $1 AND m.knowledge_space_id = $2 AND m.publication_id = $3))))",
     )
     .bind(&a.tenant)
@@ -393,17 +418,32 @@ pub(crate) async fn publish_step(
             "the document changed while its compilation was being published",
         ));
     }
-    match publication::publish(conn, &a.tenant, a.space, current, candidate, &fingerprint).await? {
+    match publication::publish(
+        conn,
+        &a.tenant,
+        a.space,
+        current,
+        candidate,
+        &fingerprint,
+        Some(&tuple),
+    )
+    .await?
+    {
         Ok(revision) => {
+            intents::publish(conn, a, candidate, &fingerprint).await?;
             tracing::debug!(attempt = %a.id, revision, "published");
             Ok(Step::Succeed(Checkpoint::Published.as_str().into()))
         }
-        Err(moved) => Err(JobError::retryable(
+        Err(publication::Refused::Moved(moved)) => Err(JobError::retryable(
             "head_contended",
             format!(
                 "the publication head appeared at revision {} during publish",
                 moved.current
             ),
+        )),
+        Err(publication::Refused::Binding(_)) => Err(JobError::fatal(
+            COMPILATION_FAILED,
+            "the publication has a conflicting activated profile binding",
         )),
     }
 }

@@ -2,8 +2,12 @@
 //! manual retry, and reading an attempt back. Invariant: each function runs in the caller's
 //! transaction (inside a savepoint, so a refusal leaves that transaction usable), writes the
 //! attempt and its one outbox row together or not at all, and refuses with a typed
-//! [`CompileError`] (never a raw SQL error) when the document is deleting or another attempt is
-//! already active for the same tenant, space, document and version.
+//! [`CompileError`] (never a raw SQL error) when the document is deleting or disabled, another
+//! attempt is already active for the same tenant, space, document and version, or the authority
+//! given (one permission snapshot or one capability grant, never both) does not authorize it. A
+//! request freezes the space's active profile heads onto the attempt and binds the document
+//! version's unbound candidate revision to it; a retry restores the attempt's logical-document
+//! intent with the attempt.
 
 use std::time::Duration;
 
@@ -12,6 +16,8 @@ use serde::Serialize;
 use sqlx::{Connection, PgConnection, PgPool};
 use uuid::Uuid;
 
+use super::{intents, profiles};
+use crate::capability;
 use crate::jobs::COMPILE;
 
 /// The `available_at` of an outbox row whose dispatch is deferred until released.
@@ -27,6 +33,9 @@ pub struct RequestOptions {
     /// Who asks, under which permission snapshot: recorded on the attempt as the platform's
     /// requester binding (0016), all four columns, or none when `None`.
     pub requester: Option<Requester>,
+    /// The capability grant that authorizes the request instead (0026): recorded alone, the four
+    /// requester columns NULL. At most one of `requester` and `grant`.
+    pub grant: Option<Uuid>,
 }
 
 /// The requester of a compilation and the permission snapshot that authorises it.
@@ -77,6 +86,18 @@ pub enum CompileError {
     },
     #[error("permission snapshot {snapshot} cannot authorise this request: {why}")]
     Snapshot { snapshot: Uuid, why: String },
+    #[error("capability grant {grant} cannot authorise this request: {why}")]
+    Grant { grant: Uuid, why: String },
+    #[error(
+        "a compilation is authorised by one permission snapshot or one capability grant, not both"
+    )]
+    TwoAuthorities,
+    #[error("document {0} is disabled; it cannot be compiled")]
+    DocumentDisabled(Uuid),
+    #[error("the knowledge space's profiles cannot be frozen for a compilation: {0}")]
+    Profiles(String),
+    #[error("attempt {attempt} cannot be retried: {why}")]
+    IntentGone { attempt: Uuid, why: String },
     #[error("database: {0}")]
     Db(sqlx::Error),
 }
@@ -179,18 +200,26 @@ fn refuse_deleting(document: Uuid, d: &DocScope) -> Result<(), CompileError> {
 
 /// Requests the compilation of a document's current version, in the caller's transaction:
 /// the attempt (`dispatch_pending`, checkpoint `queued`, `active_slot` 1, `row_version` 0, a
-/// fresh publication generation, `base_head_revision` = the space's head revision or 0) and
-/// its one pending outbox row. Returns the attempt id.
+/// fresh publication generation, `base_head_revision` = the space's head revision or 0, the
+/// authority given — a requester binding, a capability grant alone, or none — and the space's
+/// frozen profile tuple) and its one pending outbox row; the version's unbound candidate
+/// revision is bound to it. Returns the attempt id.
 pub async fn request(
     conn: &mut PgConnection,
     document_id: Uuid,
     opts: RequestOptions,
 ) -> Result<Uuid, CompileError> {
+    if opts.requester.is_some() && opts.grant.is_some() {
+        return Err(CompileError::TwoAuthorities);
+    }
     let mut tx = conn.begin().await?;
     let d = document_scope(&mut tx, document_id)
         .await?
         .ok_or(CompileError::DocumentNotFound(document_id))?;
     refuse_deleting(document_id, &d)?;
+    if intents::disabled(&mut tx, &d.tenant, d.space, document_id).await? {
+        return Err(CompileError::DocumentDisabled(document_id));
+    }
     if let Some(existing) =
         active_attempt(&mut tx, &d.tenant, d.space, document_id, d.version, None).await?
     {
@@ -208,10 +237,22 @@ pub async fn request(
     .fetch_optional(&mut *tx)
     .await?
     .unwrap_or(0);
+    // The platform's start: the active profile heads, locked, frozen onto the attempt (none,
+    // or an embedding head alone, freeze nothing; the first step then binds or refuses).
+    let frozen = profiles::freeze(&profiles::heads(&mut tx, &d.tenant, d.space).await?)
+        .map_err(CompileError::Profiles)?;
     let binding = match &opts.requester {
         None => None,
         Some(r) => Some(requester_binding(&mut tx, &d, r).await?),
     };
+    if let Some(grant) = opts.grant {
+        capability::check(&mut tx, &d.tenant, d.space, grant)
+            .await?
+            .into_result()
+            .map_err(|why| CompileError::Grant { grant, why })?;
+    }
+    let e = frozen.as_ref().and_then(|f| f.embedding.as_ref());
+    let r = frozen.as_ref().map(|f| &f.retrieval);
     let attempt = Uuid::new_v4();
     let generation = Uuid::new_v4();
     // A concurrent request for the same version loses here without aborting the transaction.
@@ -222,9 +263,13 @@ pub async fn request(
             execution_attempts, max_execution_attempts, queue_job_id, external_job_id, worker_id, lease_token, \
             lease_expires_at, heartbeat_at, retry_at, last_error_code, last_error_message, row_version, \
             created_at, updated_at, started_at, completed_at, requested_by_subject_id, permission_snapshot_id, \
-            permission_snapshot_revision, access_channel) \
+            permission_snapshot_revision, access_channel, capability_grant_id, embedding_profile_kind, \
+            embedding_profile_revision_id, embedding_profile_revision, embedding_profile_snapshot_digest, \
+            retrieval_profile_kind, retrieval_profile_revision_id, retrieval_profile_revision, \
+            retrieval_profile_snapshot_digest) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, NULL, NULL, 'queued', 'dispatch_pending', 1, 0, $8, NULL, NULL, NULL, \
-            NULL, NULL, NULL, NULL, NULL, NULL, 0, now(), now(), NULL, NULL, $9, $10, $11, $12) \
+            NULL, NULL, NULL, NULL, NULL, NULL, 0, now(), now(), NULL, NULL, $9, $10, $11, $12, $13, $14, $15, $16, \
+            $17, $18, $19, $20, $21) \
          ON CONFLICT (tenant_id, knowledge_space_id, document_asset_id, document_version, active_slot) DO NOTHING \
          RETURNING id",
     )
@@ -240,6 +285,15 @@ pub async fn request(
     .bind(binding.as_ref().map(|b| b.1))
     .bind(binding.as_ref().map(|b| b.2))
     .bind(binding.as_ref().map(|b| b.3.clone()))
+    .bind(opts.grant)
+    .bind(e.map(|_| "embedding"))
+    .bind(e.map(|e| e.revision_id))
+    .bind(e.map(|e| e.revision))
+    .bind(e.map(|e| e.digest.clone()))
+    .bind(r.map(|_| "retrieval"))
+    .bind(r.map(|r| r.revision_id))
+    .bind(r.map(|r| r.revision))
+    .bind(r.map(|r| r.digest.clone()))
     .fetch_optional(&mut *tx)
     .await
     .map_err(|e| conflict_or(e, document_id, d.version))?;
@@ -268,6 +322,8 @@ pub async fn request(
     .bind(DEFERRED_UNTIL)
     .execute(&mut *tx)
     .await?;
+    // The upload's candidate revision of this version is handed to this attempt.
+    intents::bind(&mut tx, &d.tenant, d.space, document_id, d.version, attempt).await?;
     tx.commit().await?;
     Ok(attempt)
 }
@@ -327,17 +383,19 @@ struct AttemptRow {
     document: Uuid,
     version: i32,
     run_state: String,
+    grant: Option<Uuid>,
 }
 
 async fn lock_attempt(conn: &mut PgConnection, attempt: Uuid) -> Result<AttemptRow, CompileError> {
-    let row: Option<(String, Uuid, Uuid, i32, String)> = sqlx::query_as(
-        "SELECT tenant_id::text, knowledge_space_id, document_asset_id, document_version, run_state::text \
+    let row: Option<(String, Uuid, Uuid, i32, String, Option<Uuid>)> = sqlx::query_as(
+        "SELECT tenant_id::text, knowledge_space_id, document_asset_id, document_version, run_state::text, \
+           capability_grant_id \
          FROM document_compilation_attempts WHERE id = $1 FOR UPDATE",
     )
     .bind(attempt)
     .fetch_optional(conn)
     .await?;
-    let (tenant, space, document, version, run_state) =
+    let (tenant, space, document, version, run_state, grant) =
         row.ok_or(CompileError::AttemptNotFound(attempt))?;
     Ok(AttemptRow {
         tenant,
@@ -345,6 +403,7 @@ async fn lock_attempt(conn: &mut PgConnection, attempt: Uuid) -> Result<AttemptR
         document,
         version,
         run_state,
+        grant,
     })
 }
 
@@ -384,8 +443,10 @@ pub async fn release(conn: &mut PgConnection, attempt_id: Uuid) -> Result<(), Co
 
 /// Manually retries a failed attempt: the same attempt and the same outbox row are re-armed
 /// (attempt `dispatch_pending` with its slot back, attempts counted from 0, error cleared,
-/// `row_version` bumped; outbox `pending` now). The checkpoint is kept: the walk goes on from
-/// where it failed, and every step is idempotent.
+/// `row_version` bumped; outbox `pending` now), its logical-document intent restored
+/// ([`intents::restore`]) and, under a capability grant, the grant checked again. The checkpoint
+/// and the frozen profiles are kept: the walk goes on from where it failed, and every step is
+/// idempotent.
 pub async fn retry(conn: &mut PgConnection, attempt_id: Uuid) -> Result<(), CompileError> {
     let mut tx = conn.begin().await?;
     let a = lock_attempt(&mut tx, attempt_id).await?;
@@ -421,6 +482,18 @@ pub async fn retry(conn: &mut PgConnection, attempt_id: Uuid) -> Result<(), Comp
             document: a.document,
             version: a.version,
             attempt: Some(other),
+        });
+    }
+    if let Some(grant) = a.grant {
+        capability::check(&mut tx, &a.tenant, a.space, grant)
+            .await?
+            .into_result()
+            .map_err(|why| CompileError::Grant { grant, why })?;
+    }
+    if let Err(why) = intents::restore(&mut tx, &a.tenant, a.space, attempt_id).await? {
+        return Err(CompileError::IntentGone {
+            attempt: attempt_id,
+            why,
         });
     }
     sqlx::query(
@@ -478,6 +551,15 @@ pub struct AttemptStatus {
     pub permission_snapshot_id: Option<Uuid>,
     pub permission_snapshot_revision: Option<i32>,
     pub access_channel: Option<String>,
+    pub capability_grant_id: Option<Uuid>,
+    pub embedding_profile_kind: Option<String>,
+    pub embedding_profile_revision_id: Option<Uuid>,
+    pub embedding_profile_revision: Option<i32>,
+    pub embedding_profile_snapshot_digest: Option<String>,
+    pub retrieval_profile_kind: Option<String>,
+    pub retrieval_profile_revision_id: Option<Uuid>,
+    pub retrieval_profile_revision: Option<i32>,
+    pub retrieval_profile_snapshot_digest: Option<String>,
 }
 
 impl AttemptStatus {
@@ -508,7 +590,12 @@ pub async fn show(
            a.last_error_code::text AS last_error_code, a.last_error_message, a.row_version, a.created_at, \
            a.completed_at, o.status::text AS outbox_status, o.available_at AS outbox_available_at, \
            o.dispatch_attempts, a.requested_by_subject_id::text AS requested_by_subject_id, \
-           a.permission_snapshot_id, a.permission_snapshot_revision, a.access_channel::text AS access_channel \
+           a.permission_snapshot_id, a.permission_snapshot_revision, a.access_channel::text AS access_channel, \
+           a.capability_grant_id, a.embedding_profile_kind::text AS embedding_profile_kind, \
+           a.embedding_profile_revision_id, a.embedding_profile_revision, \
+           a.embedding_profile_snapshot_digest::text AS embedding_profile_snapshot_digest, \
+           a.retrieval_profile_kind::text AS retrieval_profile_kind, a.retrieval_profile_revision_id, \
+           a.retrieval_profile_revision, a.retrieval_profile_snapshot_digest::text AS retrieval_profile_snapshot_digest \
          FROM document_compilation_attempts a \
          LEFT JOIN document_compilation_outbox o ON o.attempt_id = a.id AND o.event_type = 'document.compile' \
          WHERE a.id = $1",

@@ -1,6 +1,7 @@
 //! What every compile step reads, and the first step, inside the engine's fenced transaction:
-//! the attempt and its document (share-locked), the go/no-go facts, the space's embedding
-//! profile, the document's hash-checked bytes and its parse artifact, and `queued → parsed`.
+//! the attempt (with the authority and profile tuple it was requested under) and its document
+//! (share-locked), the go/no-go facts, the space's embedding profile, the document's
+//! hash-checked bytes and its parse artifact, and `queued → parsed`.
 //! Invariant: a step writes only rows of its attempt's own tenant, space, document and
 //! publication generation (the parse artifact is the document version's, its first id kept), so
 //! a step repeated after a crash writes its rows once; later steps read what earlier ones
@@ -12,7 +13,9 @@ use uuid::Uuid;
 
 use super::artifact::{self, Element};
 use super::parse;
+use super::profiles::{self, Frozen};
 use super::walk::{Facts, Gate, Served};
+use crate::access::Authority;
 use crate::embed::Profile;
 use crate::jobs::{JobError, Step};
 use crate::store::{Store, StoreError};
@@ -29,8 +32,13 @@ pub(crate) struct Attempt {
     pub base_head_revision: i32,
     pub candidate: Option<(Uuid, String)>,
     pub created_at: chrono::DateTime<chrono::Utc>,
-    /// The 0016 requester binding: subject, snapshot, snapshot revision, channel.
-    pub requester: Option<(String, Uuid, i32, String)>,
+    /// What the attempt was requested under (0016 requester binding, 0026 capability grant).
+    pub authority: Authority,
+    /// The profile tuple it froze (0019), if any.
+    pub profiles: Option<Frozen>,
+    /// The frozen embedding profile and its digest, for the steps that build with it (read by
+    /// the handler from the stored revision; `None` until then and without one).
+    pub embedding: Option<(Profile, String)>,
 }
 
 /// The attempt's document, share-locked for the rest of the step.
@@ -61,30 +69,59 @@ struct AttemptRow {
     permission_snapshot_id: Option<Uuid>,
     permission_snapshot_revision: Option<i32>,
     access_channel: Option<String>,
+    capability_grant_id: Option<Uuid>,
+    embedding_profile_kind: Option<String>,
+    embedding_profile_revision_id: Option<Uuid>,
+    embedding_profile_revision: Option<i32>,
+    embedding_profile_snapshot_digest: Option<String>,
+    retrieval_profile_kind: Option<String>,
+    retrieval_profile_revision_id: Option<Uuid>,
+    retrieval_profile_revision: Option<i32>,
+    retrieval_profile_snapshot_digest: Option<String>,
 }
 
+/// Loads the attempt. A row that binds a mix of authorities fails closed
+/// (`DOCUMENT_COMPILATION_FAILED`), as the platform's publish fence refuses one.
 pub(crate) async fn load_attempt(conn: &mut PgConnection, id: Uuid) -> Result<Attempt, JobError> {
     let r: AttemptRow = sqlx::query_as(
         "SELECT tenant_id::text AS tenant_id, knowledge_space_id, document_asset_id, document_version, \
            publication_generation_id, base_head_revision, candidate_publication_id, \
            candidate_fingerprint::text AS candidate_fingerprint, created_at, \
            requested_by_subject_id::text AS requested_by_subject_id, permission_snapshot_id, \
-           permission_snapshot_revision, access_channel::text AS access_channel \
+           permission_snapshot_revision, access_channel::text AS access_channel, capability_grant_id, \
+           embedding_profile_kind::text AS embedding_profile_kind, embedding_profile_revision_id, \
+           embedding_profile_revision, embedding_profile_snapshot_digest::text AS embedding_profile_snapshot_digest, \
+           retrieval_profile_kind::text AS retrieval_profile_kind, retrieval_profile_revision_id, \
+           retrieval_profile_revision, retrieval_profile_snapshot_digest::text AS retrieval_profile_snapshot_digest \
          FROM document_compilation_attempts WHERE id = $1",
     )
     .bind(id)
     .fetch_optional(&mut *conn)
     .await?
     .ok_or_else(|| JobError::fatal("attempt_missing", format!("no attempt {id}")))?;
-    let requester = match (
+    let authority = Authority::from_columns(
+        r.capability_grant_id,
         r.requested_by_subject_id,
         r.permission_snapshot_id,
         r.permission_snapshot_revision,
         r.access_channel,
-    ) {
-        (Some(s), Some(snap), Some(rev), Some(ch)) => Some((s, snap, rev, ch)),
-        _ => None,
-    };
+    )
+    .map_err(|why| JobError::fatal(profiles::COMPILATION_FAILED, why))?;
+    let profiles = profiles::from_columns(
+        (
+            r.embedding_profile_kind,
+            r.embedding_profile_revision_id,
+            r.embedding_profile_revision,
+            r.embedding_profile_snapshot_digest,
+        ),
+        (
+            r.retrieval_profile_kind,
+            r.retrieval_profile_revision_id,
+            r.retrieval_profile_revision,
+            r.retrieval_profile_snapshot_digest,
+        ),
+    )
+    .map_err(|why| JobError::fatal(profiles::SNAPSHOT_INVALID, why))?;
     Ok(Attempt {
         id,
         tenant: r.tenant_id,
@@ -95,7 +132,9 @@ pub(crate) async fn load_attempt(conn: &mut PgConnection, id: Uuid) -> Result<At
         base_head_revision: r.base_head_revision,
         candidate: r.candidate_publication_id.zip(r.candidate_fingerprint),
         created_at: r.created_at,
-        requester,
+        authority,
+        profiles,
+        embedding: None,
     })
 }
 
@@ -197,7 +236,8 @@ pub(crate) fn stop(gate: Gate) -> Option<Result<Step, JobError>> {
     })
 }
 
-/// The space's active embedding profile, if it has one.
+/// The space's active embedding profile, if it has one (research's reads; a compile builds with
+/// its attempt's frozen one, [`profiles::frozen_embedding`]).
 pub(crate) async fn embedding_profile(
     conn: &mut PgConnection,
     tenant: &str,

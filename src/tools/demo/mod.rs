@@ -123,6 +123,7 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
                 subject: SUBJECT.into(),
                 snapshot: seed.snapshot,
             }),
+            grant: None,
         };
         let id = compile::request::request(&mut c, *doc, opts)
             .await

@@ -145,6 +145,11 @@ pub(super) async fn reset(pool: &PgPool, store: &Store) -> Result<(), String> {
         "DELETE FROM deletion_retry_audits WHERE tenant_id = $1",
         "DELETE FROM research_task_jobs WHERE tenant_id = $1",
         "DELETE FROM source_secret_lifecycle_refs WHERE tenant_id = $1",
+        "DELETE FROM knowledge_space_profile_publication_bindings WHERE tenant_id = $1",
+        "DELETE FROM document_reindex_attempts WHERE tenant_id = $1",
+        "DELETE FROM document_chunk_state_changes WHERE tenant_id = $1",
+        "DELETE FROM document_settings_heads WHERE tenant_id = $1",
+        "DELETE FROM logical_documents WHERE tenant_id = $1",
         "DELETE FROM knowledge_spaces WHERE tenant_id = $1",
     ] {
         sqlx::query(sql)

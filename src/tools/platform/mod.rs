@@ -1,6 +1,7 @@
-//! The platform API's own rows that jobs work on: spaces (with their manifest and access
-//! control), sources (with their secret lifecycle), uploaded documents, permission snapshots and
-//! embedding profiles, written the way the platform's API writes them. kfs-worker writes these
+//! The platform API's own rows that jobs work on: spaces (with their manifest, access control and
+//! initial retrieval profile), sources (with their secret lifecycle), uploaded documents (with
+//! their logical document and candidate revision), permission snapshots, capability grants and
+//! embedding and retrieval profiles, written the way the platform's API writes them. kfs-worker writes these
 //! only for its demo, its tests, its bench and its command line. Invariant: every row is written
 //! complete and consistent with the platform's constraints, scoped to its tenant and space; a
 //! document's bytes reach the object store before the row that names them commits.
@@ -26,13 +27,17 @@ use crate::store::StoreError;
 
 pub use crate::canonical::sha256_hex;
 pub use document::{
-    add_document, document_key, replace_document, sanitize_filename, upload, Upload,
+    add_document, add_revision, document_key, logical_document_of, replace_document,
+    sanitize_filename, upload, Upload,
 };
 pub use grant::{create_capability_grant, fence_capability_space, revoke_capability_grant};
 pub use notes::{create_notes_space, sample_note, NotesSpace};
 pub use profile::{activate_embedding_profile, activate_retrieval_profile, vector_space_id};
 pub use snapshot::{create_permission_snapshot, permission_scopes, revoke_permission_snapshot};
-pub use space::{add_member, create_source, create_space, new_credential_ref, object_key_prefix};
+pub use space::{
+    add_member, create_bare_space, create_source, create_space, new_credential_ref,
+    object_key_prefix, INITIAL_RETRIEVAL_MODEL,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum PlatformError {

@@ -1,6 +1,8 @@
 //! Active embedding and retrieval profiles, as the platform's profile activation leaves them.
 //! Invariant: the manifest's profile key, the active profile revision and its head are written
-//! together, and every digest is the platform's canonical digest of what is stored beside it.
+//! together, and every digest is the platform's canonical digest of what is stored beside it; a
+//! space's later activation of a kind supersedes its active revision of that kind and moves the
+//! kind's one head to the next revision, so a space has at most one active revision per kind.
 
 use chrono::Utc;
 use serde_json::{json, Value};
@@ -27,6 +29,7 @@ struct ActiveProfile<'a> {
     kind: &'static str,
     /// The manifest metadata key that mirrors the active snapshot.
     manifest_key: &'static str,
+    /// The next revision of the kind in the space ([`next_revision`]).
     revision: i32,
     snapshot: &'a Value,
     capability: &'a Value,
@@ -37,8 +40,28 @@ struct ActiveProfile<'a> {
     dimension: Option<i32>,
 }
 
-/// Writes the manifest's profile key (manifest version + 1), the active profile revision
-/// (created by the space's owner) and its head; returns the revision's id.
+/// The revision the space's next activation of `kind` gets: one past its highest.
+async fn next_revision(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    kind: &str,
+) -> Result<i32, sqlx::Error> {
+    sqlx::query_scalar(
+        "SELECT coalesce(max(revision), 0) + 1 FROM knowledge_space_profile_revisions \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = $3",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(kind)
+    .fetch_one(conn)
+    .await
+}
+
+/// Writes the manifest's profile key (manifest version + 1), supersedes the kind's active
+/// revision if there is one, writes the new active revision (created by the space's owner) and
+/// points the kind's head at it (created, or moved with its row version + 1); returns the new
+/// revision's id.
 async fn write_active_profile(
     conn: &mut PgConnection,
     tenant: &str,
@@ -54,6 +77,15 @@ async fn write_active_profile(
     .bind(space)
     .bind(p.manifest_key)
     .bind(p.snapshot)
+    .execute(&mut *conn)
+    .await?;
+    sqlx::query(
+        "UPDATE knowledge_space_profile_revisions SET state = 'superseded', superseded_at = now(), updated_at = now() \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND kind = $3 AND state = 'active'",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(p.kind)
     .execute(&mut *conn)
     .await?;
     let revision_id = Uuid::new_v4();
@@ -84,7 +116,10 @@ async fn write_active_profile(
     sqlx::query(
         "INSERT INTO knowledge_space_profile_heads (id, tenant_id, knowledge_space_id, kind, profile_revision_id, \
            active_revision, row_version, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, 1, now(), now())",
+         VALUES ($1, $2, $3, $4, $5, $6, 1, now(), now()) \
+         ON CONFLICT (tenant_id, knowledge_space_id, kind) DO UPDATE SET \
+           profile_revision_id = EXCLUDED.profile_revision_id, active_revision = EXCLUDED.active_revision, \
+           row_version = knowledge_space_profile_heads.row_version + 1, updated_at = now()",
     )
     .bind(Uuid::new_v4())
     .bind(tenant)
@@ -102,9 +137,9 @@ fn checked_at() -> String {
     Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
 }
 
-/// Gives the space an active embedding profile at revision 1: the manifest's profile key
-/// (manifest version + 1), the active profile revision and its head, as the platform's profile
-/// activation leaves them.
+/// Gives the space an active embedding profile at its next revision (1 for a space without
+/// one): the manifest's profile key (manifest version + 1), the active profile revision and its
+/// head, as the platform's profile activation leaves them; an earlier revision is superseded.
 pub async fn activate_embedding_profile(
     conn: &mut PgConnection,
     tenant: &str,
@@ -114,7 +149,7 @@ pub async fn activate_embedding_profile(
     dimension: usize,
 ) -> Result<Profile, sqlx::Error> {
     let plugin_id = format!("langgenius/{provider}");
-    let revision = 1;
+    let revision = next_revision(conn, tenant, space, "embedding").await?;
     let vsid = vector_space_id(model, &plugin_id, provider, revision);
     let snapshot = json!({ "dimension": dimension, "model": model, "pluginId": plugin_id, "provider": provider,
                            "revision": revision, "vectorSpaceId": vsid });
@@ -156,9 +191,9 @@ pub async fn activate_embedding_profile(
     })
 }
 
-/// Gives the space an active retrieval profile at revision 1 (manifest key, revision, head), as
-/// the platform's initial activation writes it beside the embedding profile. `research` mode,
-/// ten results, no reranking.
+/// Gives the space an active retrieval profile at its next revision (manifest key, revision,
+/// head), as the platform's activation writes it; an earlier revision is superseded. `research`
+/// mode, ten results, no reranking.
 pub async fn activate_retrieval_profile(
     conn: &mut PgConnection,
     tenant: &str,
@@ -167,9 +202,10 @@ pub async fn activate_retrieval_profile(
     provider: &str,
 ) -> Result<Uuid, sqlx::Error> {
     let plugin_id = format!("langgenius/{provider}");
+    let revision = next_revision(conn, tenant, space, "retrieval").await?;
     let selection = json!({ "model": model, "pluginId": plugin_id, "provider": provider });
     let snapshot = json!({ "defaultMode": "research", "reasoningModel": selection,
-                           "rerank": { "enabled": false }, "revision": 1, "topK": 10 });
+                           "rerank": { "enabled": false }, "revision": revision, "topK": 10 });
     let reasoning = json!({
         "capabilityDigest": format!("sha256:{}", stable_digest(&json!({"kind": "reasoning", "selection": selection}))),
         "checkedAt": checked_at(),
@@ -185,7 +221,7 @@ pub async fn activate_retrieval_profile(
         ActiveProfile {
             kind: "retrieval",
             manifest_key: "__knowledgeFsRetrievalProfile",
-            revision: 1,
+            revision,
             snapshot: &snapshot,
             capability: &capability,
             plugin_id: &plugin_id,

@@ -1,7 +1,8 @@
 //! Spaces, their members and their sources, written as the platform's API creates them.
 //! Invariant: a space is never written without its manifest and its access-control rows (owner
-//! member, access policy, API access), and a source with a credential reference never without
-//! its active secret-lifecycle row.
+//! member, access policy, API access), a space made by [`create_space`] never without its
+//! initial active retrieval profile, and a source with a credential reference never without its
+//! active secret-lifecycle row.
 
 use serde_json::{json, Value};
 use sqlx::PgConnection;
@@ -37,9 +38,31 @@ fn manifest_policies() -> [Value; 4] {
     ]
 }
 
-/// A space owned by `owner`: the space row, its manifest and its access-control rows (owner
-/// member, access policy, API access), as the platform's API creates a space.
+/// The reasoning model and provider of the retrieval profile every [`create_space`] space starts
+/// with (the fixtures' choice; on the platform the space's creator picks them).
+pub const INITIAL_RETRIEVAL_MODEL: (&str, &str) = ("kfs-extractive", "offline");
+
+/// A space owned by `owner` that can compile documents: [`create_bare_space`] and the platform's
+/// initial activation of a retrieval profile (revision 1, `research` mode, no embedding profile),
+/// so the space has the profile heads the platform's compile requires.
 pub async fn create_space(
+    conn: &mut PgConnection,
+    tenant: &str,
+    slug: &str,
+    name: &str,
+    owner: &str,
+) -> Result<Uuid, sqlx::Error> {
+    let id = create_bare_space(conn, tenant, slug, name, owner).await?;
+    let (model, provider) = INITIAL_RETRIEVAL_MODEL;
+    super::profile::activate_retrieval_profile(conn, tenant, id, model, provider).await?;
+    Ok(id)
+}
+
+/// A space owned by `owner` before any model configuration: the space row, its manifest and its
+/// access-control rows (owner member, access policy, API access), as the platform's API creates a
+/// space, and no profile heads (its documents cannot compile until a retrieval profile is
+/// activated).
+pub async fn create_bare_space(
     conn: &mut PgConnection,
     tenant: &str,
     slug: &str,
