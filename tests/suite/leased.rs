@@ -1331,6 +1331,12 @@ async fn bind_directly(
 /// A legacy space: its head was compiled (with dense vectors in the manifest embedding
 /// profile's vector space) before 0018, so it has the manifest's profiles but no profile head,
 /// no profile revision and no binding. Returns the head's publication.
+///
+/// Compile now runs only under profile heads and its publish binds the head, so the head is
+/// compiled under the space's profiles and then put back into the state a space that predates
+/// 0018/0019 is in: the publish's `content-publication` binding deleted, the attempt's frozen
+/// profile tuple cleared (the eight columns writers before 0019 left NULL), the profile heads
+/// and revisions deleted, and the profiles left only in the manifest keys a 0018-era API wrote.
 async fn legacy_head(fx: &Fx) -> Uuid {
     let mut conn = fx.pool().acquire().await.unwrap();
     platform::activate_embedding_profile(
@@ -1346,17 +1352,27 @@ async fn legacy_head(fx: &Fx) -> Uuid {
     drop(conn);
     let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
     fx.compile(doc).await;
-    for table in [
-        "knowledge_space_profile_heads",
-        "knowledge_space_profile_revisions",
+    let publication = fx.head().await.unwrap().publication_id;
+    assert_eq!(
+        bindings(fx.pool(), fx.space).await.len(),
+        1,
+        "the publish bound its head"
+    );
+    for sql in [
+        "DELETE FROM knowledge_space_profile_publication_bindings WHERE knowledge_space_id = $1",
+        "UPDATE document_compilation_attempts SET embedding_profile_kind = NULL, \
+           embedding_profile_revision_id = NULL, embedding_profile_revision = NULL, \
+           embedding_profile_snapshot_digest = NULL, retrieval_profile_kind = NULL, \
+           retrieval_profile_revision_id = NULL, retrieval_profile_revision = NULL, \
+           retrieval_profile_snapshot_digest = NULL WHERE knowledge_space_id = $1",
+        "DELETE FROM knowledge_space_profile_heads WHERE knowledge_space_id = $1",
+        "DELETE FROM knowledge_space_profile_revisions WHERE knowledge_space_id = $1",
     ] {
-        sqlx::query(&format!(
-            "DELETE FROM {table} WHERE knowledge_space_id = $1"
-        ))
-        .bind(fx.space)
-        .execute(fx.pool())
-        .await
-        .unwrap();
+        sqlx::query(sql)
+            .bind(fx.space)
+            .execute(fx.pool())
+            .await
+            .unwrap();
     }
     set_manifest_keys(
         fx.pool(),
@@ -1366,7 +1382,8 @@ async fn legacy_head(fx: &Fx) -> Uuid {
     )
     .await;
     assert!(bindings(fx.pool(), fx.space).await.is_empty());
-    fx.head().await.unwrap().publication_id
+    assert_eq!(fx.head().await.unwrap().publication_id, publication);
+    publication
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1436,6 +1453,8 @@ async fn a_head_published_before_its_profiles_gets_one_legacy_bootstrap_binding_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_head_that_already_has_a_binding_is_left_alone() {
+    // The space's initial retrieval profile and an embedding profile, then a compile: its
+    // publish writes the head's `content-publication` binding.
     let fx = Fx::new().await;
     let pool = fx.pool();
     let mut conn = pool.acquire().await.unwrap();
@@ -1449,36 +1468,25 @@ async fn a_head_that_already_has_a_binding_is_left_alone() {
     )
     .await
     .unwrap();
-    platform::activate_retrieval_profile(&mut conn, TENANT, fx.space, "gpt-4o-mini", "openai")
-        .await
-        .unwrap();
     drop(conn);
     let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
     fx.compile(doc).await;
-    // The binding the platform's compile publish writes with the head.
-    sqlx::query(
-        "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, knowledge_space_id, changed_kind, \
-           binding_reason, embedding_profile_kind, embedding_profile_revision_id, embedding_profile_revision, \
-           embedding_profile_snapshot_digest, retrieval_profile_kind, retrieval_profile_revision_id, \
-           retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, publication_id, \
-           publication_fingerprint, created_at, activated_at) \
-         SELECT p.id, p.tenant_id, p.knowledge_space_id, 'content', 'content-publication', 'embedding', er.id, \
-           er.revision, er.snapshot_digest, 'retrieval', rr.id, rr.revision, rr.snapshot_digest, er.vector_space_id, \
-           p.id, p.fingerprint, now(), now() \
-         FROM projection_set_publication_heads ph \
-         JOIN projection_set_publications p ON p.id = ph.publication_id \
-         JOIN knowledge_space_profile_heads eh ON eh.knowledge_space_id = ph.knowledge_space_id AND eh.kind = 'embedding' \
-         JOIN knowledge_space_profile_revisions er ON er.id = eh.profile_revision_id \
-         JOIN knowledge_space_profile_heads rh ON rh.knowledge_space_id = ph.knowledge_space_id AND rh.kind = 'retrieval' \
-         JOIN knowledge_space_profile_revisions rr ON rr.id = rh.profile_revision_id \
-         WHERE ph.knowledge_space_id = $1",
-    )
-    .bind(fx.space)
-    .execute(pool)
-    .await
-    .unwrap();
+    let publication = fx.head().await.unwrap().publication_id;
     let before = bindings(pool, fx.space).await;
-    assert_eq!(before.len(), 1);
+    assert_eq!(before.len(), 1, "{before:#?}");
+    assert_eq!(
+        (
+            &before[0]["id"],
+            &before[0]["publication_id"],
+            &before[0]["binding_reason"]
+        ),
+        (
+            &json!(publication),
+            &json!(publication),
+            &json!("content-publication")
+        ),
+        "the publish's binding"
+    );
     assert!(resolvable(pool, fx.space).await);
 
     // Discovery does not select the space; a reconciliation forced on it refuses the other
