@@ -2753,12 +2753,28 @@ async fn the_cli_requests_and_refuses_with_one_line() {
 #[cfg(feature = "crash-points")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another() {
-    for point in [
-        "after-claim-commit",
-        "after-step-commit:2",
-        "after-step-commit:6",
-        "after-step-commit:7",
-        "before-ack:2",
+    // This deletion's passes through the kill points, three steps a slice. Slice 1: the claim
+    // (`after-claim-commit`), `requested → quiescing` (`after-step-commit:1`), the inventory
+    // and the head exclusion (`:2`), then the batch of object items, which ends the slice (`:3`,
+    // `before-ack:1`). Slice 2: no item left, on to the derived rows (`:4`), their one page
+    // (`:5`), none left, which ends the slice (`:6`, `before-ack:2`). Slice 3 is the completing
+    // step. Since uploads write a logical-document revision for every asset, no asset of the
+    // space goes in a primary page before it (its revisions must go first, with the aggregates,
+    // in the completing transaction), so pass 7 is the job's end and no kill point lies between
+    // the derived rows and completion. Every pass before the end is killed at; the last entry
+    // checks that pass 7 is the end, so a deletion that gains a step fails here instead of
+    // leaving that step's kill point untried.
+    for (point, ended) in [
+        ("after-claim-commit", false),
+        ("after-step-commit:1", false),
+        ("after-step-commit:2", false),
+        ("after-step-commit:3", false),
+        ("before-ack:1", false),
+        ("after-step-commit:4", false),
+        ("after-step-commit:5", false),
+        ("after-step-commit:6", false),
+        ("before-ack:2", false),
+        ("after-step-commit:7", true),
     ] {
         let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
         let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
@@ -2799,10 +2815,19 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             "{point}: the worker exited normally"
         );
         let (state, cp) = job_state(pool, job).await;
-        assert_ne!(
-            state, "succeeded",
-            "{point}: finished before the kill ({cp})"
-        );
+        if ended {
+            // Killed after the completing commit, before the ack: the rescuer only acks.
+            assert_eq!(
+                (state.as_str(), cp.as_str()),
+                ("succeeded", "completed"),
+                "{point}: the completing step is not the 7th pass"
+            );
+        } else {
+            assert_ne!(
+                state, "succeeded",
+                "{point}: finished before the kill ({cp})"
+            );
+        }
 
         let mut rescuer = fx.env.spawn_worker(
             &format!("rescuer-{point}"),
@@ -2830,6 +2855,25 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             job_state(pool, job).await,
             rescuer.log_text()
         );
+        if ended {
+            // The unacked delivery comes back to the rescuer, which acks it as stale and runs
+            // no step of the finished job.
+            let settled =
+                fx.env
+                    .wait_until(Duration::from_secs(30), || {
+                        let log = rescuer.log_text();
+                        async move {
+                            log.contains("acked kind=deletion") && log.contains("claim=\"stale\"")
+                        }
+                    })
+                    .await;
+            let log = rescuer.log_text();
+            assert!(settled, "{point}: the redelivery was not settled\n{log}");
+            assert!(
+                !log.contains("deletion step"),
+                "{point}: the finished job ran again\n{log}"
+            );
+        }
         crate::support::stop_cleanly([&mut rescuer], Duration::from_secs(30)).await;
         assert_finished_clean(pool, job).await;
         let left = cat.count_owned(pool, Some(s.id), &s.docs).await;
@@ -3584,40 +3628,68 @@ async fn a_logical_document_deleted_at_revision_zero_leaves_nothing_of_it_and_ke
     let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
     let s = seed(&fx, "tenant-t", "main", "Docs", 0, 1).await;
     let pool = fx.pool();
-    let owned = fx
-        .add("owned.md", "text/markdown", note(1, "owned").as_bytes())
-        .await;
+    // Logical document `ld`, as uploads and compiles write it: uploaded as `shared.md`
+    // (revision 1), then a new revision uploaded as `owned.md` (revision 2, its own asset);
+    // compiling that activates it and supersedes revision 1, each with its chunks.
     let shared = fx
         .add("shared.md", "text/markdown", note(2, "shared").as_bytes())
         .await;
-    fx.compile(owned).await;
     fx.compile(shared).await;
-    // Logical document `ld` (row_version 0): revision 1 on the shared asset (superseded),
-    // revision 2 on its own asset (active), with chunks, a chunk state change, settings and a
-    // reindex attempt; `keeper` still has its active revision on the shared asset.
-    let (ld, keeper) = (Uuid::new_v4(), Uuid::new_v4());
+    let mut c = conn(pool).await;
+    let ld = platform::logical_document_of(&mut c, shared)
+        .await
+        .unwrap()
+        .unwrap();
+    let owned = platform::add_revision(
+        &mut c,
+        &fx.store,
+        ld,
+        "owned.md",
+        "text/markdown",
+        Bytes::from(note(1, "owned")),
+    )
+    .await
+    .unwrap();
+    drop(c);
+    fx.compile(owned).await;
+    let revisions: Vec<(i32, Uuid, String)> = sqlx::query_as(
+        "SELECT revision, document_asset_id, state FROM document_revisions WHERE document_id = $1 ORDER BY revision",
+    )
+    .bind(ld)
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        revisions,
+        vec![
+            (1, shared, "superseded".into()),
+            (2, owned, "active".into())
+        ]
+    );
+    let chunk: Uuid = sqlx::query_scalar(
+        "SELECT id FROM document_revision_chunks WHERE document_id = $1 AND document_revision = 2 \
+         ORDER BY ordinal LIMIT 1",
+    )
+    .bind(ld)
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    // Beside it: a chunk state change, settings and a reindex attempt of revision 2, and an
+    // activity event; `keeper`, another document, has its active revision on the shared asset.
+    // The request fences the document's row_version, which the platform lets be 0 (as an upload
+    // leaves it): `ld` is put back at 0 to be asked for at revision zero.
+    let keeper = Uuid::new_v4();
     let (t, sp) = (&s.tenant, s.id);
-    let (chunk, attempt) = (Uuid::new_v4(), Uuid::new_v4());
-    let logical = |id: Uuid, title: &str, active: i32| {
-        format!(
-            "INSERT INTO logical_documents (id, tenant_id, knowledge_space_id, title, status, active_revision, row_version, \
-               system_metadata, user_metadata, created_at, updated_at) \
-             VALUES ('{id}', '{t}', '{sp}', '{title}', 'ready', {active}, 0, '{{}}', '{{}}', now(), now());"
-        )
-    };
+    let attempt = Uuid::new_v4();
     sqlx::raw_sql(&format!(
         r#"
         BEGIN;
-        {ld_row}
-        {keeper_row}
-        {r1}
-        {r2}
+        INSERT INTO logical_documents (id, tenant_id, knowledge_space_id, title, status, active_revision, row_version,
+          system_metadata, user_metadata, created_at, updated_at)
+        VALUES ('{keeper}', '{t}', '{sp}', 'Keeper', 'ready', 1, 0, '{{}}', '{{}}', now(), now());
         {k1}
         COMMIT;
-        INSERT INTO document_revision_chunks (id, tenant_id, knowledge_space_id, document_id, document_revision, ordinal,
-          parent_chunk_id, text, token_count, system_metadata, user_metadata, created_at)
-        VALUES ('{chunk}', '{t}', '{sp}', '{ld}', 2, 0, NULL, 'fencing', 1, '{{}}', '{{}}', now()),
-               (gen_random_uuid(), '{t}', '{sp}', '{ld}', 2, 1, '{chunk}', 'tokens', 1, '{{}}', '{{}}', now());
+        UPDATE logical_documents SET row_version = 0 WHERE id = '{ld}';
         INSERT INTO document_chunk_state_changes (id, tenant_id, knowledge_space_id, document_id, document_revision, chunk_id,
           compilation_attempt_id, enabled, state, created_at, activated_at)
         VALUES (gen_random_uuid(), '{t}', '{sp}', '{ld}', 2, '{chunk}', '{attempt}', false, 'active', now(), now());
@@ -3634,10 +3706,6 @@ async fn a_logical_document_deleted_at_revision_zero_leaves_nothing_of_it_and_ke
           occurred_at, required_permission_scope, resource_id, resource_type, result)
         VALUES (gen_random_uuid(), '{t}', '{sp}', 'document.published', 'system', '{{}}', now(), '[]', '{ld}', 'document', 'success');
         "#,
-        ld_row = logical(ld, "Owned", 2),
-        keeper_row = logical(keeper, "Keeper", 1),
-        r1 = revision_sql(&s, ld, 1, shared, "superseded"),
-        r2 = revision_sql(&s, ld, 2, owned, "active"),
         k1 = revision_sql(&s, keeper, 1, shared, "active"),
     ))
     .execute(pool)
