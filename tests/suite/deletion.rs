@@ -2757,13 +2757,12 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
     // (`after-claim-commit`), `requested → quiescing` (`after-step-commit:1`), the inventory
     // and the head exclusion (`:2`), then the batch of object items, which ends the slice (`:3`,
     // `before-ack:1`). Slice 2: no item left, on to the derived rows (`:4`), their one page
-    // (`:5`), none left, which ends the slice (`:6`, `before-ack:2`). Slice 3 is the completing
-    // step. Since uploads write a logical-document revision for every asset, no asset of the
-    // space goes in a primary page before it (its revisions must go first, with the aggregates,
-    // in the completing transaction), so pass 7 is the job's end and no kill point lies between
-    // the derived rows and completion. Every pass before the end is killed at; the last entry
-    // checks that pass 7 is the end, so a deletion that gains a step fails here instead of
-    // leaving that step's kill point untried.
+    // (`:5`), none left, which ends the slice (`:6`, `before-ack:2`). Slices 3 and 4: the
+    // primary pages, the space's logical-document rows first (the active revisions unset `:7`,
+    // the revision chunks `:8`, the revisions `:9`, `before-ack:3`, the logical documents
+    // `:10`), then its documents, no longer referenced (`:11`), then the completing step (`:12`).
+    // Every pass before the end is killed at; the last entry checks that pass 12 is the end, so
+    // a deletion that gains a step fails here instead of leaving that step's kill point untried.
     for (point, ended) in [
         ("after-claim-commit", false),
         ("after-step-commit:1", false),
@@ -2774,7 +2773,13 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
         ("after-step-commit:5", false),
         ("after-step-commit:6", false),
         ("before-ack:2", false),
-        ("after-step-commit:7", true),
+        ("after-step-commit:7", false),
+        ("after-step-commit:8", false),
+        ("after-step-commit:9", false),
+        ("before-ack:3", false),
+        ("after-step-commit:10", false),
+        ("after-step-commit:11", false),
+        ("after-step-commit:12", true),
     ] {
         let fx = SpaceFx::new("tenant-t", "main", "Docs").await;
         let s = seed(&fx, "tenant-t", "main", "Docs", 1, 2).await;
@@ -2820,7 +2825,7 @@ async fn a_worker_killed_at_any_kill_point_mid_deletion_is_finished_by_another()
             assert_eq!(
                 (state.as_str(), cp.as_str()),
                 ("succeeded", "completed"),
-                "{point}: the completing step is not the 7th pass"
+                "{point}: the completing step is not the 12th pass"
             );
         } else {
             assert_ne!(

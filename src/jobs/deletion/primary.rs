@@ -1,6 +1,7 @@
-//! `deleting_primary_data` and completion. A space's or a cascaded source's document rows go in
-//! bounded pages first (only rows nothing key-bearing refers to any more, no logical-document
-//! revision among them); then the completing transaction locks the target row, runs the residue
+//! `deleting_primary_data` and completion. A space's logical-document rows go in bounded pages
+//! first, children first; then a space's or a cascaded source's document rows, in bounded pages
+//! too (only rows nothing key-bearing refers to any more, no logical-document revision among
+//! them); then the completing transaction locks the target row, runs the residue
 //! check and the object probe, deletes the primary rows in a savepoint, probes again, and
 //! completes the tombstone. The primary rows, in the platform's order, children before what
 //! their RESTRICT keys name:
@@ -45,7 +46,8 @@ pub(super) async fn step(
     cfg: &DeletionConfig,
     ports: &Ports,
 ) -> Result<Event, JobError> {
-    if delete_document_page(tx, job, cfg).await? > 0 {
+    if delete_logical_page(tx, job, cfg).await? > 0 || delete_document_page(tx, job, cfg).await? > 0
+    {
         return Ok(Event::PageDone);
     }
     lock_target(tx, job).await?;
@@ -84,6 +86,56 @@ pub(super) async fn step(
         ));
     }
     Ok(Event::Clean)
+}
+
+/// A space's logical-document rows, children first, one bounded page per statement (`$1`
+/// tenant, `$2` space, `$3` page size): active revisions unset, then chunks, chunk state
+/// changes, reindex attempts, settings heads and revisions, revisions, documents.
+const SPACE_LOGICAL_PAGES: [&str; 8] = [
+    "UPDATE logical_documents SET active_revision = NULL, updated_at = now() WHERE id IN (SELECT id \
+       FROM logical_documents WHERE tenant_id = $1 AND knowledge_space_id = $2 AND active_revision IS NOT NULL LIMIT $3)",
+    "DELETE FROM document_revision_chunks WHERE id IN (SELECT id FROM document_revision_chunks \
+       WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM document_chunk_state_changes WHERE id IN (SELECT id FROM document_chunk_state_changes \
+       WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM document_reindex_attempts WHERE id IN (SELECT id FROM document_reindex_attempts \
+       WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM document_settings_heads WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_id IN \
+       (SELECT document_id FROM document_settings_heads WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM document_settings_revisions WHERE tenant_id = $1 AND knowledge_space_id = $2 \
+       AND (document_id, revision) IN (SELECT document_id, revision FROM document_settings_revisions \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM document_revisions WHERE tenant_id = $1 AND knowledge_space_id = $2 \
+       AND (document_id, revision) IN (SELECT document_id, revision FROM document_revisions \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+    "DELETE FROM logical_documents WHERE id IN (SELECT id FROM logical_documents \
+       WHERE tenant_id = $1 AND knowledge_space_id = $2 LIMIT $3)",
+];
+
+/// One page of a space's logical-document rows, before its documents go, so that its documents
+/// are unreferenced and go in pages too (a cascaded source's and a document's logical-document
+/// rows go in the completing transaction).
+async fn delete_logical_page(
+    tx: &mut PgConnection,
+    job: &JobRow,
+    cfg: &DeletionConfig,
+) -> Result<u64, JobError> {
+    if !matches!(job.scope, Scope::Space) {
+        return Ok(0);
+    }
+    for sql in SPACE_LOGICAL_PAGES {
+        let n = sqlx::query(sql)
+            .bind(&job.tenant)
+            .bind(job.space)
+            .bind(cfg.page_size)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        if n > 0 {
+            return Ok(n);
+        }
+    }
+    Ok(0)
 }
 
 /// One page of a space's (or a cascaded source's) document rows that nothing refers to.
