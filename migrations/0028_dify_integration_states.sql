@@ -1,6 +1,6 @@
 -- kfs-worker migration 0028: the platform's 0028_dify_integration_states.
--- One row per tenant records that its Dify integration was activated (a one-way switch, so one
--- workspace never mixes authorization sources). Not touched by the worker.
+-- One row per tenant records that its host-product integration was activated (a one-way switch,
+-- so one workspace never mixes authorization sources). Not touched by the worker.
 
 CREATE TABLE IF NOT EXISTS "dify_integration_states" (
   "tenant_id" VARCHAR(255) NOT NULL,

@@ -1,6 +1,6 @@
 -- kfs-worker migration 0029: the platform's 0029_dify_integration_freezes.
 -- A durable per-tenant maintenance freeze that stops legacy writes before the final delta of a
--- Dify integration. Not touched by the worker.
+-- host-product integration. Not touched by the worker.
 
 CREATE TABLE IF NOT EXISTS "dify_integration_freezes" (
   "tenant_id" VARCHAR(255) NOT NULL,

@@ -1,6 +1,6 @@
 -- kfs-worker migration 0031: the platform's 0031_source_connection_capability_provenance.
 -- Source connections record the capability grant that created them (a locator only: no bearer
--- token, raw jti or Dify credential). Existing connections keep NULL.
+-- token, raw jti or host-product credential). Existing connections keep NULL.
 
 ALTER TABLE "source_connections" ADD COLUMN IF NOT EXISTS "capability_grant_id" UUID;
 ALTER TABLE "source_connections" DROP CONSTRAINT IF EXISTS "source_connections_capability_grant_fk";

@@ -5,6 +5,7 @@
 //! one activated `content-publication` row, its id the publication's, written in the publishing
 //! transaction before the head moves (so the binding and the head become visible together or not
 //! at all); an identical activated row already there is kept, any other row refuses the publish.
+//! A head a deletion replaces hands its activated binding on ([`carry`]) in the same transaction.
 
 use sqlx::PgConnection;
 use uuid::Uuid;
@@ -160,6 +161,41 @@ pub async fn bind(
     } else {
         Err(Conflict)
     })
+}
+
+/// Copies the activated binding of publication `from` to publication `to` (fingerprint
+/// `fingerprint`) as a `content-publication` row whose id is `to`'s, as the platform's deletion
+/// does when it replaces a head; a publication without one hands nothing on. Returns the rows
+/// written (0 or 1).
+pub async fn carry(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    from: Uuid,
+    to: Uuid,
+    fingerprint: &str,
+) -> Result<u64, sqlx::Error> {
+    Ok(sqlx::query(
+        "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, knowledge_space_id, changed_kind, \
+           binding_reason, embedding_profile_kind, embedding_profile_revision_id, embedding_profile_revision, \
+           embedding_profile_snapshot_digest, retrieval_profile_kind, retrieval_profile_revision_id, \
+           retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, publication_id, \
+           publication_fingerprint, created_at, activated_at) \
+         SELECT $4, b.tenant_id, b.knowledge_space_id, 'content', 'content-publication', b.embedding_profile_kind, \
+           b.embedding_profile_revision_id, b.embedding_profile_revision, b.embedding_profile_snapshot_digest, \
+           b.retrieval_profile_kind, b.retrieval_profile_revision_id, b.retrieval_profile_revision, \
+           b.retrieval_profile_snapshot_digest, b.vector_space_id, $4, $5, now(), now() \
+         FROM knowledge_space_profile_publication_bindings b \
+         WHERE b.tenant_id = $1 AND b.knowledge_space_id = $2 AND b.publication_id = $3 AND b.activated_at IS NOT NULL",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(from)
+    .bind(to)
+    .bind(fingerprint)
+    .execute(conn)
+    .await?
+    .rows_affected())
 }
 
 #[cfg(test)]

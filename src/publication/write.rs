@@ -60,27 +60,15 @@ pub async fn publish_excluding(
     )
     .await?;
     // The old head's activated profile binding goes with it, as the platform's deletion copies
-    // it: a `content-publication` row for the new publication (a head without one moves without
-    // one).
-    sqlx::query(
-        "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, knowledge_space_id, changed_kind, \
-           binding_reason, embedding_profile_kind, embedding_profile_revision_id, embedding_profile_revision, \
-           embedding_profile_snapshot_digest, retrieval_profile_kind, retrieval_profile_revision_id, \
-           retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, publication_id, \
-           publication_fingerprint, created_at, activated_at) \
-         SELECT $4, b.tenant_id, b.knowledge_space_id, 'content', 'content-publication', b.embedding_profile_kind, \
-           b.embedding_profile_revision_id, b.embedding_profile_revision, b.embedding_profile_snapshot_digest, \
-           b.retrieval_profile_kind, b.retrieval_profile_revision_id, b.retrieval_profile_revision, \
-           b.retrieval_profile_snapshot_digest, b.vector_space_id, $4, $5, now(), now() \
-         FROM knowledge_space_profile_publication_bindings b \
-         WHERE b.tenant_id = $1 AND b.knowledge_space_id = $2 AND b.publication_id = $3 AND b.activated_at IS NOT NULL",
+    // it (a head without one moves without one).
+    binding::carry(
+        &mut *conn,
+        tenant,
+        space,
+        h.publication_id,
+        id,
+        &fingerprint,
     )
-    .bind(tenant)
-    .bind(space)
-    .bind(h.publication_id)
-    .bind(id)
-    .bind(&fingerprint)
-    .execute(&mut *conn)
     .await?;
     if let Some(docs) = excluded {
         sqlx::query(

@@ -436,7 +436,7 @@ fn fill_0054() -> String {
             action, resource_type, resource_id, content_scope_ids, content_policy_revision, authz_revision,
             claims_digest, jti_hash, trace_id, revision, state, highest_revoke_sequence, issued_at, expires_at,
             admitted_at, updated_at)
-        VALUES ('tenant-a', '{SPACE}', '{GRANT}', 'app-user', 'app-user', 'dify-app', 'knowledge.use',
+        VALUES ('tenant-a', '{SPACE}', '{GRANT}', 'app-user', 'app-user', 'host-app', 'knowledge.use',
             'knowledge_space', '{SPACE}', '["tenant:tenant-a"]', 1, '{{}}', 'sha256:{ha}', 'sha256:{hb}', 'trace-1',
             1, 'active', 0, now(), now() + interval '1 hour', now(), now());
         INSERT INTO document_compilation_attempts (id, tenant_id, knowledge_space_id, document_asset_id,

@@ -106,38 +106,6 @@ fn serves_target(scope: Scope) -> String {
     )
 }
 
-/// The replaced head's activated binding, copied to the new publication (`$1` tenant, `$2`
-/// space, `$3` the replaced publication, `$4` the new one, `$5` its fingerprint).
-const COPY_BINDING: &str = "INSERT INTO knowledge_space_profile_publication_bindings (id, tenant_id, \
-    knowledge_space_id, changed_kind, binding_reason, embedding_profile_kind, embedding_profile_revision_id, \
-    embedding_profile_revision, embedding_profile_snapshot_digest, retrieval_profile_kind, \
-    retrieval_profile_revision_id, retrieval_profile_revision, retrieval_profile_snapshot_digest, vector_space_id, \
-    publication_id, publication_fingerprint, created_at, activated_at) \
-  SELECT $4, b.tenant_id, b.knowledge_space_id, 'content', 'content-publication', b.embedding_profile_kind, \
-    b.embedding_profile_revision_id, b.embedding_profile_revision, b.embedding_profile_snapshot_digest, \
-    b.retrieval_profile_kind, b.retrieval_profile_revision_id, b.retrieval_profile_revision, \
-    b.retrieval_profile_snapshot_digest, b.vector_space_id, $4, $5, now(), now() \
-  FROM knowledge_space_profile_publication_bindings b \
-  WHERE b.tenant_id = $1 AND b.knowledge_space_id = $2 AND b.publication_id = $3 AND b.activated_at IS NOT NULL";
-
-async fn copy_binding(
-    tx: &mut PgConnection,
-    job: &JobRow,
-    from: Uuid,
-    to: Uuid,
-    fingerprint: &str,
-) -> Result<u64, JobError> {
-    Ok(sqlx::query(COPY_BINDING)
-        .bind(&job.tenant)
-        .bind(job.space)
-        .bind(from)
-        .bind(to)
-        .bind(fingerprint)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected())
-}
-
 async fn run7(
     tx: &mut PgConnection,
     job: &JobRow,
@@ -260,7 +228,15 @@ async fn replace_head(
         ));
     }
     // Readers serve a head only through its activated binding: the new head keeps the old one's.
-    copy_binding(tx, job, head.publication_id, new, &fingerprint).await?;
+    publication::binding::carry(
+        &mut *tx,
+        &job.tenant,
+        job.space,
+        head.publication_id,
+        new,
+        &fingerprint,
+    )
+    .await?;
     if exclude {
         for graph in [None, Some("entity"), Some("relation")] {
             run7(

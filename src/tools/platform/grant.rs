@@ -28,7 +28,7 @@ pub async fn create_capability_grant(
            action, resource_type, resource_id, resource_parent_id, content_scope_ids, content_policy_revision, \
            authz_revision, claims_digest, jti_hash, trace_id, revision, state, highest_revoke_sequence, issued_at, \
            expires_at, admitted_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $4, 'dify-app', 'knowledge.use', 'knowledge_space', $2::text, NULL, $5, 1, \
+         VALUES ($1, $2, $3, $4, $4, 'host-app', 'knowledge.use', 'knowledge_space', $2::text, NULL, $5, 1, \
            '{\"membership\": 1}'::jsonb, $6, $7, $8, 1, 'active', 0, $9, $10, $9, $9)",
     )
     .bind(tenant)
