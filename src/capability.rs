@@ -40,6 +40,16 @@ impl Verdict {
     }
 }
 
+/// The platform's longest permission-scope token, in UTF-16 code units (how it measures text).
+pub const MAX_SCOPE_UNITS: usize = 512;
+
+/// A permission-scope token as the platform accepts one: a non-empty string without surrounding
+/// whitespace, at most [`MAX_SCOPE_UNITS`] long; `None` for anything else. Pure.
+pub fn scope_token(v: &serde_json::Value) -> Option<&str> {
+    let s = v.as_str()?;
+    (!s.is_empty() && s.trim() == s && s.encode_utf16().count() <= MAX_SCOPE_UNITS).then_some(s)
+}
+
 /// Why a fenced space's grants no longer authorize.
 pub const FENCED: &str = "the knowledge space's capability fence is tombstoned";
 

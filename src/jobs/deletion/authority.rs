@@ -53,13 +53,6 @@ fn decide(
     }
 }
 
-/// A permission-scope token as the platform accepts it: a non-empty string without surrounding
-/// whitespace, at most 512 characters.
-fn valid_token(v: &Value) -> Option<&str> {
-    let s = v.as_str()?;
-    (!s.is_empty() && s.trim() == s && s.chars().count() <= 512).then_some(s)
-}
-
 /// Whether content with permission scope `content` (a JSON array of tokens) may be touched under
 /// a grant admitting `granted` (the grant's `content_scope_ids`): every scope of the content must
 /// be granted (an empty scope is visible in the whole space); a malformed scope on either side
@@ -70,7 +63,7 @@ pub(super) fn scope_allows(content: &Value, granted: &Value) -> bool {
     };
     let mut tokens = Vec::with_capacity(granted.len());
     for g in granted {
-        match valid_token(g) {
+        match capability::scope_token(g) {
             Some(t) => tokens.push(t),
             None => return false,
         }
@@ -80,7 +73,7 @@ pub(super) fn scope_allows(content: &Value, granted: &Value) -> bool {
     };
     content
         .iter()
-        .all(|c| valid_token(c).is_some_and(|t| tokens.contains(&t)))
+        .all(|c| capability::scope_token(c).is_some_and(|t| tokens.contains(&t)))
 }
 
 #[cfg(test)]

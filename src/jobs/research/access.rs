@@ -28,8 +28,7 @@ use crate::capability::{self, Verdict};
 pub const SNAPSHOT_INVALID: &str = "RESEARCH_TASK_PERMISSION_SNAPSHOT_INVALID";
 /// The platform's error of a task whose capability grant no longer authorizes it.
 pub const CAPABILITY_REVOKED: &str = "RESEARCH_TASK_CAPABILITY_REVOKED";
-/// The platform's longest permission-scope token (UTF-16 code units).
-pub const MAX_SCOPE_UNITS: usize = 512;
+pub use crate::capability::MAX_SCOPE_UNITS;
 
 /// What a task's authority lets a step do: act for `subject_id` and read content whose every
 /// permission scope is among `scopes`.
@@ -87,11 +86,7 @@ pub fn granted_by(grant: Uuid, verdict: Verdict) -> Result<Authorized, Denial> {
 pub fn reader_scopes(scopes: &Value) -> Option<Value> {
     let mut out: Vec<&str> = Vec::new();
     for s in scopes.as_array()? {
-        let s = s.as_str()?;
-        let units = s.encode_utf16().count();
-        if s.is_empty() || s.trim() != s || units > MAX_SCOPE_UNITS {
-            return None;
-        }
+        let s = capability::scope_token(s)?;
         if !out.contains(&s) {
             out.push(s);
         }
