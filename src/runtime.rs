@@ -44,7 +44,7 @@ pub struct RunOptions {
 
 /// Connections of the heartbeat pool. A heartbeat is one short statement every lease/3, so
 /// two serve every lease a worker holds.
-const HEARTBEAT_CONNECTIONS: u32 = 2;
+pub const HEARTBEAT_CONNECTIONS: u32 = 2;
 
 /// The most connections one process's pools open together (the heartbeat pool and the
 /// liveness lock aside).

@@ -86,12 +86,13 @@ impl Engine {
         let pairs: Vec<(&DeliveryRef, Uuid)> =
             batch.iter().map(|&i| (&refs[i], tokens[i])).collect();
         let mut conn = None;
-        let claimed = async {
+        // Unanswered by the end of the claim patience: claimed one by one, each bounded so too.
+        let claimed = crate::db::within(self.cfg.claim_patience, async {
             let mut c = crate::db::acquire(self.pool_for(kind)).await?;
             let jobs = lease::claim_many(&mut c, st, &pairs, &self.worker_id, policy.lease).await?;
             conn = Some(c);
             Ok::<_, sqlx::Error>(jobs)
-        }
+        })
         .instrument(tracing::info_span!("claim_batch", kind = %kind, deliveries = pairs.len()))
         .await;
         let jobs = match claimed {

@@ -307,9 +307,19 @@ impl Engine {
                 }
                 Ok(claimed)
             };
-            match attempt
-                .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id))
-                .await
+            // A claim that gets no answer (a link gone silent) is a failed claim by the end of
+            // the patience, not a delivery held for good.
+            let left = self
+                .cfg
+                .claim_patience
+                .saturating_sub(claiming.elapsed())
+                .max(Duration::from_millis(100));
+            match crate::db::within(
+                left,
+                attempt
+                    .instrument(tracing::info_span!("claim", kind = %d.kind, job_id = %d.job_id)),
+            )
+            .await
             {
                 Ok(c) => break c,
                 Err(e) => {

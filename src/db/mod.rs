@@ -1,5 +1,6 @@
-//! Postgres: pools, migrations, bounded lock waits and the translation of driver errors into plain
-//! words. Invariant: Postgres is the source of truth; nothing here ever prints a connection string.
+//! Postgres: pools, migrations, bounded lock waits, bounded calls ([`within`]) and the
+//! translation of driver errors into plain words. Invariant: Postgres is the source of truth;
+//! nothing here ever prints a connection string.
 
 use std::time::Duration;
 
@@ -67,6 +68,23 @@ pub async fn own_session(pool: &PgPool, role: &str) -> Result<sqlx::PgConnection
 pub async fn end_when_idle(conn: &mut sqlx::PgConnection, after: Duration) {
     let set = format!("SET idle_session_timeout = {}", after.as_millis());
     let _ = tokio::time::timeout(Duration::from_secs(5), sqlx::query(&set).execute(conn)).await;
+}
+
+/// Waits at most `limit` for a call on Postgres. A call still unanswered by then (a link that
+/// went silent without closing: a half-open connection, a stalled proxy) becomes an I/O error
+/// that [`is_retryable`] counts as connection trouble, so the caller drops the connection and
+/// goes on as it does when Postgres is away, instead of waiting on it for good.
+pub async fn within<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(result) => result,
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("Postgres did not answer within {} ms", limit.as_millis()),
+        ))),
+    }
 }
 
 /// Prepared statements a session keeps (see [`connect_options`]).

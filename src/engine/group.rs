@@ -133,9 +133,16 @@ pub async fn run_group(
             break Apart::RolledBack("shutting down");
         }
         let span = tracing::info_span!("group_step", kind = name, members = jobs.len());
-        let stepped = step_together(tr, &mut jobs, &mut conn, env, &mut steps_done, started)
-            .instrument(span)
-            .await;
+        let held = beats.gate.hold().await;
+        // A group step unanswered for a whole lease (a link gone silent) may have committed or
+        // not: each member reads its row back.
+        let stepped = tokio::time::timeout(
+            policy.lease,
+            step_together(tr, &mut jobs, &mut conn, env, &mut steps_done, started).instrument(span),
+        )
+        .await
+        .unwrap_or(Err(Apart::Uncertain));
+        drop(held);
         match stepped {
             Ok((done, cut)) => {
                 crash::point("after-group-step-commit");
@@ -365,6 +372,8 @@ fn lease_lost(name: &'static str, job: &JobCtx) -> &'static str {
 /// member it did not extend is lost: the group stops stepping it. Stops when dropped.
 struct GroupBeat {
     stop: CancellationToken,
+    /// Held by each group step's transaction and by each beat: see [`runner::StepGate`].
+    gate: runner::StepGate,
     live: Arc<Mutex<Vec<JobCtx>>>,
     lost: Arc<Mutex<Vec<Uuid>>>,
     /// When the last beat that extended every live member was sent.
@@ -374,6 +383,8 @@ struct GroupBeat {
 impl GroupBeat {
     fn start(tr: &dyn GroupTransitions, env: Env<'_>, every: Duration, jobs: &[JobCtx]) -> Self {
         let stop = CancellationToken::new();
+        let gate = runner::StepGate::default();
+        let turns = gate.clone();
         let live = Arc::new(Mutex::new(jobs.to_vec()));
         let lost = Arc::new(Mutex::new(Vec::new()));
         let renewed = Arc::new(Mutex::new(None));
@@ -398,16 +409,19 @@ impl GroupBeat {
                 if !super::backoff::nap(wait, &stopped).await {
                     return;
                 }
+                let Some(_held) = turns.hold_unless(&stopped).await else {
+                    return;
+                };
                 due = Instant::now() + every;
                 let now: Vec<JobCtx> = members.lock().expect("not poisoned").clone();
                 if now.is_empty() {
                     continue;
                 }
                 let sent = Instant::now();
-                let extended = async {
+                let extended = crate::db::within(every, async {
                     let mut conn = crate::db::acquire(&pool).await?;
                     beat.extend_many(&mut conn, &now).await
-                };
+                });
                 match extended.await {
                     Ok(ids) => {
                         due = sent + every;
@@ -434,6 +448,7 @@ impl GroupBeat {
         });
         Self {
             stop,
+            gate,
             live,
             lost,
             renewed,

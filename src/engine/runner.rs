@@ -4,7 +4,9 @@
 //! or once the lease is proven lost (then nothing more is written); a commit whose outcome is
 //! unknown is settled by reading the job row back; database trouble is retried with backoff,
 //! never turned into an end; and shutdown before the deciding commit returns `None`, so the
-//! intake does not settle the job (the delivery is not acked, the lease runs out).
+//! intake does not settle the job (the delivery is not acked, the lease runs out); a
+//! heartbeat never waits for its own job's row lock on a connection (it waits for the step's
+//! commit on the slice's [`StepGate`]), so no beat queues behind another job's step.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,6 +20,7 @@ use super::kind::{JobCtx, JobError, Policy, Step};
 use super::lease::End;
 use super::slice::{self, Budget, Next, Progress};
 use crate::crash;
+use crate::db::within;
 
 /// Every fenced transition of a claimed job of one table shape, and the kind's step. Fence,
 /// advance and end compare the lease token and row version against an unexpired lease by the
@@ -121,13 +124,18 @@ pub async fn run_slice(
 ) -> Option<&'static str> {
     let policy = tr.policy();
     let name = tr.kind_name();
+    // No call of a slice waits on Postgres longer than its lease: past it, the lease is gone
+    // and what the call would have written is refused anyway.
+    let limit = policy.lease;
     let lost = CancellationToken::new();
+    let gate = StepGate::default();
     let _heartbeat = HeartbeatGuard::start(
         env.heartbeat_pool.clone(),
         job.clone(),
         policy,
         lost.clone(),
         tr.heartbeat(),
+        gate.clone(),
     );
     let started = Instant::now();
     let mut steps_done = 0u32;
@@ -142,9 +150,13 @@ pub async fn run_slice(
         if std::mem::take(&mut broken) {
             conn = None;
         }
-        let mut tx = match begin(env.pool, &mut conn).await {
+        // Held while this step's transaction is open: the heartbeat waits for it here, on no
+        // connection, instead of on the row lock the fence takes.
+        let held = gate.hold().await;
+        let mut tx = match within(limit, begin(env.pool, &mut conn)).await {
             Ok(tx) => tx,
             Err(e) => {
+                drop(held);
                 broken = true;
                 tries += 1;
                 tracing::warn!(error = %e, tries, "cannot begin a step; retrying");
@@ -155,11 +167,12 @@ pub async fn run_slice(
             }
         };
         let rv_before = job.row_version;
-        let fenced = match tr.fence(&mut tx, &job).await {
+        let fenced = match within(limit, tr.fence(&mut tx, &job)).await {
             Ok(Some(rv)) => rv,
             Ok(None) => return Some(lease_lost(name, &job)),
             Err(e) => {
                 drop(tx);
+                drop(held);
                 conn = None;
                 tries += 1;
                 tracing::warn!(error = %e, tries, "fence failed; retrying");
@@ -170,16 +183,25 @@ pub async fn run_slice(
             }
         };
         job.row_version = fenced;
-        let result = tr
-            .step(&mut tx, &job)
-            .instrument(tracing::info_span!(
-                "step",
-                kind = name,
-                job_id = %job.job_id,
-                checkpoint = %job.checkpoint,
-                attempt = job.execution_attempts,
-            ))
-            .await;
+        let stepped = tr.step(&mut tx, &job).instrument(tracing::info_span!(
+            "step",
+            kind = name,
+            job_id = %job.job_id,
+            checkpoint = %job.checkpoint,
+            attempt = job.execution_attempts,
+        ));
+        let Ok(result) = tokio::time::timeout(limit, stepped).await else {
+            // The step's connection went silent: whatever it wrote is not committed.
+            drop(tx);
+            drop(held);
+            conn = None;
+            tries += 1;
+            tracing::warn!(kind = name, job_id = %job.job_id, tries, "a step got no answer from Postgres within its lease; resynchronising");
+            match recover(tr, env, &mut job, tries).await {
+                Some(end) => return end,
+                None => continue,
+            }
+        };
         steps_done += 1;
         let progress = Progress {
             steps_done,
@@ -201,22 +223,22 @@ pub async fn run_slice(
         let committed: Result<Option<&'static str>, StepError> = async {
             match &next {
                 Next::Step(cp) => {
-                    let Some(rv) = tr
-                        .advance(&mut tx, &job, cp)
+                    let Some(rv) = within(limit, tr.advance(&mut tx, &job, cp))
                         .await
                         .map_err(StepError::Certain)?
                     else {
                         return Ok(Some(LEASE_LOST));
                     };
                     advanced = rv;
-                    tx.commit().await.map_err(StepError::Uncertain)?;
+                    within(limit, tx.commit())
+                        .await
+                        .map_err(StepError::Uncertain)?;
                     Ok(None)
                 }
                 Next::End { checkpoint, end } => {
                     let mut ending = std::borrow::Cow::Borrowed(&job);
                     if let Some(cp) = checkpoint {
-                        let Some(rv) = tr
-                            .advance(&mut tx, &job, cp)
+                        let Some(rv) = within(limit, tr.advance(&mut tx, &job, cp))
                             .await
                             .map_err(StepError::Certain)?
                         else {
@@ -224,8 +246,7 @@ pub async fn run_slice(
                         };
                         ending.to_mut().row_version = rv;
                     }
-                    if !tr
-                        .end(&mut tx, &ending, end)
+                    if !within(limit, tr.end(&mut tx, &ending, end))
                         .await
                         .map_err(StepError::Certain)?
                     {
@@ -234,12 +255,16 @@ pub async fn run_slice(
                     if let Some(p) = env.points.before_end {
                         crash::point(p);
                     }
-                    tx.commit().await.map_err(StepError::Uncertain)?;
+                    within(limit, tx.commit())
+                        .await
+                        .map_err(StepError::Uncertain)?;
                     Ok(Some(end.name()))
                 }
                 Next::Abort(_) => {
                     // The step's writes are dropped; its end is written below, on its own.
-                    tx.rollback().await.map_err(StepError::Certain)?;
+                    within(limit, tx.rollback())
+                        .await
+                        .map_err(StepError::Certain)?;
                     Ok(None)
                 }
             }
@@ -265,6 +290,7 @@ pub async fn run_slice(
             }
             (_, c) => c,
         };
+        drop(held);
         match committed {
             Ok(None) => {
                 crash::point(env.points.after_step);
@@ -308,7 +334,10 @@ pub async fn run_slice(
                 // be written (Postgres away, say) the slice waits.
                 let mut tries = 0u32;
                 return loop {
-                    match write_end(tr, env.pool, &mut conn, &job, &end).await {
+                    let held = gate.hold().await;
+                    let written = write_end(tr, env.pool, &mut conn, &job, &end).await;
+                    drop(held);
+                    match written {
                         Ok(Some(LEASE_LOST)) => break Some(lease_lost(name, &job)),
                         Ok(Some(ended)) => {
                             crate::metrics::slice(name, ended, started.elapsed());
@@ -333,22 +362,36 @@ pub async fn run_slice(
                 conn = None;
                 tries += 1;
                 tracing::warn!(kind = name, job_id = %job.job_id, error = %e, tries, "step not confirmed; resynchronising");
-                if !pause(tries, env.shutdown).await {
-                    return None;
-                }
-                match resync(tr, env, &job).await {
-                    Resync::Ours {
-                        row_version,
-                        checkpoint,
-                    } => {
-                        job.row_version = row_version;
-                        job.checkpoint = checkpoint;
-                    }
-                    Resync::Lost => return Some(lease_lost(name, &job)),
-                    Resync::Shutdown => return None,
+                if let Some(end) = recover(tr, env, &mut job, tries).await {
+                    return end;
                 }
             }
         }
+    }
+}
+
+/// After connection trouble mid-step: waits, then reads the job row back. `None`: the lease is
+/// still ours, go on from the row's checkpoint; `Some(end)`: the slice ends so.
+async fn recover(
+    tr: &dyn Transitions,
+    env: Env<'_>,
+    job: &mut JobCtx,
+    tries: u32,
+) -> Option<Option<&'static str>> {
+    if !pause(tries, env.shutdown).await {
+        return Some(None);
+    }
+    match resync(tr, env, job).await {
+        Resync::Ours {
+            row_version,
+            checkpoint,
+        } => {
+            job.row_version = row_version;
+            job.checkpoint = checkpoint;
+            None
+        }
+        Resync::Lost => Some(Some(lease_lost(tr.kind_name(), job))),
+        Resync::Shutdown => Some(None),
     }
 }
 
@@ -360,18 +403,22 @@ async fn write_end(
     job: &JobCtx,
     end: &End,
 ) -> Result<Option<&'static str>, StepError> {
-    let mut tx = begin(pool, conn).await.map_err(StepError::Certain)?;
-    if !tr
-        .end(&mut tx, job, end)
+    let limit = tr.policy().lease;
+    let mut tx = within(limit, begin(pool, conn))
+        .await
+        .map_err(StepError::Certain)?;
+    if !within(limit, tr.end(&mut tx, job, end))
         .await
         .map_err(StepError::Certain)?
     {
         return Ok(Some(LEASE_LOST));
     }
-    tr.record_end(&mut tx, job, end)
+    within(limit, tr.record_end(&mut tx, job, end))
         .await
         .map_err(StepError::Certain)?;
-    tx.commit().await.map_err(StepError::Uncertain)?;
+    within(limit, tx.commit())
+        .await
+        .map_err(StepError::Uncertain)?;
     Ok(Some(end.name()))
 }
 
@@ -387,7 +434,7 @@ pub(crate) async fn resync(tr: &dyn Transitions, env: Env<'_>, job: &JobCtx) -> 
     loop {
         let row = async {
             let mut conn = crate::db::acquire(env.pool).await?;
-            tr.resync(&mut conn, job).await
+            within(tr.policy().lease, tr.resync(&mut conn, job)).await
         }
         .await;
         match row {
@@ -445,11 +492,38 @@ pub(crate) enum Resync {
 }
 
 /// Extends the lease every lease/3 while the slice runs, on connections of the heartbeat
-/// pool; stops when dropped. A refused heartbeat cancels `lost`, so the slice stops at its
+/// pool, between the slice's step transactions ([`StepGate`]); stops when dropped. A refused heartbeat cancels `lost`, so the slice stops at its
 /// next step; a failed one is tried again at the next beat (two may fail before the lease
 /// runs out).
 struct HeartbeatGuard {
     stop: CancellationToken,
+}
+
+/// What a slice (or a group) and its heartbeat take turns on: the slice holds it while one of
+/// its step transactions is open (the job rows locked), the heartbeat while it extends the
+/// leases. A beat due mid-step so waits for the step's commit here, holding no connection,
+/// rather than on the row lock with one of the few connections every other job's beat
+/// needs; and it is the next to go once the step commits (the lock is fair), before the next
+/// step's fence locks the rows again.
+#[derive(Clone, Default)]
+pub(crate) struct StepGate(Arc<tokio::sync::Mutex<()>>);
+
+impl StepGate {
+    pub(crate) async fn hold(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.0.lock().await
+    }
+
+    /// Held for one beat, unless `stop` comes first: `None` then.
+    pub(crate) async fn hold_unless(
+        &self,
+        stop: &CancellationToken,
+    ) -> Option<tokio::sync::MutexGuard<'_, ()>> {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => None,
+            held = self.0.lock() => (!stop.is_cancelled()).then_some(held),
+        }
+    }
 }
 
 impl HeartbeatGuard {
@@ -459,6 +533,7 @@ impl HeartbeatGuard {
         policy: Policy,
         lost: CancellationToken,
         beat: Arc<dyn Heartbeat>,
+        gate: StepGate,
     ) -> Self {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
@@ -472,11 +547,15 @@ impl HeartbeatGuard {
                 if !super::backoff::nap(wait, &stopped).await {
                     return;
                 }
+                let Some(_held) = gate.hold_unless(&stopped).await else {
+                    return;
+                };
                 let sent = Instant::now();
-                let extended = async {
+                // A beat unanswered for a whole interval is a failed one: the next is due.
+                let extended = within(every, async {
                     let mut conn = crate::db::acquire(&pool).await?;
                     beat.extend(&mut conn, &job).await
-                };
+                });
                 match extended.await {
                     Ok(true) => due = sent + every,
                     Ok(false) => {

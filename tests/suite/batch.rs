@@ -27,6 +27,20 @@ fn engine(env: &TestEnv) -> Engine {
         vec![Arc::new(ProbeHandler)],
         ConsumerConfig::default(),
     )
+    .with_heartbeat_pool(heartbeat_pool(env))
+}
+
+/// A heartbeat pool of the size a worker process has: its few connections are what every
+/// lease's beats share, so a test with the suite's large pool would hide a beat that waits.
+fn heartbeat_pool(env: &TestEnv) -> PgPool {
+    let url = kfs_worker::config::database_url(Some(&env.url)).unwrap();
+    let options =
+        kfs_worker::db::session_options(&url, "kfs-worker batch test heartbeats", None).unwrap();
+    kfs_worker::db::lazy_pool(
+        options,
+        kfs_worker::runtime::HEARTBEAT_CONNECTIONS,
+        Duration::from_secs(10),
+    )
 }
 
 /// `n` probe jobs of `spec`, each put out for delivery as the relay leaves it.
@@ -200,9 +214,10 @@ async fn run_group(
         policy,
     };
     let shutdown = CancellationToken::new();
+    let beats = heartbeat_pool(env);
     let env_ = Env {
         pool: &env.pool,
-        heartbeat_pool: &env.pool,
+        heartbeat_pool: &beats,
         budget: Default::default(),
         shutdown: &shutdown,
         points: &POINTS,
@@ -609,5 +624,68 @@ async fn a_batched_claim_skips_a_job_row_a_step_may_hold_and_claims_the_others()
     others.sort();
     assert_eq!(ids, others);
     step.rollback().await.unwrap();
+    env.cleanup().await;
+}
+
+/// Jobs whose steps hold their rows for most of a lease, beside jobs of many short steps whose
+/// slices outlast the lease, under a short lease and the production heartbeat pool: a beat due
+/// mid-step waits for its own step without taking a connection, so no job's beat queues
+/// behind another job's step and no lease is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn long_steps_beside_short_jobs_lose_no_lease_on_the_production_heartbeat_pool() {
+    let env = TestEnv::new().await;
+    let long = ProbeSpec {
+        steps: 3,
+        step_sleep: Duration::from_millis(2000),
+        ..ProbeSpec::default()
+    };
+    let short = ProbeSpec {
+        steps: 40,
+        step_sleep: Duration::from_millis(100),
+        ..ProbeSpec::default()
+    };
+    let mut refs = dispatched(&env, 4, &long).await;
+    refs.extend(dispatched(&env, 4, &short).await);
+    let mut cfg = ConsumerConfig::default();
+    // Beats every second; a long step holds its row for two of them.
+    cfg.policies.insert(
+        Kind::Probe,
+        Policy {
+            lease: Duration::from_secs(3),
+            ..Kind::Probe.spec().policy
+        },
+    );
+    let engine = Engine::new(
+        env.pool.clone(),
+        "batch-worker-beats",
+        vec![Arc::new(ProbeHandler)],
+        cfg,
+    )
+    .with_heartbeat_pool(heartbeat_pool(&env));
+    let shutdown = CancellationToken::new();
+    let handled = tokio::time::timeout(
+        HANG,
+        futures_util::future::join_all(refs.iter().map(|d| engine.process_ref(d, &shutdown))),
+    )
+    .await
+    .expect("the slices hung");
+    let mut lost = Vec::new();
+    for (d, h) in refs.iter().zip(&handled) {
+        let (run_state, outbox) = state(&env.pool, d.job_id).await;
+        if *h != ack("claimed", "succeeded") || run_state != "succeeded" || outbox != "completed" {
+            lost.push((d.job_id, h.clone(), run_state, outbox));
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "jobs whose slices did not succeed on their first lease (a heartbeat waited): {lost:?}"
+    );
+    for d in &refs {
+        let steps = effects_of(&env.pool, d.job_id).await;
+        assert!(
+            steps.iter().all(|(_, n)| *n == 1),
+            "every step once: {steps:?}"
+        );
+    }
     env.cleanup().await;
 }

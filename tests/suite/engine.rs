@@ -1335,3 +1335,137 @@ async fn a_leased_slice_longer_than_its_lease_is_kept_alive_by_heartbeats_from_a
     one.close().await;
     env.cleanup().await;
 }
+
+/// Each step's effects of a probe job: `(step, times written)`.
+#[cfg(feature = "crash-points")]
+async fn probe_effects(pool: &sqlx::PgPool, job: uuid::Uuid) -> Vec<(i32, i64)> {
+    sqlx::query_as(
+        "SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// A link that goes silent without closing (a half-open connection: a NAT or a failed peer
+/// dropped it) answers no call. Every call is bounded: a claim on such a link fails within
+/// the claim patience and gives its delivery back to the broker, and a slice whose connection
+/// goes silent mid-step drops it and goes on on a fresh one, each step committed once.
+#[cfg(feature = "crash-points")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_a_link_gone_silent_are_bounded_so_claims_give_back_and_slices_go_on() {
+    use std::sync::Arc;
+
+    use kfs_worker::consumer::{Engine, Handled};
+    use kfs_worker::jobs::probe::ProbeHandler;
+    use kfs_worker::jobs::Policy;
+
+    let env = TestEnv::new().await;
+    let (link, through) = crate::support::proxy::Proxy::before(&env.url).await;
+    let url = kfs_worker::config::database_url(Some(through.as_str())).unwrap();
+    let options =
+        kfs_worker::db::session_options(&url, "kfs-worker silent link test", None).unwrap();
+    let pool = kfs_worker::db::lazy_pool(options, 4, Duration::from_secs(2));
+    let mut cfg = ConsumerConfig {
+        claim_patience: Duration::from_secs(3),
+        ..ConsumerConfig::default()
+    };
+    cfg.policies.insert(
+        Kind::Probe,
+        Policy {
+            lease: Duration::from_secs(4),
+            ..Kind::Probe.spec().policy
+        },
+    );
+    let engine = Arc::new(Engine::new(
+        pool.clone(),
+        "worker-silent-link",
+        vec![Arc::new(ProbeHandler)],
+        cfg,
+    ));
+    let shutdown = CancellationToken::new();
+    // Whatever a call does, the test goes on: a hang is a failure, not a stalled suite.
+    const HANG: Duration = Duration::from_secs(60);
+
+    // A claim: the connection it would use is open, then the whole link goes silent.
+    let (job, outbox) = support::enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = support::dispatch(&env.pool, Kind::Probe, outbox).await;
+    sqlx::query("SELECT 1").execute(&pool).await.unwrap();
+    // Back in the pool, idle, so the claim runs its statement on it (not on a connection
+    // still being opened: opening one is bounded by the pool's own timeout).
+    let idle = env
+        .wait_until(Duration::from_secs(10), || async { pool.num_idle() == 1 })
+        .await;
+    assert!(idle, "the pool's connection never came back idle");
+    link.set_hold(true);
+    let handled = tokio::time::timeout(HANG, engine.process_ref(&d, &shutdown)).await;
+    assert_eq!(
+        handled.ok(),
+        Some(Handled::GiveBack),
+        "a claim on a silent link must give its delivery back within its patience"
+    );
+    link.heal();
+    let untouched: (i32, bool) = sqlx::query_as(
+        "SELECT execution_attempts, lease_token IS NULL FROM kfs_probe_jobs WHERE id = $1",
+    )
+    .bind(job)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(untouched, (0, true), "nothing was claimed");
+
+    // A slice: its connection goes silent after the first step; new connections pass.
+    let spec = ProbeSpec {
+        steps: 3,
+        step_sleep: Duration::from_millis(1500),
+        ..ProbeSpec::default()
+    };
+    let (job, outbox) = support::enqueue_one(&env.pool, &spec).await;
+    let d = support::dispatch(&env.pool, Kind::Probe, outbox).await;
+    let running = {
+        let (engine, d, shutdown) = (engine.clone(), d.clone(), shutdown.clone());
+        tokio::spawn(async move { engine.process_ref(&d, &shutdown).await })
+    };
+    let first = env
+        .wait_until(Duration::from_secs(30), || async {
+            !probe_effects(&env.pool, job).await.is_empty()
+        })
+        .await;
+    assert!(first, "the first step never committed");
+    link.freeze_open();
+    let handled = tokio::time::timeout(HANG, running)
+        .await
+        .expect("a slice whose connection went silent never ended")
+        .unwrap();
+    let Handled::Ack { claim, end } = handled.clone() else {
+        panic!("the slice ended without a decision: {handled:?}");
+    };
+    assert_eq!(claim, "claimed");
+    if end == Some("lease_lost") {
+        // Its lease ran out while it found out: the next delivery takes the job over.
+        let again = support::dispatch(&env.pool, Kind::Probe, outbox).await;
+        let handled = tokio::time::timeout(HANG, engine.process_ref(&again, &shutdown))
+            .await
+            .expect("the takeover hung");
+        assert!(
+            matches!(
+                handled,
+                Handled::Ack {
+                    end: Some("succeeded"),
+                    ..
+                }
+            ),
+            "{handled:?}"
+        );
+    } else {
+        assert_eq!(end, Some("succeeded"), "{handled:?}");
+    }
+    assert_eq!(
+        probe_effects(&env.pool, job).await,
+        vec![(1, 1), (2, 1), (3, 1)],
+        "each step committed once"
+    );
+    link.heal();
+    env.cleanup().await;
+}

@@ -18,6 +18,8 @@ struct Faults {
     latency_ms: AtomicU64,
     refuse: AtomicBool,
     hold: AtomicBool,
+    /// Connections numbered up to this (from 1, in the order accepted) are held; 0: none.
+    frozen_up_to: AtomicU64,
     open: AtomicUsize,
     accepted: AtomicU64,
     cut: AtomicU64,
@@ -45,7 +47,7 @@ impl Proxy {
                 let Ok((client, _)) = listener.accept().await else {
                     continue;
                 };
-                f.accepted.fetch_add(1, Ordering::Relaxed);
+                let serial = f.accepted.fetch_add(1, Ordering::Relaxed) + 1;
                 if f.refuse.load(Ordering::Relaxed) {
                     drop(client);
                     continue;
@@ -62,8 +64,8 @@ impl Proxy {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
                     tokio::select! {
-                        () = pump(cr, sw, f.clone()) => {}
-                        () = pump(sr, cw, f.clone()) => {}
+                        () = pump(cr, sw, f.clone(), serial) => {}
+                        () = pump(sr, cw, f.clone(), serial) => {}
                         () = cut_signal(cut) => {}
                     }
                     f.open.fetch_sub(1, Ordering::Relaxed);
@@ -119,6 +121,13 @@ impl Proxy {
         self.faults.hold.store(on, Ordering::Relaxed);
     }
 
+    /// Half-open for the connections open now only: they stop forwarding in both directions
+    /// without closing, as a link a NAT or a failed peer dropped; new connections pass.
+    pub fn freeze_open(&self) {
+        let accepted = self.faults.accepted.load(Ordering::Relaxed);
+        self.faults.frozen_up_to.store(accepted, Ordering::Relaxed);
+    }
+
     /// Connections open through the proxy now.
     pub fn open_connections(&self) -> usize {
         self.faults.open.load(Ordering::Relaxed)
@@ -134,6 +143,7 @@ impl Proxy {
         self.set_latency(0);
         self.set_refuse(false);
         self.set_hold(false);
+        self.faults.frozen_up_to.store(0, Ordering::Relaxed);
     }
 }
 
@@ -152,6 +162,7 @@ async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
     f: Arc<Faults>,
+    serial: u64,
 ) {
     let mut buf = vec![0u8; 16 * 1024];
     loop {
@@ -159,7 +170,7 @@ async fn pump(
             Ok(0) | Err(_) => return,
             Ok(n) => n,
         };
-        while f.hold.load(Ordering::Relaxed) {
+        while f.hold.load(Ordering::Relaxed) || serial <= f.frozen_up_to.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let ms = f.latency_ms.load(Ordering::Relaxed);
