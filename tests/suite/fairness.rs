@@ -338,6 +338,70 @@ async fn a_tenant_at_its_limit_gets_nothing_more_until_one_of_its_jobs_ends() {
     t.cleanup().await;
 }
 
+/// Makes `attempts` due retries, as a consumer leaves a job it will continue: the job `queued`
+/// (out of the fair index), its outbox row `pending`, delivered before, due since `ago`.
+async fn due_retries(pool: &PgPool, attempts: &[Uuid], ago: &str) {
+    sqlx::query(
+        "UPDATE document_compilation_attempts SET run_state = 'queued', row_version = row_version + 1 \
+         WHERE id = ANY($1)",
+    )
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE document_compilation_outbox SET status = 'pending', dispatch_attempts = 1, \
+           delivered_at = now() - interval '1 minute', available_at = now() - interval '{ago}' \
+         WHERE attempt_id = ANY($1)"
+    ))
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Makes `attempts` running: their rows `leased`, counted against their tenant's limit.
+async fn running(pool: &PgPool, attempts: &[Uuid]) {
+    sqlx::query(
+        "UPDATE document_compilation_outbox SET status = 'leased', delivered_at = now(), \
+           available_at = now() + interval '1 hour' WHERE attempt_id = ANY($1)",
+    )
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Tenant A is at its limit (2 running) and has more due retries, older than anything else,
+/// than a claim has room for; tenant B has one due retry. B's retry is published by the next
+/// claim: A's retries, which cannot go, take none of its room.
+#[tokio::test]
+async fn a_held_tenants_due_retries_never_keep_another_tenants_retry_waiting() {
+    let t = TwoTenants::new().await;
+    let a = t.commit_compiles("tenant-a", 14).await;
+    let b = t.commit_compiles("tenant-b", 1).await;
+    running(t.pool(), &a[..2]).await;
+    due_retries(t.pool(), &a[2..], "10 seconds").await;
+    due_retries(t.pool(), &b, "1 second").await;
+    // Room for 4: A's 12 due retries are three times that.
+    let relay = t.relay(4, &[(Kind::Compile, 2)]);
+    let ch = t.fx.env.confirm_channel().await;
+    let r = round(&relay, &ch).await;
+    let b_state: String =
+        sqlx::query_scalar("SELECT status FROM document_compilation_outbox WHERE attempt_id = $1")
+            .bind(b[0])
+            .fetch_one(t.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        (b_state.as_str(), t.in_flight("tenant-a").await),
+        ("dispatched", 2),
+        "tenant-b's due retry is published by one claim while tenant-a, at its limit, gets nothing: {r:?}"
+    );
+    assert!(r.look_again, "a held tenant asks to look again: {r:?}");
+    t.cleanup().await;
+}
+
 /// `migrate` builds the relay's indexes outside any transaction (concurrently), leaves valid
 /// ones alone, and rebuilds one an interrupted build left invalid.
 #[tokio::test]
