@@ -199,6 +199,8 @@ struct KindState {
     in_window: i64,
     left_at_claim: u64,
     held: bool,
+    /// The last claim found the window full, or filled it.
+    full: bool,
 }
 
 /// Begins the relay's claim and mark transactions: see [`Relay::index_planned`].
@@ -283,6 +285,12 @@ impl Relay {
                 s.held,
             )
         })
+    }
+
+    /// Whether `kind`'s last claim found a tenant at its limit with room left in the window:
+    /// only a job of that tenant ending can let more in.
+    pub fn held_only(&self, kind: Kind) -> bool {
+        self.state().get(&kind).is_some_and(|s| s.held && !s.full)
     }
 
     /// Records how many consumers the kind's queue has, for an `auto` window.
@@ -621,7 +629,10 @@ impl Relay {
             s.in_window = room.in_window + room.used;
             s.left_at_claim = left_at_claim;
             s.held = room.held;
+            s.full = room.free == 0 || room.used >= room.free;
         }
+        // Counted so that how often a relay claims can be read off `/metrics`.
+        metrics::counter!("kfs_relay_claims_total", "kind" => kind.name()).increment(1);
         Ok((rows, room))
     }
 

@@ -402,6 +402,93 @@ async fn a_held_tenants_due_retries_never_keep_another_tenants_retry_waiting() {
     t.cleanup().await;
 }
 
+/// A relay-only `kfs-worker run` process of compile, named `id`, under `limits`, serving
+/// `/metrics` on `http`.
+fn relay_process(
+    t: &TwoTenants,
+    id: &str,
+    http: std::net::SocketAddr,
+    extra: &[(&str, &str)],
+) -> crate::support::Worker {
+    let http = http.to_string();
+    let mut vars: Vec<(&str, &str)> = vec![
+        ("KFS_OBJECT_STORE", t.fx.store_url.as_str()),
+        ("KFS_HTTP_ADDR", http.as_str()),
+    ];
+    vars.extend_from_slice(extra);
+    t.fx.env.spawn_worker(
+        id,
+        &["run", "--kinds", "compile", "--worker-id", id, "--relay"],
+        &vars,
+    )
+}
+
+/// The claims the relay process serving `/metrics` on `http` has made so far.
+async fn claims(http: std::net::SocketAddr) -> Option<u64> {
+    let (code, body) = crate::support::http_get(http, "/metrics").await;
+    if code != 200 {
+        return None;
+    }
+    Some(
+        body.lines()
+            .filter(|l| l.starts_with("kfs_relay_claims_total{") && l.contains("kind=\"compile\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64,
+    )
+}
+
+/// While a tenant sits at its limit and nothing of it ends, a relay claims only now and then:
+/// after waits that grow up to its poll (1 s), not every 50 ms for as long as the tenant is
+/// held. Counted over 3 s of a relay process holding tenant-a (limit 1, three compiles, no
+/// consumer to end any): a handful of claims, where polling every 50 ms made about sixty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_holding_a_tenant_at_its_limit_does_not_claim_every_50_ms() {
+    let t = TwoTenants::new().await;
+    t.commit_compiles("tenant-a", 3).await;
+    let http = crate::support::free_port();
+    let mut relay = relay_process(
+        &t,
+        "held-relay",
+        http,
+        &[("KFS_TENANT_LIMITS", "compile=1")],
+    );
+    let pool = t.pool().clone();
+    let held =
+        t.fx.env
+            .wait_until(HANG, || {
+                let pool = pool.clone();
+                async move {
+                    let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM document_compilation_outbox WHERE status = 'dispatched'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                    n == 1 && claims(http).await.is_some()
+                }
+            })
+            .await;
+    assert!(
+        held,
+        "the relay never published tenant-a's first job\n{}",
+        relay.tail(30)
+    );
+    // Let the first looks pass; then count.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = claims(http).await.expect("metrics");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = claims(http).await.expect("metrics");
+    assert_eq!(t.in_flight("tenant-a").await, 1, "never over the limit");
+    let made = after - before;
+    assert!(
+        made <= 12,
+        "{made} claims in 3 s while tenant-a was held at its limit with nothing ending\n{}",
+        relay.tail(10)
+    );
+    relay.kill();
+    t.cleanup().await;
+}
+
 /// `migrate` builds the relay's indexes outside any transaction (concurrently), leaves valid
 /// ones alone, and rebuilds one an interrupted build left invalid.
 #[tokio::test]
