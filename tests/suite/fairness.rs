@@ -489,6 +489,102 @@ async fn a_relay_holding_a_tenant_at_its_limit_does_not_claim_every_50_ms() {
     t.cleanup().await;
 }
 
+/// Two relay processes side by side (`KFS_RELAY_LEAD=all`) under `compile=2`, while the test
+/// plays the consumers (claims a published row, ends a running one): at every sampled moment no
+/// tenant has more than two compiles published or running, and both relays claimed rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relay_processes_never_admit_a_tenant_past_its_limit() {
+    let t = TwoTenants::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE relay_claims (locked_by TEXT NOT NULL); \
+         CREATE FUNCTION relay_claimed() RETURNS trigger LANGUAGE plpgsql AS $f$ \
+         BEGIN INSERT INTO relay_claims VALUES (NEW.locked_by); RETURN NULL; END $f$; \
+         CREATE TRIGGER relay_claimed AFTER UPDATE ON document_compilation_outbox FOR EACH ROW \
+           WHEN (NEW.status = 'dispatching' AND OLD.status <> 'dispatching') \
+           EXECUTE FUNCTION relay_claimed();",
+    )
+    .execute(t.pool())
+    .await
+    .unwrap();
+    t.commit_compiles("tenant-a", 12).await;
+    t.commit_compiles("tenant-b", 12).await;
+    let vars = [
+        ("KFS_TENANT_LIMITS", "compile=2"),
+        ("KFS_RELAY_LEAD", "all"),
+        ("KFS_RELAY_WINDOW", "8"),
+        ("KFS_RELAY_POLL", "100ms"),
+    ];
+    let mut relays = [
+        relay_process(&t, "limit-relay-1", crate::support::free_port(), &vars),
+        relay_process(&t, "limit-relay-2", crate::support::free_port(), &vars),
+    ];
+    let started = std::time::Instant::now();
+    let mut samples = 0;
+    loop {
+        let busy: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT a.tenant_id::text, count(*) FROM document_compilation_outbox o \
+             JOIN document_compilation_attempts a ON a.id = o.attempt_id \
+             WHERE o.status IN ('dispatching', 'dispatched', 'leased') GROUP BY 1",
+        )
+        .fetch_all(t.pool())
+        .await
+        .unwrap();
+        samples += 1;
+        assert!(
+            busy.iter().all(|(_, n)| *n <= 2),
+            "a tenant past its limit of 2: {busy:?}"
+        );
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM document_compilation_outbox WHERE status = 'completed'",
+        )
+        .fetch_one(t.pool())
+        .await
+        .unwrap();
+        if done == 24 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{done} of 24 ended\n{}\n{}",
+            relays[0].tail(10),
+            relays[1].tail(10)
+        );
+        // A consumer ends a running job, and claims a published one.
+        sqlx::query(
+            "UPDATE document_compilation_outbox SET status = 'completed' WHERE id = \
+               (SELECT id FROM document_compilation_outbox WHERE status = 'leased' ORDER BY updated_at LIMIT 1)",
+        )
+        .execute(t.pool())
+        .await
+        .unwrap();
+        sqlx::query(
+            "UPDATE document_compilation_outbox SET status = 'leased', delivered_at = now(), \
+               available_at = now() + interval '1 hour' WHERE id = \
+               (SELECT id FROM document_compilation_outbox WHERE status = 'dispatched' \
+                ORDER BY updated_at LIMIT 1 FOR UPDATE SKIP LOCKED)",
+        )
+        .execute(t.pool())
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let by: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT split_part(locked_by, '#', 1) FROM relay_claims ORDER BY 1",
+    )
+    .fetch_all(t.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        by,
+        ["limit-relay-1", "limit-relay-2"],
+        "both relays claimed ({samples} samples)"
+    );
+    for r in &mut relays {
+        r.kill();
+    }
+    t.cleanup().await;
+}
+
 /// `migrate` builds the relay's indexes outside any transaction (concurrently), leaves valid
 /// ones alone, and rebuilds one an interrupted build left invalid.
 #[tokio::test]
