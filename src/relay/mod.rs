@@ -3,7 +3,9 @@
 //! anything is published; only a broker ack without a return marks a row dispatched, fenced by
 //! its lock token; everything else goes back to pending with backoff, or dead after the last
 //! allowed attempt, and its job fails with `dispatch_exhausted`, recorded by the kind's failure
-//! hook in the same transaction. Rows are claimed with `SKIP LOCKED`, so any number of relays
+//! hook in the same transaction. A row is never dead while its job lives on without it: one
+//! whose job still holds a live lease goes back to pending instead, until a publish gets through
+//! or the lease runs out. Rows are claimed with `SKIP LOCKED`, so any number of relays
 //! run side by side and one row never blocks the rest.
 //!
 //! The database decides what runs next: per kind, at most a window of messages is published and
@@ -197,6 +199,8 @@ struct KindState {
     in_window: i64,
     left_at_claim: u64,
     held: bool,
+    /// The last claim found the window full, or filled it.
+    full: bool,
 }
 
 /// Begins the relay's claim and mark transactions: see [`Relay::index_planned`].
@@ -281,6 +285,12 @@ impl Relay {
                 s.held,
             )
         })
+    }
+
+    /// Whether `kind`'s last claim found a tenant at its limit with room left in the window:
+    /// only a job of that tenant ending can let more in.
+    pub fn held_only(&self, kind: Kind) -> bool {
+        self.state().get(&kind).is_some_and(|s| s.held && !s.full)
     }
 
     /// Records how many consumers the kind's queue has, for an `auto` window.
@@ -619,7 +629,10 @@ impl Relay {
             s.in_window = room.in_window + room.used;
             s.left_at_claim = left_at_claim;
             s.held = room.held;
+            s.full = room.free == 0 || room.used >= room.free;
         }
+        // Counted so that how often a relay claims can be read off `/metrics`.
+        metrics::counter!("kfs_relay_claims_total", "kind" => kind.name()).increment(1);
         Ok((rows, room))
     }
 
@@ -691,13 +704,14 @@ impl Relay {
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             type Dead = (
                 i64,
+                i64,
                 Option<Uuid>,
                 Option<String>,
                 Option<i32>,
                 Option<i32>,
                 Option<i32>,
             );
-            let (d, job, checkpoint, row_version, attempts, max_attempts): Dead =
+            let (d, kept, job, checkpoint, row_version, attempts, max_attempts): Dead =
                 sqlx::query_as(&st.dead)
                     .bind([*id])
                     .bind(*why)
@@ -713,7 +727,21 @@ impl Relay {
             }
             tx.commit().await?;
             dead_count += usize::try_from(d).unwrap_or(0);
-            if d == 0 {
+            if kept > 0 {
+                // Its job still holds a live lease, which no dead row may outlive: published
+                // again after the usual backoff, until a publish gets through or the lease runs
+                // out and the job fails with the row.
+                let row = rows.iter().find(|r| r.id == *id);
+                let attempt = row.map_or(1, |r| {
+                    u32::try_from(r.dispatch_attempts.max(1)).unwrap_or(1)
+                });
+                tracing::warn!(kind = %kind, outbox_id = %id, reason = %why, "dispatch attempts used up while the job's lease is live; released, not dead");
+                retry.0.push(*id);
+                retry.1.push(crate::engine::lease::millis(
+                    self.cfg.release.delay_jittered(attempt),
+                ));
+                retry.2.push(0);
+            } else if d == 0 {
                 // Its job row was busy: try again shortly rather than wait for it.
                 retry.0.push(*id);
                 retry.1.push(1000);

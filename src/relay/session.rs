@@ -1,12 +1,14 @@
 //! The relay's session: one broker channel in confirm mode and one Postgres listener. Invariant:
 //! the listener is only a wake-up (polling every `poll` wakes every kind whatever happens);
-//! after a failed round no new one starts, the rounds in flight settle what they claimed, and
-//! the session reconnects after a backoff that only a whole settled round resets. A kind whose
-//! window filled (or whose tenant reached its limit) is looked at again as soon as consumers of
-//! this process have taken half its window (or any of its jobs ended, for a held tenant), and
-//! after `window_poll` at the latest.
+//! after a failed round or a failed call of the session's own (the poll's passive declare) no new
+//! round starts, the rounds in flight settle what they claimed, and the session reconnects after
+//! a backoff that only a whole settled round resets. A kind whose window filled is looked at
+//! again as soon as consumers of this process have taken half its window, and after
+//! `window_poll` at the latest; a kind held back only by a tenant's limit, at any decided
+//! delivery of this process or after a wait that doubles from `window_poll` up to `poll` while
+//! its claims keep finding the tenant held, never every `window_poll` for as long as it is.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use lapin::options::ConfirmSelectOptions;
@@ -85,17 +87,23 @@ pub(crate) async fn relay_loop(
             // Kinds whose window was full (or a tenant at its limit) when their round ended:
             // looked at again when a consumer of this process frees room, or after
             // `window_poll` for consumers elsewhere.
-            let mut waiting_room: BTreeSet<Kind> = BTreeSet::new();
-            let mut room_deadline: Option<tokio::time::Instant> = None;
+            let mut waiting_room: BTreeMap<Kind, tokio::time::Instant> = BTreeMap::new();
+            // Per kind, how many claims in a row found a tenant held and the window not full.
+            let mut held_looks: BTreeMap<Kind, u32> = BTreeMap::new();
             let mut freed = super::window::subscribe();
             count_consumers(&relay, &ch, &topology)
                 .await
                 .map_err(|e| e.to_string())?;
+            // A broker call of the session itself that failed (the poll's passive declare): no
+            // new round starts, the rounds in flight settle what they claimed, then it ends.
+            let mut broken: Option<String> = None;
             loop {
-                if !shutdown.is_cancelled() {
+                if !shutdown.is_cancelled() && broken.is_none() {
                     rounds.start();
                 }
-                if !rounds.in_flight() && (rounds.has_failed() || shutdown.is_cancelled()) {
+                if !rounds.in_flight()
+                    && (rounds.has_failed() || broken.is_some() || shutdown.is_cancelled())
+                {
                     break;
                 }
                 tokio::select! {
@@ -106,11 +114,23 @@ pub(crate) async fn relay_loop(
                         // the session reconnects.
                         if let Settled::Round(r) = settled {
                             backoff = reconnect_backoff();
+                            let looks = if relay.held_only(kind) {
+                                let n = held_looks.entry(kind).or_default();
+                                *n = n.saturating_add(1);
+                                Some(*n - 1)
+                            } else {
+                                held_looks.remove(&kind);
+                                None
+                            };
                             if r.look_again {
-                                waiting_room.insert(kind);
-                                room_deadline.get_or_insert_with(|| {
-                                    tokio::time::Instant::now() + relay.config().window_poll
+                                let wait = looks.map_or(relay.config().window_poll, |n| {
+                                    super::window::held_wait(
+                                        n,
+                                        relay.config().window_poll,
+                                        relay.config().poll,
+                                    )
                                 });
+                                waiting_room.insert(kind, tokio::time::Instant::now() + wait);
                             }
                             watcher.ask(watches.claimed(kind, r.claimed));
                             let_go_if_quiet([kind], &rounds, &mut watches, &mut watcher);
@@ -178,11 +198,13 @@ pub(crate) async fn relay_loop(
                             }
                         }
                     }
-                    _ = poll.tick(), if !rounds.has_failed() => {
-                        if let Err(e) = count_consumers(&relay, &ch, &topology).await {
-                            return Err(e.to_string());
+                    _ = poll.tick(), if !rounds.has_failed() && broken.is_none() => {
+                        // Ending the session here would drop the rounds in flight with the rows
+                        // they claimed still `dispatching` under their lock: they settle first.
+                        match count_consumers(&relay, &ch, &topology).await {
+                            Ok(()) => rounds.wake(kinds.clone()),
+                            Err(e) => broken = Some(e.to_string()),
                         }
-                        rounds.wake(kinds.clone());
                     }
                     changed = freed.changed(), if !waiting_room.is_empty() && !rounds.has_failed() => {
                         if changed.is_ok() {
@@ -190,19 +212,22 @@ pub(crate) async fn relay_loop(
                         }
                         // A kind refills when half its window has left, not at every claim.
                         let ready: Vec<Kind> = waiting_room
-                            .iter()
+                            .keys()
                             .copied()
                             .filter(|&k| relay.worth_a_look(k))
                             .collect();
-                        waiting_room.retain(|k| !ready.contains(k));
-                        if waiting_room.is_empty() {
-                            room_deadline = None;
-                        }
+                        waiting_room.retain(|k, _| !ready.contains(k));
                         rounds.wake(ready);
                     }
-                    () = look_again(room_deadline), if !rounds.has_failed() => {
-                        room_deadline = None;
-                        rounds.wake(std::mem::take(&mut waiting_room));
+                    () = look_again(waiting_room.values().min().copied()), if !rounds.has_failed() => {
+                        let now = tokio::time::Instant::now();
+                        let due: Vec<Kind> = waiting_room
+                            .iter()
+                            .filter(|(_, &at)| at <= now)
+                            .map(|(&k, _)| k)
+                            .collect();
+                        waiting_room.retain(|k, _| !due.contains(k));
+                        rounds.wake(due);
                     }
                     woken = wait_for_notification(&mut listener), if !rounds.has_failed() => {
                         match woken {
@@ -227,6 +252,9 @@ pub(crate) async fn relay_loop(
             watcher.close(watches.held(), Duration::from_secs(1)).await;
             if let Some(e) = rounds.failed() {
                 return Err(e.to_string());
+            }
+            if let Some(e) = broken {
+                return Err(e);
             }
             // A connection the broker already dropped may never answer a close.
             let _ = tokio::time::timeout(Duration::from_secs(3), ch.close(200, "bye".into())).await;

@@ -1,7 +1,9 @@
 //! The relay's statement texts of one kind, rendered once. Invariant: a claim takes rows with
 //! `SKIP LOCKED`, at most 1.5 × `batch` + 3 of them; every later write to a claimed row
-//! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a job row
-//! another transaction holds is skipped, never waited for; the mark skips outbox rows another
+//! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a row goes
+//! dead only with its job failed with it (or already ended or paused), never while its job
+//! holds a live lease; with tenant limits, no retry of a tenant at its limit takes any of a
+//! claim's room; a job row another transaction holds is skipped, never waited for; the mark skips outbox rows another
 //! transaction holds (a consumer's claim, which leases the row itself), so it never waits;
 //! outbox rows the release waits for are taken in id order, as the consumer's batched
 //! statements take them, so none of them deadlock.
@@ -43,7 +45,7 @@ impl Statements {
         } else {
             "1"
         };
-        let (mark_job, failed_set, failable) = match spec.states {
+        let (mark_job, failed_set, failable, live) = match spec.states {
             States::RunState { failed_keeps_slot } => (
                 "ready AS ( \
                    SELECT j.id FROM {job} j JOIN marked ON j.id = marked.job_id \
@@ -60,12 +62,15 @@ impl Statements {
                 },
                 "(j.run_state IN ('dispatch_pending', 'queued', 'retry_wait') \
                   OR (j.run_state = 'running' AND j.lease_expires_at <= {now}))",
+                "(j.run_state = 'running' AND j.lease_expires_at > {now})",
             ),
             States::Stage => (
                 "moved AS (SELECT 1 WHERE false)",
                 "stage = 'failed', retry_at = NULL, completed_at = {now}, error = 'dispatch_exhausted: ' || $2",
                 "(j.stage NOT IN ('paused', 'completed', 'failed', 'canceled') \
                   AND (j.lease_token IS NULL OR j.lease_expires_at <= {now}))",
+                "(j.stage NOT IN ('paused', 'completed', 'failed', 'canceled') \
+                  AND j.lease_token IS NOT NULL AND j.lease_expires_at > {now})",
             ),
         };
         Statements {
@@ -105,22 +110,28 @@ impl Statements {
             ),
             // Job rows locked by someone else (a worker mid-step) are skipped, never waited for:
             // their outbox rows stay `dispatching` under our token and are released instead.
+            // A row whose job still holds a live lease (a takeover published while its holder's
+            // lease runs) is not made dead either: its job cannot be failed under that lease, and
+            // a dead row is never published again, so the job would stay `running` for ever
+            // (a compile keeping its active slot). It is counted as `kept` and released: it is
+            // published again until a publish gets through or the lease runs out and the job
+            // fails with it.
             dead: spec.sql(&format!(
                 "WITH lockable AS ( \
-                   SELECT o.id, o.{{fk}} AS job_id FROM {{outbox}} o JOIN {{job}} j ON j.id = o.{{fk}} \
+                   SELECT o.id, o.{{fk}} AS job_id, {live} AS live FROM {{outbox}} o JOIN {{job}} j ON j.id = o.{{fk}} \
                    WHERE o.id = ANY($1::uuid[]) AND o.lock_token = $3 AND o.status = 'dispatching' \
                    FOR UPDATE OF o, j SKIP LOCKED \
                  ), r AS ( \
                    UPDATE {{outbox}} o SET status = 'dead', lock_token = NULL, locked_by = NULL, locked_until = NULL, \
                      last_error = 'dispatch_exhausted: ' || $2, updated_at = {{now}} \
-                   FROM lockable WHERE o.id = lockable.id \
+                   FROM lockable WHERE o.id = lockable.id AND NOT lockable.live \
                    RETURNING o.{{fk}} AS job_id \
                  ), f AS ( \
                    UPDATE {{job}} j SET {failed_set}, {LEASE_CLEAR}, row_version = j.row_version + 1, updated_at = {{now}} \
                    FROM r WHERE j.id = r.job_id AND {failable} \
                    RETURNING j.id, j.{{cp}}::text AS cp, j.row_version, j.execution_attempts, j.max_execution_attempts \
-                 ) SELECT (SELECT count(*) FROM r), f.id, f.cp, f.row_version, f.execution_attempts, \
-                   f.max_execution_attempts \
+                 ) SELECT (SELECT count(*) FROM r), (SELECT count(*) FROM lockable WHERE live) AS kept, \
+                   f.id, f.cp, f.row_version, f.execution_attempts, f.max_execution_attempts \
                  FROM (SELECT 1) AS one LEFT JOIN f ON true"
             )),
         }
@@ -162,6 +173,13 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
             String::new()
         }
     };
+    // The job `job` of a row is not its tenant's at the limit.
+    let open_job = |job: &str| {
+        format!(
+            "NOT EXISTS (SELECT 1 FROM {{job}} j JOIN busy b ON b.t = j.tenant_id::text \
+             WHERE j.id = {job} AND b.n >= $7)"
+        )
+    };
     let share = if limited {
         "least(sh.n, $7 - coalesce((SELECT b.n FROM busy b WHERE b.t = r.t), 0))"
     } else {
@@ -183,6 +201,26 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
         Some(f) => {
             let fresh = f.fresh;
             let (open_after, open_before) = (open("a.t"), open("b.t"));
+            // Rows of tenants at their limit are left out before the fill's limit, or a held
+            // tenant's oldest rows would take all of it. Which of them are held is read from
+            // the oldest candidates only (a few batches), so a held tenant's backlog of new work
+            // is never walked: that work is the round-robin's, and a row behind more than that
+            // is reached as the rows before it leave.
+            let open_fill = if limited {
+                format!(
+                    "AND o.id = ANY (ARRAY( \
+                       SELECT c.id FROM ( \
+                         SELECT o2.id, o2.{{fk}} AS job_id FROM {{outbox}} o2 \
+                         WHERE o2.status = 'pending' AND o2.available_at <= {{now}} \
+                           AND o2.id <> ALL (ARRAY(SELECT id FROM retry UNION ALL SELECT id FROM fair)) \
+                         ORDER BY o2.available_at LIMIT $1 * 4 + 16 \
+                       ) c WHERE {} \
+                     ))",
+                    open_job("c.job_id")
+                )
+            } else {
+                String::new()
+            };
             format!(
                 "after(t) AS ( \
                    (SELECT j.tenant_id::text FROM {{job}} j WHERE {fresh} AND j.tenant_id > $6::text \
@@ -221,7 +259,7 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
                  ), fill AS ( \
                    SELECT o.id, o.{{fk}} AS job_id, o.available_at FROM {{outbox}} o \
                    WHERE o.status = 'pending' AND o.available_at <= {{now}} \
-                     AND o.id <> ALL (ARRAY(SELECT id FROM retry UNION ALL SELECT id FROM fair)) \
+                     AND o.id <> ALL (ARRAY(SELECT id FROM retry UNION ALL SELECT id FROM fair)) {open_fill} \
                    ORDER BY o.available_at \
                    LIMIT greatest((SELECT n FROM room) - (SELECT count(*) FROM retry) - (SELECT count(*) FROM fair), 0) \
                    FOR UPDATE OF o SKIP LOCKED \
@@ -259,6 +297,14 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
     } else {
         ("", "", "false")
     };
+    // Retries of tenants at their limit are left out before the retry's limit: taken first and
+    // dropped after, a held tenant's due retries filled it at every claim, and no other
+    // tenant's retry or continued slice was ever reached.
+    let open_retry = if limited && spec.fairness.is_some() {
+        format!("AND {}", open_job("{outbox}.{fk}"))
+    } else {
+        String::new()
+    };
     format!(
         "WITH RECURSIVE free AS ( \
            SELECT greatest(least($1::bigint, $5::bigint - count(*)), 0) AS n, count(*) AS c \
@@ -276,7 +322,7 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
            SELECT greatest(f.n - (SELECT count(*) FROM expired), 0) AS n FROM free f \
          ), {busy}retry AS ( \
            SELECT id, {{fk}} AS job_id, available_at FROM {{outbox}} \
-           WHERE status = 'pending' AND available_at <= {{now}} AND {URGENT_ROW} \
+           WHERE status = 'pending' AND available_at <= {{now}} AND {URGENT_ROW} {open_retry} \
            ORDER BY available_at LIMIT (SELECT n FROM room) FOR UPDATE SKIP LOCKED \
          ), {fresh_ctes}ranked AS ( \
            SELECT g.*, row_number() OVER (PARTITION BY g.t ORDER BY g.class, g.at, g.k) AS tr, \

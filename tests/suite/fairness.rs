@@ -338,6 +338,253 @@ async fn a_tenant_at_its_limit_gets_nothing_more_until_one_of_its_jobs_ends() {
     t.cleanup().await;
 }
 
+/// Makes `attempts` due retries, as a consumer leaves a job it will continue: the job `queued`
+/// (out of the fair index), its outbox row `pending`, delivered before, due since `ago`.
+async fn due_retries(pool: &PgPool, attempts: &[Uuid], ago: &str) {
+    sqlx::query(
+        "UPDATE document_compilation_attempts SET run_state = 'queued', row_version = row_version + 1 \
+         WHERE id = ANY($1)",
+    )
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE document_compilation_outbox SET status = 'pending', dispatch_attempts = 1, \
+           delivered_at = now() - interval '1 minute', available_at = now() - interval '{ago}' \
+         WHERE attempt_id = ANY($1)"
+    ))
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Makes `attempts` running: their rows `leased`, counted against their tenant's limit.
+async fn running(pool: &PgPool, attempts: &[Uuid]) {
+    sqlx::query(
+        "UPDATE document_compilation_outbox SET status = 'leased', delivered_at = now(), \
+           available_at = now() + interval '1 hour' WHERE attempt_id = ANY($1)",
+    )
+    .bind(attempts)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Tenant A is at its limit (2 running) and has more due retries, older than anything else,
+/// than a claim has room for; tenant B has one due retry. B's retry is published by the next
+/// claim: A's retries, which cannot go, take none of its room.
+#[tokio::test]
+async fn a_held_tenants_due_retries_never_keep_another_tenants_retry_waiting() {
+    let t = TwoTenants::new().await;
+    let a = t.commit_compiles("tenant-a", 14).await;
+    let b = t.commit_compiles("tenant-b", 1).await;
+    running(t.pool(), &a[..2]).await;
+    due_retries(t.pool(), &a[2..], "10 seconds").await;
+    due_retries(t.pool(), &b, "1 second").await;
+    // Room for 4: A's 12 due retries are three times that.
+    let relay = t.relay(4, &[(Kind::Compile, 2)]);
+    let ch = t.fx.env.confirm_channel().await;
+    let r = round(&relay, &ch).await;
+    let b_state: String =
+        sqlx::query_scalar("SELECT status FROM document_compilation_outbox WHERE attempt_id = $1")
+            .bind(b[0])
+            .fetch_one(t.pool())
+            .await
+            .unwrap();
+    assert_eq!(
+        (b_state.as_str(), t.in_flight("tenant-a").await),
+        ("dispatched", 2),
+        "tenant-b's due retry is published by one claim while tenant-a, at its limit, gets nothing: {r:?}"
+    );
+    assert!(r.look_again, "a held tenant asks to look again: {r:?}");
+    t.cleanup().await;
+}
+
+/// A relay-only `kfs-worker run` process of compile, named `id`, under `limits`, serving
+/// `/metrics` on `http`.
+fn relay_process(
+    t: &TwoTenants,
+    id: &str,
+    http: std::net::SocketAddr,
+    extra: &[(&str, &str)],
+) -> crate::support::Worker {
+    let http = http.to_string();
+    let mut vars: Vec<(&str, &str)> = vec![
+        ("KFS_OBJECT_STORE", t.fx.store_url.as_str()),
+        ("KFS_HTTP_ADDR", http.as_str()),
+    ];
+    vars.extend_from_slice(extra);
+    t.fx.env.spawn_worker(
+        id,
+        &["run", "--kinds", "compile", "--worker-id", id, "--relay"],
+        &vars,
+    )
+}
+
+/// The claims the relay process serving `/metrics` on `http` has made so far.
+async fn claims(http: std::net::SocketAddr) -> Option<u64> {
+    let (code, body) = crate::support::http_get(http, "/metrics").await;
+    if code != 200 {
+        return None;
+    }
+    Some(
+        body.lines()
+            .filter(|l| l.starts_with("kfs_relay_claims_total{") && l.contains("kind=\"compile\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64,
+    )
+}
+
+/// While a tenant sits at its limit and nothing of it ends, a relay claims only now and then:
+/// after waits that grow up to its poll (1 s), not every 50 ms for as long as the tenant is
+/// held. Counted over 3 s of a relay process holding tenant-a (limit 1, three compiles, no
+/// consumer to end any): a handful of claims, where polling every 50 ms made about sixty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_holding_a_tenant_at_its_limit_does_not_claim_every_50_ms() {
+    let t = TwoTenants::new().await;
+    t.commit_compiles("tenant-a", 3).await;
+    let http = crate::support::free_port();
+    let mut relay = relay_process(
+        &t,
+        "held-relay",
+        http,
+        &[("KFS_TENANT_LIMITS", "compile=1")],
+    );
+    let pool = t.pool().clone();
+    let held =
+        t.fx.env
+            .wait_until(HANG, || {
+                let pool = pool.clone();
+                async move {
+                    let n: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM document_compilation_outbox WHERE status = 'dispatched'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                    n == 1 && claims(http).await.is_some()
+                }
+            })
+            .await;
+    assert!(
+        held,
+        "the relay never published tenant-a's first job\n{}",
+        relay.tail(30)
+    );
+    // Let the first looks pass; then count.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = claims(http).await.expect("metrics");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let after = claims(http).await.expect("metrics");
+    assert_eq!(t.in_flight("tenant-a").await, 1, "never over the limit");
+    let made = after - before;
+    assert!(
+        made <= 12,
+        "{made} claims in 3 s while tenant-a was held at its limit with nothing ending\n{}",
+        relay.tail(10)
+    );
+    relay.kill();
+    t.cleanup().await;
+}
+
+/// Two relay processes side by side (`KFS_RELAY_LEAD=all`) under `compile=2`, while the test
+/// plays the consumers (claims a published row, ends a running one): at every sampled moment no
+/// tenant has more than two compiles published or running, and both relays claimed rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relay_processes_never_admit_a_tenant_past_its_limit() {
+    let t = TwoTenants::new().await;
+    sqlx::raw_sql(
+        "CREATE TABLE relay_claims (locked_by TEXT NOT NULL); \
+         CREATE FUNCTION relay_claimed() RETURNS trigger LANGUAGE plpgsql AS $f$ \
+         BEGIN INSERT INTO relay_claims VALUES (NEW.locked_by); RETURN NULL; END $f$; \
+         CREATE TRIGGER relay_claimed AFTER UPDATE ON document_compilation_outbox FOR EACH ROW \
+           WHEN (NEW.status = 'dispatching' AND OLD.status <> 'dispatching') \
+           EXECUTE FUNCTION relay_claimed();",
+    )
+    .execute(t.pool())
+    .await
+    .unwrap();
+    t.commit_compiles("tenant-a", 12).await;
+    t.commit_compiles("tenant-b", 12).await;
+    let vars = [
+        ("KFS_TENANT_LIMITS", "compile=2"),
+        ("KFS_RELAY_LEAD", "all"),
+        ("KFS_RELAY_WINDOW", "8"),
+        ("KFS_RELAY_POLL", "100ms"),
+    ];
+    let mut relays = [
+        relay_process(&t, "limit-relay-1", crate::support::free_port(), &vars),
+        relay_process(&t, "limit-relay-2", crate::support::free_port(), &vars),
+    ];
+    let started = std::time::Instant::now();
+    let mut samples = 0;
+    loop {
+        let busy: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT a.tenant_id::text, count(*) FROM document_compilation_outbox o \
+             JOIN document_compilation_attempts a ON a.id = o.attempt_id \
+             WHERE o.status IN ('dispatching', 'dispatched', 'leased') GROUP BY 1",
+        )
+        .fetch_all(t.pool())
+        .await
+        .unwrap();
+        samples += 1;
+        assert!(
+            busy.iter().all(|(_, n)| *n <= 2),
+            "a tenant past its limit of 2: {busy:?}"
+        );
+        let done: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM document_compilation_outbox WHERE status = 'completed'",
+        )
+        .fetch_one(t.pool())
+        .await
+        .unwrap();
+        if done == 24 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{done} of 24 ended\n{}\n{}",
+            relays[0].tail(10),
+            relays[1].tail(10)
+        );
+        // A consumer ends a running job, and claims a published one.
+        sqlx::query(
+            "UPDATE document_compilation_outbox SET status = 'completed' WHERE id = \
+               (SELECT id FROM document_compilation_outbox WHERE status = 'leased' ORDER BY updated_at LIMIT 1)",
+        )
+        .execute(t.pool())
+        .await
+        .unwrap();
+        sqlx::query(
+            "UPDATE document_compilation_outbox SET status = 'leased', delivered_at = now(), \
+               available_at = now() + interval '1 hour' WHERE id = \
+               (SELECT id FROM document_compilation_outbox WHERE status = 'dispatched' \
+                ORDER BY updated_at LIMIT 1 FOR UPDATE SKIP LOCKED)",
+        )
+        .execute(t.pool())
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let by: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT split_part(locked_by, '#', 1) FROM relay_claims ORDER BY 1",
+    )
+    .fetch_all(t.pool())
+    .await
+    .unwrap();
+    assert_eq!(
+        by,
+        ["limit-relay-1", "limit-relay-2"],
+        "both relays claimed ({samples} samples)"
+    );
+    for r in &mut relays {
+        r.kill();
+    }
+    t.cleanup().await;
+}
+
 /// `migrate` builds the relay's indexes outside any transaction (concurrently), leaves valid
 /// ones alone, and rebuilds one an interrupted build left invalid.
 #[tokio::test]

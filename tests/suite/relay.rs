@@ -901,6 +901,121 @@ async fn an_unroutable_publish_is_released_with_backoff_and_dead_after_the_last_
     env.cleanup().await;
 }
 
+/// A worker process holding a job under a long lease is killed; the sweep makes its row due
+/// for takeover, and that republish cannot be routed on its last allowed dispatch attempt
+/// (`KFS_MAX_DISPATCH_ATTEMPTS=1`). The job cannot be failed under the live lease, and a dead
+/// row is never published again: so the row is released, not dead, and once routing returns
+/// the job is published and runs to the end. Never `running` with a dead outbox row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_exhausts_its_dispatch_attempts_under_a_live_lease_is_released_not_dead() {
+    let env = TestEnv::new().await;
+    let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let ch = env.confirm_channel().await;
+    assert_eq!(
+        round(&relay(&env, "relay-first", cfg()), &ch, Kind::Probe)
+            .await
+            .dispatched,
+        1
+    );
+    // The holder dies right after its claim committed: the job is `running` under a lease of
+    // ten minutes that nobody renews.
+    let mut holder = env.spawn_worker(
+        "holder",
+        &[
+            "run",
+            "--kinds",
+            "probe",
+            "--worker-id",
+            "holder",
+            "--consumer",
+        ],
+        &[
+            ("KFS_CRASH_AT", "after-claim-commit"),
+            ("KFS_BATCH_MAX", "1"),
+            ("KFS_LEASES", "probe=600s"),
+        ],
+    );
+    let status = holder.exited(HANG).await;
+    assert!(
+        status.is_some_and(|s| std::os::unix::process::ExitStatusExt::signal(&s).is_some()),
+        "the holder must die at its kill point: {status:?}\n{}",
+        holder.tail(30)
+    );
+    assert_eq!(job_state(&env.pool, job).await.0, "running");
+    // Nothing brings the message back but the relay: the broker's redelivery is gone.
+    drain(&env).await;
+    let pool = env.pool.clone();
+    let rearmed = env
+        .wait_until(HANG, || {
+            let pool = pool.clone();
+            async move {
+                kfs_worker::maintenance::sweep_once(&pool, Kind::Probe)
+                    .await
+                    .unwrap()
+                    == 1
+            }
+        })
+        .await;
+    assert!(rearmed, "the sweep never made the dead holder's row due");
+
+    // The takeover's republish comes back unroutable, on its last allowed attempt.
+    let topology = unroutable_topology(&env).await;
+    let unroutable = Relay::new(
+        env.pool.clone(),
+        topology.clone(),
+        "relay-unroutable",
+        RelayConfig {
+            max_dispatch_attempts: 1,
+            ..cfg()
+        },
+        &[Kind::Probe],
+    );
+    let r = round(&unroutable, &ch, Kind::Probe).await;
+    let row = outbox_state(&env.pool, outbox).await;
+    let (state, _) = job_state(&env.pool, job).await;
+    assert!(
+        !(state == "running" && row.status == "dead"),
+        "the job is left running with a dead outbox row: {r:?}, job {state}, outbox {row:?}"
+    );
+    assert_eq!(
+        (r.dead, r.released, row.status.as_str(), state.as_str()),
+        (0, 1, "pending", "running"),
+        "released under the live lease: {row:?}"
+    );
+
+    // Routing returns: the row is published again and a live worker runs the job to the end.
+    sqlx::query("UPDATE kfs_probe_outbox SET available_at = now() WHERE id = $1")
+        .bind(outbox)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let again = round(&relay(&env, "relay-back", cfg()), &ch, Kind::Probe).await;
+    assert_eq!(again.dispatched, 1, "{again:?}");
+    let mut taker = env.spawn_worker(
+        "taker",
+        &[
+            "run",
+            "--kinds",
+            "probe",
+            "--worker-id",
+            "taker",
+            "--consumer",
+        ],
+        &[("KFS_LEASES", "probe=600s")],
+    );
+    let done = env.wait_probe_succeeded(1, Duration::from_secs(60)).await;
+    assert!(
+        done,
+        "the job never ran again: {}\n{}",
+        job_text(&env.pool, job).await,
+        taker.tail(30)
+    );
+    assert_eq!(outbox_state(&env.pool, outbox).await.status, "completed");
+    taker.kill();
+    delete_exchange(&env, &topology).await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn two_relays_side_by_side_publish_each_of_500_rows_exactly_once() {
     let env = TestEnv::new().await;
