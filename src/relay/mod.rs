@@ -640,6 +640,59 @@ impl Relay {
     /// claimed row dispatched as if the broker had confirmed it. Returns the rows marked. Only
     /// the bench uses it, to measure how fast the relay could go if publishing cost nothing;
     /// the messages it "dispatches" are never sent.
+    /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of the claim this relay would run for `kind`
+    /// now, in a transaction rolled back afterwards: what a claim costs, for tests and
+    /// benchmarks. Nothing is claimed. `generic`: under the plan Postgres may settle on for the
+    /// prepared statement after its first executions, which knows none of the parameters.
+    pub async fn explain_claim(
+        &self,
+        kind: Kind,
+        generic: bool,
+    ) -> Result<serde_json::Value, sqlx::Error> {
+        let st = &self.statements[&kind];
+        let cursor = self
+            .state()
+            .get(&kind)
+            .map(|s| s.cursor.clone())
+            .unwrap_or_default();
+        let limit = self.cfg.tenant_limits.get(&kind).copied();
+        let fair = kind.spec().fairness.is_some();
+        let limited = fair && limit.is_some();
+        let sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
+            if limited {
+                &st.claim_limited
+            } else {
+                &st.claim
+            }
+        );
+        let mut tx = self.index_planned().await?;
+        let mode = if generic {
+            "force_generic_plan"
+        } else {
+            "auto"
+        };
+        sqlx::query("SELECT set_config('plan_cache_mode', $1, true)")
+            .bind(mode)
+            .execute(&mut *tx)
+            .await?;
+        let mut q = sqlx::query_scalar::<_, serde_json::Value>(&sql)
+            .bind(self.cfg.batch)
+            .bind(Uuid::new_v4())
+            .bind(&self.relay_id)
+            .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
+            .bind(self.window(kind));
+        if fair {
+            q = q.bind(&cursor);
+        }
+        if limited {
+            q = q.bind(i64::from(limit.unwrap_or(u32::MAX)));
+        }
+        let plan = q.fetch_one(&mut *tx).await?;
+        tx.rollback().await?;
+        Ok(plan)
+    }
+
     pub async fn claim_and_mark_without_publishing(&self, kind: Kind) -> Result<usize, RelayError> {
         let st = &self.statements[&kind];
         let token = Uuid::new_v4();

@@ -138,6 +138,15 @@ impl Statements {
     }
 }
 
+/// How many of a tenant's never-dispatched jobs, oldest first, the round-robin looks at in one
+/// claim: twice its share and a few (jobs another relay claimed and has not marked yet sit there
+/// too). A job whose outbox row is not due (a compile whose dispatch is deferred until its
+/// upload ends sits there with `available_at` in 9999) looks like any other in the `fair`
+/// index, which cannot see the outbox; bounding the look keeps a claim's cost independent of
+/// how many such jobs a tenant has. A tenant whose oldest jobs are all deferred gets its due
+/// ones from the fill (oldest due first) until they are released.
+const FAIR_SCAN: &str = "(2 * sh.n + 32)";
+
 /// The claim: what is due, urgent first, new work round-robin between tenants, within the
 /// window's room and each tenant's limit.
 ///
@@ -250,8 +259,11 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
                    SELECT x.id, x.job_id, x.created_at, r.t, r.pos FROM ring r CROSS JOIN share sh \
                    CROSS JOIN LATERAL ( \
                      SELECT o.id, o.{{fk}} AS job_id, j.created_at \
-                     FROM {{job}} j JOIN {{outbox}} o ON o.{{fk}} = j.id \
-                     WHERE j.tenant_id = r.t AND {fresh} AND o.status = 'pending' AND o.available_at <= {{now}} \
+                     FROM ( \
+                       SELECT j.id, j.created_at FROM {{job}} j WHERE j.tenant_id = r.t AND {fresh} \
+                       ORDER BY j.created_at, j.id LIMIT {FAIR_SCAN} \
+                     ) j JOIN {{outbox}} o ON o.{{fk}} = j.id \
+                     WHERE o.status = 'pending' AND o.available_at <= {{now}} \
                        AND o.dispatch_attempts = 0 AND o.delivered_at IS NULL \
                      ORDER BY j.created_at, j.id LIMIT {share} \
                      FOR UPDATE OF o SKIP LOCKED \

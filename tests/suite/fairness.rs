@@ -726,3 +726,130 @@ fn every_kind_with_tenants_has_its_fair_and_urgent_indexes() {
     }
     assert_eq!(checked, 3, "compile, deletion and research have tenants");
 }
+
+/// Shared buffers the whole plan of an `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` touched.
+fn buffers(plan: &serde_json::Value) -> i64 {
+    let top = &plan[0]["Plan"];
+    top["Shared Hit Blocks"].as_i64().unwrap_or(0) + top["Shared Read Blocks"].as_i64().unwrap_or(0)
+}
+
+/// Adds `n` copies of the new attempt `template` of a tenant, each on a document of its own,
+/// its outbox row due or deferred as the template's.
+async fn clone_attempt(pool: &PgPool, template: Uuid, n: i64) {
+    let mut conn = pool.acquire().await.unwrap();
+    let doc: Uuid = sqlx::query_scalar(
+        "SELECT document_asset_id FROM document_compilation_attempts WHERE id = $1",
+    )
+    .bind(template)
+    .fetch_one(&mut *conn)
+    .await
+    .unwrap();
+    for sql in [
+        "CREATE TEMP TABLE td AS SELECT d.*, g AS n FROM document_assets d, generate_series(1, $2::int) g \
+         WHERE d.id = $1",
+        "UPDATE td SET id = gen_random_uuid()",
+        "CREATE TEMP TABLE ta AS SELECT a.*, td.id AS new_doc FROM document_compilation_attempts a, td \
+         WHERE a.id = $3",
+        "UPDATE ta SET id = gen_random_uuid(), publication_generation_id = gen_random_uuid(), \
+           document_asset_id = new_doc",
+        "CREATE TEMP TABLE tob AS SELECT o.*, ta.id AS new_attempt FROM document_compilation_outbox o, ta \
+         WHERE o.attempt_id = $3",
+        "UPDATE tob SET id = gen_random_uuid(), attempt_id = new_attempt, \
+           idempotency_key = 'document.compile:' || new_attempt::text, \
+           payload = jsonb_build_object('attemptId', new_attempt::text)",
+        "ALTER TABLE td DROP COLUMN n",
+        "ALTER TABLE ta DROP COLUMN new_doc",
+        "ALTER TABLE tob DROP COLUMN new_attempt",
+        "INSERT INTO document_assets SELECT * FROM td",
+        "INSERT INTO document_compilation_attempts SELECT * FROM ta",
+        "INSERT INTO document_compilation_outbox SELECT * FROM tob",
+        "DROP TABLE td, ta, tob",
+        "ANALYZE document_assets",
+        "ANALYZE document_compilation_attempts",
+        "ANALYZE document_compilation_outbox",
+    ] {
+        let mut q = sqlx::query(sql);
+        if sql.contains("$1") {
+            q = q.bind(doc).bind(i32::try_from(n).unwrap());
+        } else if sql.contains("$3") {
+            // Only `$3` is used: the other two are bound for its position.
+            q = q.bind(doc).bind(0i32).bind(template);
+        }
+        q.execute(&mut *conn).await.unwrap();
+    }
+}
+
+/// Compiles whose dispatch is deferred (held until their upload ends, their outbox row due in
+/// 9999) sit among a tenant's never-dispatched jobs in the fair index, which cannot see the
+/// outbox. The round-robin looks at a bounded number of each tenant's oldest jobs, so a claim
+/// costs the same with 2,000 deferred compiles as with 20,000, and the other tenant's work is
+/// still what it claims.
+#[tokio::test]
+async fn a_claims_cost_does_not_grow_with_a_tenants_deferred_compiles() {
+    let t = TwoTenants::new().await;
+    // tenant-b's bulk upload: a backlog of due compiles.
+    let b = t.commit_compiles("tenant-b", 1).await;
+    clone_attempt(t.pool(), b[0], 4_999).await;
+    let mut conn = t.pool().acquire().await.unwrap();
+    let doc = platform::add_document(
+        &mut conn,
+        &t.fx.store,
+        t.fx.space,
+        None,
+        "deferred.md",
+        "text/markdown",
+        Bytes::from("# Deferred\n\nStill uploading.\n"),
+    )
+    .await
+    .unwrap();
+    let template = compile::request(
+        &mut conn,
+        doc,
+        RequestOptions {
+            defer: true,
+            ..RequestOptions::default()
+        },
+    )
+    .await
+    .unwrap();
+    drop(conn);
+    let relay = t.relay(64, &[]);
+    let mut costs = Vec::new();
+    for (deferred, add) in [(1, 0), (2_000, 1_999), (20_000, 18_000)] {
+        if add > 0 {
+            clone_attempt(t.pool(), template, add).await;
+        }
+        for generic in [false, true] {
+            let plan = relay.explain_claim(Kind::Compile, generic).await.unwrap();
+            costs.push((
+                deferred,
+                generic,
+                buffers(&plan),
+                plan[0]["Execution Time"].clone(),
+            ));
+        }
+    }
+    println!(
+        "[fair claim] (deferred compiles of tenant-a, generic plan, shared buffers, ms): {costs:?}"
+    );
+    for generic in [false, true] {
+        let at = |d: i64| {
+            costs
+                .iter()
+                .find(|c| c.0 == d && c.1 == generic)
+                .map(|c| c.2)
+                .unwrap()
+        };
+        let (at_2k, at_20k) = (at(2_000), at(20_000));
+        assert!(
+            at_20k <= at_2k + at_2k / 5 + 50,
+            "the claim's cost grows with a tenant's deferred compiles (generic plan: {generic}): \
+             {costs:?}"
+        );
+    }
+    // Nothing was claimed by the explained claims, and the relay still publishes tenant-b's.
+    let channel = t.fx.env.channel().await;
+    let got = round(&relay, &channel).await;
+    assert!(got.claimed > 0, "{got:?}");
+    t.cleanup().await;
+}
