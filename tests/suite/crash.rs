@@ -265,6 +265,9 @@ fn probe_spec(steps: i32, step_sleep_ms: u64) -> ProbeSpec {
 const JOBS: i64 = 20;
 /// Long on purpose: finishing within seconds proves the takeover did not wait for the lease.
 const LONG_LEASE: &str = "probe=60s";
+/// Every job A held is taken over within this of its death: half the lease, so a takeover that
+/// waited for the lease (renewed by A's heartbeats until it died) could not meet it.
+const TAKEOVER_BOUND: Duration = Duration::from_secs(30);
 
 fn base_env(lease: &'static str) -> Vec<(&'static str, &'static str)> {
     vec![
@@ -439,6 +442,17 @@ async fn kill_point(point: &'static str) {
     println!(
         "[crash {point}] jobs={jobs} a_effects={effects_by_a} held_at_death={taken} \
          takeover_ms(median={med:.0}, max={max:.0}) all_terminal_after_ms={finished_ms:.0} (lease {LONG_LEASE})"
+    );
+    let late: Vec<f64> = takeovers
+        .iter()
+        .copied()
+        .filter(|t| *t >= TAKEOVER_BOUND.as_secs_f64() * 1000.0)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "[crash {point}] {} of {taken} jobs A held were taken over only {late:?} ms after its \
+         death, not within {TAKEOVER_BOUND:?}: as if the takeover waited for the lease ({LONG_LEASE})",
+        late.len()
     );
     drop(a);
     env.cleanup().await;
