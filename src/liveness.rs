@@ -7,8 +7,11 @@
 //! process restarts under the same worker id: the restarted one is another incarnation. A session
 //! that has had no statement for [`IDLE`] (its process paused, or cut off behind a link that
 //! carries nothing and closes nothing) is ended by Postgres the same way, so such a lock neither
-//! outlives the process's reach nor keeps a restart under its id waiting. Fencing keeps all of
-//! that safe either way.
+//! outlives the process's reach nor keeps a restart under its id waiting. A process whose
+//! session was lost takes its locks back; once another live process holds its worker id (a
+//! restart took it meanwhile), it has lost its identity for good: it stops taking work and exits
+//! with one error naming the id, rather than running on as a holder `kfs_worker_alive` calls dead.
+//! Fencing keeps all of that safe either way.
 
 use std::time::Duration;
 
@@ -44,6 +47,12 @@ pub fn id_of(holder: &str) -> &str {
 pub enum LivenessError {
     #[error("worker id \"{0}\" is already in use by a live process; give each process its own KFS_WORKER_ID")]
     InUse(String),
+    /// The lock of a holder name is held by another session: for a process taking its locks
+    /// back, its own earlier session, which Postgres has not ended yet.
+    #[error("the liveness lock of \"{0}\" is still held by another session")]
+    HolderInUse(String),
+    #[error("worker id \"{0}\" was taken by another live process while this one had lost its liveness session; stopping, as this process no longer counts as alive")]
+    Lost(String),
     #[error("{0}")]
     Db(#[from] sqlx::Error),
 }
@@ -104,7 +113,7 @@ async fn take(
     if got {
         Ok(conn)
     } else {
-        Err(LivenessError::InUse(worker_id.to_owned()))
+        Err(LivenessError::HolderInUse(worker_id.to_owned()))
     }
 }
 
@@ -121,6 +130,52 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
     .await
 }
 
+/// What one attempt to take a process's locks back found (see [`hold`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Retake {
+    /// Both locks are held again.
+    Taken,
+    /// The holder's lock is still held: the process's own earlier session, which Postgres has
+    /// not ended yet (it ends once idle for [`IDLE`], or when the server sees the link die).
+    OwnSessionLingers,
+    /// The holder's lock was free, so the earlier session is gone, and the worker id's lock is
+    /// held by another session: another live process runs under the id.
+    IdTaken,
+    /// No answer, or an error: Postgres cannot be reached for now.
+    Failed,
+}
+
+/// What the holding loop does after a [`Retake`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Hold the locks again.
+    Hold,
+    /// Try again after a pause.
+    Retry,
+    /// The identity is lost: stop taking work and exit.
+    GiveUp,
+}
+
+/// How many [`Retake::IdTaken`] in a row prove the id taken. A session's locks are released one
+/// after the other as it ends, so a single sighting may fall between the holder's lock and the
+/// id's; the second, a retry later, cannot.
+pub const ID_TAKEN_CONFIRMATIONS: u32 = 2;
+
+/// The holding loop's decision after a retake found `found`, `id_taken` counting the
+/// [`Retake::IdTaken`] in a row so far (this one included).
+pub fn next(found: Retake, id_taken: u32) -> Next {
+    match found {
+        Retake::Taken => Next::Hold,
+        Retake::OwnSessionLingers | Retake::Failed => Next::Retry,
+        Retake::IdTaken if id_taken >= ID_TAKEN_CONFIRMATIONS => Next::GiveUp,
+        Retake::IdTaken => Next::Retry,
+    }
+}
+
+/// How long one attempt to take the locks back may take: a connection opened over a link that
+/// carries nothing would otherwise wait for ever.
+const RETAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Holds the locks of [`acquire_process`] until shutdown (`worker_id` is the holder name);
 /// re-takes them at once after the session is lost.
 ///
@@ -136,18 +191,24 @@ pub async fn count_live(pool: &sqlx::PgPool) -> Result<i64, sqlx::Error> {
 /// older servers refuse it, and keep the old behaviour), which [`acquire_process`] sets before it
 /// takes a lock: a link cut off between the start-up's lock and this loop's first statement frees
 /// the locks too.
+///
+/// Once the session is gone, another process may start under the same worker id and take it
+/// (a restart of a process that looked dead). This process is then no longer alive to anyone:
+/// every lease it took would be taken over within seconds, each costing an attempt. So when the
+/// id is held by another live process ([`next`]), it cancels `shutdown` (the process stops
+/// taking work) and returns [`LivenessError::Lost`], which ends the process with that error.
 pub async fn hold(
     url: SecretUrl,
     worker_id: String,
     mut conn: PgConnection,
     shutdown: CancellationToken,
-) {
+) -> Result<(), LivenessError> {
     const NAP: &str = "SELECT pg_sleep(0.5)";
     loop {
         let alive = tokio::select! {
             () = shutdown.cancelled() => {
                 let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
-                return;
+                return Ok(());
             }
             r = tokio::time::timeout(Duration::from_secs(5), sqlx::query(NAP).execute(&mut conn)) => match r {
                 Ok(Ok(_)) => true,
@@ -164,20 +225,49 @@ pub async fn hold(
             "liveness session lost; taking the liveness lock again"
         );
         let mut retry = Duration::from_millis(50);
+        let mut id_taken = 0;
         loop {
             if shutdown.is_cancelled() {
-                return;
+                return Ok(());
             }
-            match acquire_process(&url, &worker_id).await {
-                Ok(c) => {
+            let tried = tokio::select! {
+                () = shutdown.cancelled() => return Ok(()),
+                r = tokio::time::timeout(RETAKE_TIMEOUT, acquire_process(&url, &worker_id)) => r,
+            };
+            let found = match &tried {
+                Ok(Ok(_)) => Retake::Taken,
+                Ok(Err(LivenessError::HolderInUse(_))) => Retake::OwnSessionLingers,
+                Ok(Err(LivenessError::InUse(_))) => Retake::IdTaken,
+                Ok(Err(_)) | Err(_) => Retake::Failed,
+            };
+            id_taken = if found == Retake::IdTaken {
+                id_taken + 1
+            } else {
+                0
+            };
+            match (next(found, id_taken), tried) {
+                (Next::Hold, Ok(Ok(c))) => {
                     conn = c;
                     tracing::info!(worker_id, "liveness lock taken again");
                     break;
                 }
-                Err(e) => {
-                    tracing::warn!(worker_id, error = %e, "cannot take the liveness lock yet");
+                (Next::GiveUp, _) => {
+                    shutdown.cancel();
+                    return Err(LivenessError::Lost(id_of(&worker_id).to_owned()));
+                }
+                (_, tried) => {
+                    match tried {
+                        Ok(Err(e)) => {
+                            tracing::warn!(worker_id, error = %e, "cannot take the liveness lock yet")
+                        }
+                        _ => tracing::warn!(
+                            worker_id,
+                            "cannot take the liveness lock yet: no answer within {}s",
+                            RETAKE_TIMEOUT.as_secs()
+                        ),
+                    }
                     tokio::select! {
-                        () = shutdown.cancelled() => return,
+                        () = shutdown.cancelled() => return Ok(()),
                         () = tokio::time::sleep(retry) => {}
                     }
                     retry = (retry * 2).min(Duration::from_secs(2));
@@ -209,6 +299,25 @@ mod tests {
         ];
         for (name, id) in cases {
             assert_eq!(id_of(name), id, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_process_gives_up_its_identity_only_once_another_live_process_holds_its_id() {
+        use Next::*;
+        use Retake::*;
+        let cases = [
+            (Taken, 0, Hold),
+            (Failed, 0, Retry),
+            // Its own earlier session still holds its locks: wait for Postgres to end it.
+            (OwnSessionLingers, 0, Retry),
+            // Seen once: possibly the moment between the two locks' release.
+            (IdTaken, 1, Retry),
+            (IdTaken, ID_TAKEN_CONFIRMATIONS, GiveUp),
+            (IdTaken, ID_TAKEN_CONFIRMATIONS + 1, GiveUp),
+        ];
+        for (found, id_taken, want) in cases {
+            assert_eq!(next(found, id_taken), want, "{found:?} x{id_taken}");
         }
     }
 }

@@ -1,6 +1,8 @@
 //! Maintenance: early takeover of dead workers' jobs, and retention of finished outbox rows.
 //! Invariant: maintenance only ever makes a row due sooner or deletes rows that are finished
-//! (`completed`, `canceled`) and old; it never decides who runs a job: the claim does.
+//! (`completed`, `canceled`) and old; it never decides who runs a job: the claim does. The
+//! sweep, which every process runs every second, reads a job table only through indexes that
+//! hold its running rows (see [`running`]), never the finished rows that make up nearly all of it.
 
 use std::time::Duration;
 
@@ -39,19 +41,24 @@ impl Default for MaintenanceConfig {
 /// `pg_locks`) and looks at outbox rows only when some holder is dead. Joining the outbox
 /// first walked every dispatched row of a backlog (100 ms at 20,000) on every sweep.
 pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, sqlx::Error> {
-    let spec = kind.spec();
+    let sql = dead_leases_sql(kind);
+    let mut conn = crate::db::acquire(pool).await?;
+    sqlx::query_scalar(&sql).fetch_all(&mut *conn).await
+}
+
+/// The statement of [`dead_leases`]. It reads the job table only through an index on its
+/// running rows (see [`running`]).
+pub fn dead_leases_sql(kind: Kind) -> String {
     let running = running(kind);
     // `EXISTS (… dead)` gates the join, so no dead holder means no outbox scan.
-    let sql = spec.sql(&format!(
+    kind.spec().sql(&format!(
         "WITH {} \
          SELECT j.id FROM dead JOIN {{job}} j ON j.worker_id = dead.worker_id \
          JOIN {{outbox}} o ON o.{{fk}} = j.id \
          WHERE EXISTS (SELECT 1 FROM dead) AND {running} \
            AND o.status = 'leased' AND o.available_at > {{now}}",
         dead_holders(running)
-    ));
-    let mut conn = crate::db::acquire(pool).await?;
-    sqlx::query_scalar(&sql).fetch_all(&mut *conn).await
+    ))
 }
 
 /// Makes the outbox rows of `jobs` due now, if they are still leased by a dead worker, so the
@@ -62,22 +69,26 @@ pub async fn dead_leases(pool: &PgPool, kind: Kind) -> Result<Vec<uuid::Uuid>, s
 /// each using a dispatch attempt, until the job failed for dispatch exhaustion.
 /// Liveness is asked once per distinct holder, as in [`dead_leases`], not once per job.
 pub async fn rearm(pool: &PgPool, kind: Kind, jobs: &[uuid::Uuid]) -> Result<u64, sqlx::Error> {
-    let spec = kind.spec();
-    let running = running(kind);
-    let sql = spec.sql(&format!(
-        "WITH {} \
-         UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
-         WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status = 'leased' \
-           AND o.available_at > {{now}} AND {running} \
-           AND j.worker_id IN (SELECT worker_id FROM dead)",
-        dead_holders(&format!("j.id = ANY($1) AND {running}"))
-    ));
+    let sql = rearm_sql(kind);
     let mut conn = crate::db::acquire(pool).await?;
     Ok(sqlx::query(&sql)
         .bind(jobs)
         .execute(&mut *conn)
         .await?
         .rows_affected())
+}
+
+/// The statement of [`rearm`]; `$1` is the jobs (`uuid[]`). It reads the job table by id.
+pub fn rearm_sql(kind: Kind) -> String {
+    let running = running(kind);
+    kind.spec().sql(&format!(
+        "WITH {} \
+         UPDATE {{outbox}} o SET available_at = {{now}} FROM {{job}} j \
+         WHERE j.id = ANY($1) AND o.{{fk}} = j.id AND o.status = 'leased' \
+           AND o.available_at > {{now}} AND {running} \
+           AND j.worker_id IN (SELECT worker_id FROM dead)",
+        dead_holders(&format!("j.id = ANY($1) AND {running}"))
+    ))
 }
 
 /// One sweep: what [`dead_leases`] finds, re-armed at once (no grace). Tests call this.
@@ -101,7 +112,12 @@ fn dead_holders(jobs: &str) -> String {
     )
 }
 
-fn running(kind: Kind) -> &'static str {
+/// A kind's running jobs `j`: the rows a sweep reads, each kind through an index whose leading
+/// column or partial predicate is this condition, so that the finished rows, nearly all of a
+/// table, are never read: `run_state` leads the run-state kinds' platform indexes (the compile's
+/// lease recovery index, the deletion's claim index), and the stage kinds have their own
+/// partial index over their leased rows ([`crate::db::indexes::OWN_INDEXES`]).
+pub fn running(kind: Kind) -> &'static str {
     match kind.spec().states {
         States::RunState { .. } => "j.run_state = 'running'",
         States::Stage => "j.lease_token IS NOT NULL",
@@ -109,16 +125,19 @@ fn running(kind: Kind) -> &'static str {
 }
 
 /// The leases of earlier incarnations of `holder`'s worker id (see [`crate::liveness::holder`]):
-/// `worker_id` is the bare id (as versions without incarnations wrote it) or the id and
-/// another incarnation. `$1` is the holder, `$2` its worker id.
+/// `worker_id` is the bare id (as versions without incarnations wrote it) or exactly the holder
+/// format, the id, `#` and 8 hex digits of another incarnation. `$1` is the holder, `$2` its
+/// worker id. Only that exact format matches: a worker id may itself contain `#`, and the
+/// holders of `pod#7` (`pod#7#<8 hex>`) are not incarnations of `pod`.
 ///
 /// The outbox kinds need no release of these at start: their holders are dead to
 /// `kfs_worker_alive`, so the deliveries the broker hands back are claimed at once, and the
 /// sweep publishes again only what no delivery brings back within its grace. Making their
 /// outbox rows due at start published a second copy of each at the back of the queue and left
 /// the redelivered one stale, behind the whole backlog.
-pub const EARLIER_INCARNATIONS: &str =
-    "(j.worker_id = $2 OR left(j.worker_id, length($2) + 1) = $2 || '#') AND j.worker_id <> $1";
+pub const EARLIER_INCARNATIONS: &str = "(j.worker_id = $2 \
+     OR (j.worker_id = $2 || '#' || right(j.worker_id, 8) AND right(j.worker_id, 8) ~ '^[0-9A-Fa-f]{8}$')) \
+     AND j.worker_id <> $1";
 
 /// Deletes up to `batch` finished outbox rows older than `older_than`. Dead rows stay: they are
 /// the record of a failure and the handle of a manual retry.
@@ -198,6 +217,30 @@ pub async fn run(
                     tracing::debug!(kind = %kind, error = %e, "retention failed");
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kind whose running rows no platform index leads with has a partial index of its own
+    /// over exactly those rows, so that the sweep never reads its finished ones.
+    #[test]
+    fn every_stage_kind_has_an_index_over_its_running_rows() {
+        for kind in Kind::all() {
+            if !matches!(kind.spec().states, States::Stage) {
+                continue;
+            }
+            let table = kind.spec().job_table;
+            let predicate = format!("WHERE {}", running(kind).replace("j.", ""));
+            assert!(
+                crate::db::indexes::OWN_INDEXES
+                    .iter()
+                    .any(|i| i.table == table && i.definition.ends_with(&predicate)),
+                "{kind}: no index of {table} {predicate}"
+            );
         }
     }
 }

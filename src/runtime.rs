@@ -282,13 +282,21 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         }
         Err(e) => tracing::debug!(error = %e, "cannot read Postgres' connection limit"),
     }
+    // A process that lost its identity (its worker id taken while its liveness session was
+    // gone) has shut down by then; it ends with that error.
+    let (lost_tx, mut lost) = tokio::sync::oneshot::channel();
     if let Some(lock) = lock {
-        tasks.spawn(liveness::hold(
+        let held = liveness::hold(
             s.database_url.clone(),
             holder.clone(),
             lock,
             shutdown.clone(),
-        ));
+        );
+        tasks.spawn(async move {
+            if let Err(e) = held.await {
+                let _ = lost_tx.send(e);
+            }
+        });
     }
     if let Some(cfg) = opts.leased.clone() {
         tasks.spawn(crate::poller::run(
@@ -402,7 +410,10 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         futures_util::future::join_all(closing),
     )
     .await;
-    Ok(())
+    match lost.try_recv() {
+        Ok(e) => Err(e.into()),
+        Err(_) => Ok(()),
+    }
 }
 
 /// Why start-up cannot go on yet.

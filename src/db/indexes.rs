@@ -4,9 +4,11 @@
 //! left invalid is dropped (concurrently) and built again; a valid one is never touched; no
 //! platform definition is changed (`platform-compat` lists these as the project's own).
 //!
-//! They exist for the relay's fair claim (see `relay::statements`): `fair` finds, per tenant,
+//! Most exist for the relay's fair claim (see `relay::statements`): `fair` finds, per tenant,
 //! the jobs that were never dispatched, in commit order, and `urgent` the outbox rows due again
-//! (retries, continued slices, republished rows). Both are partial, so they hold only what waits.
+//! (retries, continued slices, republished rows). `leased` gives the maintenance sweep the
+//! leased jobs of a kind whose platform indexes do not lead with their lease (see
+//! `maintenance::running`). All are partial, so they hold only what waits or runs.
 
 use sqlx::PgConnection;
 
@@ -56,6 +58,11 @@ pub const OWN_INDEXES: &[OwnIndex] = &[
         table: "research_task_outbox",
         definition: "(available_at, id) WHERE status = 'pending' \
                      AND (dispatch_attempts > 0 OR delivered_at IS NOT NULL)",
+    },
+    OwnIndex {
+        name: "kfs_research_task_jobs_leased_idx",
+        table: "research_task_jobs",
+        definition: "(worker_id) WHERE lease_token IS NOT NULL",
     },
 ];
 

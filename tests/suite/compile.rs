@@ -1933,6 +1933,10 @@ async fn two_hundred_documents_across_two_worker_processes() {
 mod crash {
     use super::*;
 
+    /// Every attempt A held is taken over within this of its death: half the lease, so a
+    /// takeover that waited for the lease (renewed by A's heartbeats until it died) could not.
+    const TAKEOVER_BOUND: Duration = Duration::from_secs(30);
+
     /// Worker A dies at `point` mid-compile; worker B finishes; every document is published
     /// exactly once with exactly its own nodes.
     async fn kill_point(point: &'static str) {
@@ -1966,6 +1970,7 @@ mod crash {
         };
         let mut a = spawn("a", Some(target));
         let status = a.wait_exit(Duration::from_secs(60));
+        let death = Instant::now();
         let log = a.log_text();
         assert!(
             status.is_some_and(|s| !s.success()),
@@ -1976,8 +1981,46 @@ mod crash {
             "{log}"
         );
         let mid: Vec<(String, String, Option<String>, i64)> = states(fx.pool()).await;
+        // The attempts A held a lease on when it died, and their lease tokens.
+        let (held, tokens): (Vec<Uuid>, Vec<Uuid>) = sqlx::query_as::<_, (Uuid, Uuid)>(
+            "SELECT id, lease_token FROM document_compilation_attempts \
+             WHERE run_state = 'running' AND split_part(worker_id, '#', 1) = 'a'",
+        )
+        .fetch_all(fx.pool())
+        .await
+        .unwrap()
+        .into_iter()
+        .unzip();
         let started = Instant::now();
         let mut b = spawn("b", None);
+        // Taken over: no held attempt still runs under A's lease.
+        let pool = fx.pool().clone();
+        let taken = fx
+            .env
+            .wait_until(TAKEOVER_BOUND, || {
+                let (pool, held, tokens) = (pool.clone(), held.clone(), tokens.clone());
+                async move {
+                    let still: i64 = sqlx::query_scalar(
+                        "SELECT count(*) FROM unnest($1::uuid[], $2::uuid[]) AS h(id, token) \
+                         JOIN document_compilation_attempts c ON c.id = h.id AND c.lease_token = h.token",
+                    )
+                    .bind(&held)
+                    .bind(&tokens)
+                    .fetch_one(&pool)
+                    .await
+                    .unwrap();
+                    still == 0
+                }
+            })
+            .await;
+        let takeover = death.elapsed();
+        assert!(
+            taken,
+            "the {} attempts A held at its death ({point}) were not taken over within \
+             {TAKEOVER_BOUND:?} of it: as if the takeover waited for the 60 s lease\n{}",
+            held.len(),
+            b.log_text()
+        );
         let attempts: Vec<Uuid> = docs.iter().map(|d| d.1).collect();
         let done = wait_terminal(&fx, &attempts, Duration::from_secs(90)).await;
         assert!(
@@ -1987,7 +2030,10 @@ mod crash {
             b.log_text()
         );
         println!(
-            "[compile crash {point}] at death: {mid:?}; B finished in {:.2}s (lease 60s)",
+            "[compile crash {point}] at death: {mid:?}; {} held attempts taken over within \
+             {:.2}s of the kill; B finished in {:.2}s (lease 60s)",
+            held.len(),
+            takeover.as_secs_f64(),
             started.elapsed().as_secs_f64()
         );
         assert_all_published(&fx, &docs).await;

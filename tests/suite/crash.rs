@@ -265,6 +265,9 @@ fn probe_spec(steps: i32, step_sleep_ms: u64) -> ProbeSpec {
 const JOBS: i64 = 20;
 /// Long on purpose: finishing within seconds proves the takeover did not wait for the lease.
 const LONG_LEASE: &str = "probe=60s";
+/// Every job A held is taken over within this of its death: half the lease, so a takeover that
+/// waited for the lease (renewed by A's heartbeats until it died) could not meet it.
+const TAKEOVER_BOUND: Duration = Duration::from_secs(30);
 
 fn base_env(lease: &'static str) -> Vec<(&'static str, &'static str)> {
     vec![
@@ -439,6 +442,17 @@ async fn kill_point(point: &'static str) {
     println!(
         "[crash {point}] jobs={jobs} a_effects={effects_by_a} held_at_death={taken} \
          takeover_ms(median={med:.0}, max={max:.0}) all_terminal_after_ms={finished_ms:.0} (lease {LONG_LEASE})"
+    );
+    let late: Vec<f64> = takeovers
+        .iter()
+        .copied()
+        .filter(|t| *t >= TAKEOVER_BOUND.as_secs_f64() * 1000.0)
+        .collect();
+    assert!(
+        late.is_empty(),
+        "[crash {point}] {} of {taken} jobs A held were taken over only {late:?} ms after its \
+         death, not within {TAKEOVER_BOUND:?}: as if the takeover waited for the lease ({LONG_LEASE})",
+        late.len()
     );
     drop(a);
     env.cleanup().await;
@@ -1145,19 +1159,36 @@ async fn a_restart_waits_for_its_dead_predecessors_session_instead_of_failing() 
     env.cleanup().await;
 }
 
+/// The holder name a worker process logged at start (`holder=<id>#<incarnation>`).
+fn logged_holder(w: &Worker) -> String {
+    let log = w.log_text();
+    log.split("holder=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .map(|h| h.trim_matches('"').to_owned())
+        .unwrap_or_else(|| panic!("{} logged no holder\n{}", w.name, w.tail(20)))
+}
+
 /// A worker cut off behind a link that carries nothing and closes nothing (a half-open
 /// connection: a partition, a firewall dropping its state) leaves Postgres a session that still
 /// holds its liveness and worker-id locks, until the server notices the dead link (TCP
 /// keepalive: hours by default). The session is ended after `liveness::IDLE` without a
 /// statement instead, so the cut-off worker stops counting as alive and a process restarted
 /// under its id is not refused.
+///
+/// When the link heals, the cut-off process finds its id held by the restart: it has lost its
+/// identity, and exits with one error naming the id instead of running on as a holder that
+/// `kfs_worker_alive` calls dead, whose every claim the others would take over (an attempt
+/// each). Jobs enqueued after it healed are therefore claimed once each, by the restart only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
+    install_claim_log(&env.pool).await;
     let (link, through) = crate::support::proxy::Proxy::before(&env.url).await;
     let e = base_env("probe=10s");
-    let cut_off = spawn(
+    let mut relay = spawn(&env, "r", &["--relay", "--maintenance"], &e);
+    let mut cut_off = spawn(
         &env,
         "w1",
         &["--consumer"],
@@ -1169,6 +1200,7 @@ async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
         })
         .await;
     assert!(live, "w1 never started\n{}", cut_off.tail(20));
+    let cut_off_holder = logged_holder(&cut_off);
 
     link.set_hold(true);
     // The restart reaches Postgres directly and waits for the id up to its connect timeout.
@@ -1203,8 +1235,54 @@ async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
         1,
         "only the restart counts as alive"
     );
-    support::stop_cleanly([&mut restarted], Duration::from_secs(20)).await;
-    drop(cut_off);
+
+    // The link heals: the cut-off process reaches Postgres again, its id now the restart's.
+    link.heal();
+    let exited = cut_off.exited(Duration::from_secs(30)).await;
+    const JOBS: i64 = 8;
+    probe::enqueue_many(&env.pool, JOBS, &probe_spec(3, 1000))
+        .await
+        .unwrap();
+    let done = wait_all_terminal(&env, Duration::from_secs(90)).await;
+    assert!(
+        done,
+        "not every job ended: {:?}\n{}\n{}",
+        support::probe_states(&env.pool).await,
+        restarted.tail(20),
+        cut_off.tail(20)
+    );
+    let by_cut_off = count(
+        &env.pool,
+        &format!("SELECT count(*) FROM crash_claims WHERE worker_id = '{cut_off_holder}'"),
+    )
+    .await;
+    let burnt: Vec<(Uuid, i32)> = sqlx::query_as(
+        "SELECT id, execution_attempts FROM kfs_probe_jobs WHERE execution_attempts > 1 ORDER BY id",
+    )
+    .fetch_all(&env.pool)
+    .await
+    .unwrap();
+    assert!(
+        by_cut_off == 0 && burnt.is_empty(),
+        "after the restart took w1, the cut-off process ({cut_off_holder}) claimed {by_cut_off} \
+         jobs as a dead holder; jobs that used more than one attempt: {burnt:?}\n{}",
+        cut_off.tail(20)
+    );
+    assert!(
+        exited.is_some_and(|s| !s.success()),
+        "the cut-off process, its id taken, did not exit with an error: {exited:?}\n{}",
+        cut_off.tail(20)
+    );
+    let log = cut_off.log_text();
+    let errors: Vec<&str> = log.lines().filter(|l| l.starts_with("error:")).collect();
+    assert!(
+        errors.len() == 1
+            && errors[0].contains("worker id \"w1\" was taken by another live process"),
+        "the cut-off process did not end with one error naming its id: {errors:?}\n{}",
+        cut_off.tail(20)
+    );
+    support::stop_cleanly([&mut restarted, &mut relay], Duration::from_secs(20)).await;
+    assert_history(&env.pool).await;
     env.cleanup().await;
 }
 

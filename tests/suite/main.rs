@@ -34,6 +34,7 @@ mod fairness;
 mod http;
 mod lead;
 mod leased;
+mod maintenance;
 mod malformed;
 mod outage;
 mod pageindex;
