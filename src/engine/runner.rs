@@ -170,8 +170,8 @@ pub async fn run_slice(
             }
         };
         job.row_version = fenced;
-        let result = tr
-            .step(&mut tx, &job)
+        // A panic in the step is its failure, settled like any other (see `unwind`).
+        let result = super::unwind::step(tr.step(&mut tx, &job))
             .instrument(tracing::info_span!(
                 "step",
                 kind = name,
