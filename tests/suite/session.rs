@@ -5,8 +5,28 @@ use std::time::Duration;
 
 use kfs_worker::jobs::probe::ProbeSpec;
 use kfs_worker::jobs::Kind;
+use lapin::options::{QueueDeclareOptions, QueueDeleteOptions};
+use lapin::types::FieldTable;
 
-use crate::support::{self, free_port, TestEnv, Worker};
+use crate::support::{self, free_port, http_get as get, TestEnv, Worker};
+
+/// How many consumers a queue has, `None` when it does not exist.
+async fn consumers(env: &TestEnv, queue: &str) -> Option<u32> {
+    let ch = env.channel().await;
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .ok()?;
+    let _ = ch.close(200, "counted".into()).await;
+    Some(q.consumer_count())
+}
 
 /// Spawns `kfs-worker run` for `kinds` with the given role flags, serving HTTP on `addr`.
 fn spawn(
@@ -34,6 +54,108 @@ async fn a_probe_job_runs(env: &TestEnv, within: Duration) -> bool {
     let before = support::probe_succeeded(&env.pool).await;
     support::enqueue_one(&env.pool, &ProbeSpec::default()).await;
     env.wait_probe_succeeded(before + 1, within).await
+}
+
+/// A worker consuming two kinds loses one kind's consumer: the broker cancels it because its
+/// queue was deleted, and a queue of the same name that the worker cannot use (a classic
+/// queue where the topology declares a quorum queue) keeps it from coming back for as long as
+/// the test wants. Meanwhile `/readyz` must say not ready, while the other kind keeps its
+/// consumer; once the queue can be declared again the kind is consumed again (a job of it runs
+/// to success) and the worker is ready again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kind_whose_consumer_the_broker_cancelled_is_consumed_again_and_not_ready_meanwhile() {
+    let env = TestEnv::new().await;
+    let kinds = "probe,compile";
+    let mut relay = spawn(&env, "relay", &["--relay"], kinds, free_port(), &[]);
+    let addr = free_port();
+    let mut worker = spawn(&env, "consumer", &["--consumer"], kinds, addr, &[]);
+    let probe_queue = env.topology.queue(Kind::Probe);
+    let compile_queue = env.topology.queue(Kind::Compile);
+
+    let ready = env
+        .wait_until(Duration::from_secs(30), || async {
+            get(addr, "/readyz").await.0 == 200
+        })
+        .await;
+    assert!(ready, "the worker never became ready\n{}", worker.tail(30));
+    for q in [&probe_queue, &compile_queue] {
+        assert_eq!(consumers(&env, q).await, Some(1), "{q}");
+    }
+    assert!(
+        a_probe_job_runs(&env, Duration::from_secs(30)).await,
+        "a probe job did not run before anything happened\n{}",
+        worker.tail(30)
+    );
+
+    // Delete the probe queue (the broker cancels the worker's consumer) and put a queue the
+    // worker cannot declare in its place. Should the worker declare its queue again before the
+    // test does, that declare wins: delete it again.
+    let mut blocked = false;
+    for _ in 0..20 {
+        let ch = env.channel().await;
+        ch.queue_delete(probe_queue.as_str().into(), QueueDeleteOptions::default())
+            .await
+            .expect("delete the probe queue");
+        let ch = env.channel().await;
+        if ch
+            .queue_declare(
+                probe_queue.as_str().into(),
+                QueueDeclareOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .is_ok()
+        {
+            blocked = true;
+            break;
+        }
+    }
+    assert!(blocked, "could not take the probe queue's place");
+
+    let not_ready = env
+        .wait_until(Duration::from_secs(30), || async {
+            get(addr, "/readyz").await.0 == 503
+        })
+        .await;
+    assert!(
+        not_ready,
+        "/readyz stayed ready for 30 s while the probe kind had no consumer: {:?}\n{}",
+        get(addr, "/readyz").await,
+        worker.tail(30)
+    );
+    assert_eq!(
+        consumers(&env, &compile_queue).await,
+        Some(1),
+        "the other kind lost its consumer\n{}",
+        worker.tail(30)
+    );
+
+    // The queue can be declared again: the kind's consumer comes back.
+    let ch = env.channel().await;
+    ch.queue_delete(probe_queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .expect("delete the blocking queue");
+    let back = env
+        .wait_until(Duration::from_secs(30), || async {
+            get(addr, "/readyz").await.0 == 200 && consumers(&env, &probe_queue).await == Some(1)
+        })
+        .await;
+    assert!(
+        back,
+        "the probe kind was not consumed again within 30 s: readyz {:?}, probe consumers {:?}\n{}",
+        get(addr, "/readyz").await,
+        consumers(&env, &probe_queue).await,
+        worker.tail(30)
+    );
+    assert!(
+        a_probe_job_runs(&env, Duration::from_secs(30)).await,
+        "a probe job did not run after the kind's consumer came back: {:?}\n{}",
+        support::probe_states(&env.pool).await,
+        worker.tail(30)
+    );
+    assert_eq!(consumers(&env, &compile_queue).await, Some(1));
+    support::stop_cleanly([&mut worker, &mut relay], Duration::from_secs(30)).await;
+    env.cleanup().await;
 }
 
 /// (run_state, execution_attempts, last_error_code, last_error_message) of a probe job.
