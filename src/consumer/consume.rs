@@ -4,10 +4,14 @@
 //! ([`super::acks`]). Invariant: a delivery is settled with the broker (ack, reject or give
 //! back) only after its verdict came back, and acked (alone or by a multiple ack) only after
 //! the commit that decided it; an abandoned delivery is left unacked for redelivery and no
-//! multiple ack covers it; on shutdown the loop stops taking deliveries and gives the running
-//! ones the grace period to end.
+//! multiple ack covers it; a batch whose task panicked outside a step gives its deliveries back
+//! to the broker (requeued), so no delivery stays unsettled; on shutdown, or when its session
+//! stops it, the loop stops taking deliveries and gives the running ones the grace period to
+//! end. The loop reports when its consumer starts and why it ended ([`Phase`]), so the session
+//! can tell a kind without a consumer.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +19,7 @@ use futures_util::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions, BasicRejectOptions};
 use lapin::types::FieldTable;
+use tokio::sync::watch;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -22,6 +27,31 @@ use super::acks::{Ack, Window};
 use super::pace::Pace;
 use super::{Engine, Handled};
 use crate::jobs::Kind;
+
+/// Where one kind's delivery loop is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Setting up its channel's prefetch and consumer.
+    Starting,
+    /// Its consumer is registered with the broker.
+    Consuming,
+    /// It takes no more deliveries (the running ones may still be ending), for this reason.
+    Ended(Ending),
+}
+
+/// Why a delivery loop stopped taking deliveries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ending {
+    /// Shutdown, or its session asked it to stop.
+    Stopped,
+    /// The broker cancelled the consumer (its queue was deleted, say): the channel may live.
+    Cancelled,
+    /// The channel failed or was closed by the broker (a consumer timeout, say), or the
+    /// consumer could not be set up on it.
+    Failed,
+    /// The broker stopped taking settlements: the connection itself is suspect.
+    Stuck,
+}
 
 /// A decided delivery not yet acked: its acker and what its ack-log line says.
 struct Unsettled {
@@ -192,18 +222,61 @@ pub async fn consume(
     prefetch: u16,
     shutdown: CancellationToken,
 ) -> Result<(), lapin::Error> {
-    channel
-        .basic_qos(prefetch, BasicQosOptions::default())
-        .await?;
+    let (phase, _) = watch::channel(Phase::Starting);
+    run(
+        engine,
+        channel,
+        queue,
+        kind,
+        prefetch,
+        phase,
+        shutdown.clone(),
+        shutdown,
+    )
+    .await
+}
+
+/// [`consume`], reporting its [`Phase`] on `phase`; stops taking deliveries when `stop` is
+/// cancelled (shutdown cancels it too), while the running slices end unless `shutdown` is.
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn run(
+    engine: Arc<Engine>,
+    channel: lapin::Channel,
+    queue: String,
+    kind: Kind,
+    prefetch: u16,
+    phase: watch::Sender<Phase>,
+    stop: CancellationToken,
+    shutdown: CancellationToken,
+) -> Result<(), lapin::Error> {
     let tag = format!("{}:{}", engine.worker_id(), kind);
-    let mut consumer = channel
-        .basic_consume(
-            queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await?;
+    let started = async {
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await?;
+        channel
+            .basic_consume(
+                queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+    }
+    .await;
+    let mut consumer = match started {
+        Ok(c) => c,
+        Err(e) => {
+            phase.send_replace(Phase::Ended(Ending::Failed));
+            let _ = tokio::time::timeout(
+                Duration::from_secs(3),
+                channel.close(200, "consumer not started".into()),
+            )
+            .await;
+            return Err(e);
+        }
+    };
+    phase.send_replace(Phase::Consuming);
     // The relay of this process sizes and refills the kind's window from these consumers.
     let _consuming = crate::relay::window::consuming(kind);
     let mut running: JoinSet<(Instant, Vec<(Delivery, Handled)>)> = JoinSet::new();
@@ -216,26 +289,29 @@ pub async fn consume(
     );
     // Set when the broker stopped taking settlements: the session is rebuilt.
     let mut stuck = false;
+    let mut ending = Ending::Stopped;
     let result = loop {
         let flush_at = window.flush_at();
         let now = Instant::now();
         let take = pace.may_take(now);
         let look_again = pace.look_again_at(now);
         tokio::select! {
-            () = shutdown.cancelled() => break Ok(()),
+            () = stop.cancelled() => break Ok(()),
             Some(done) = running.join_next(), if !running.is_empty() => {
                 let settled = match done {
                     Ok((started, handled)) => {
                         pace.finished(started, Instant::now());
                         settle(kind, handled, &mut window, &mut unsettled).await
                     }
+                    // Never a panic (each batch catches its own); only an abort.
                     Err(e) => {
-                        tracing::error!(error = %e, "delivery task panicked");
+                        tracing::error!(kind = %kind, error = %e, "delivery task ended without its verdicts");
                         Ok(())
                     }
                 };
                 if settled.is_err() {
                     stuck = true;
+                    ending = Ending::Stuck;
                     break Ok(());
                 }
             }
@@ -243,6 +319,7 @@ pub async fn consume(
                 let due = window.flush(Instant::now(), false);
                 if ack_alone(kind, &due, &mut unsettled).await.is_err() {
                     stuck = true;
+                    ending = Ending::Stuck;
                     break Ok(());
                 }
             }
@@ -250,8 +327,14 @@ pub async fn consume(
             next = consumer.next(), if take => {
                 let first = match next {
                     Some(Ok(d)) => d,
-                    Some(Err(e)) => break Err(e),
-                    None => break Ok(()),
+                    Some(Err(e)) => {
+                        ending = Ending::Failed;
+                        break Err(e);
+                    }
+                    None => {
+                        ending = Ending::Cancelled;
+                        break Ok(());
+                    }
                 };
                 // Whatever else has arrived joins it; nothing waits for more.
                 let mut batch = vec![first];
@@ -274,17 +357,30 @@ pub async fn consume(
                 let started = Instant::now();
                 pace.started(started);
                 running.spawn(async move {
-                    let items: Vec<(&lapin::BasicProperties, &[u8])> =
-                        batch.iter().map(|d| (&d.properties, d.data.as_slice())).collect();
-                    let handled = engine.process_many(kind, &items, &shutdown).await;
+                    let handled = {
+                        let items: Vec<(&lapin::BasicProperties, &[u8])> =
+                            batch.iter().map(|d| (&d.properties, d.data.as_slice())).collect();
+                        AssertUnwindSafe(engine.process_many(kind, &items, &shutdown))
+                            .catch_unwind()
+                            .await
+                    };
+                    let handled = handled.unwrap_or_else(|panic| {
+                        // A step's panic is its failure and never gets here; this one came
+                        // from around the steps. No decision is known: give them back.
+                        let panic = crate::engine::unwind::message(panic.as_ref());
+                        tracing::error!(kind = %kind, panic, deliveries = batch.len(), "a delivery batch panicked; giving its deliveries back to the broker");
+                        vec![Handled::GiveBack; batch.len()]
+                    });
                     (started, batch.into_iter().zip(handled).collect())
                 });
                 if let Some(e) = failed {
+                    ending = Ending::Failed;
                     break Err(e);
                 }
             }
         }
     };
+    phase.send_replace(Phase::Ended(ending));
     // Stop taking deliveries, then let the running slices end with their commits and acks.
     // A channel the broker already dropped may never answer.
     let _ = tokio::time::timeout(

@@ -262,8 +262,8 @@ async fn step_together(
     }
     let span = tracing::info_span!("steps", kind = tr.kind_name(), members = jobs.len());
     // On an error the transaction may be aborted, and the failure is the member's own to write.
-    let results = tr
-        .step_many(&mut tx, jobs.as_slice(), until)
+    // A panic counts as an error (see `unwind`): each member's own step then settles it.
+    let results = super::unwind::step(tr.step_many(&mut tx, jobs.as_slice(), until))
         .instrument(span)
         .await
         .map_err(|_| Apart::RolledBack("a member's step failed"))?;

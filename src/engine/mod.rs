@@ -19,3 +19,4 @@ pub mod retry;
 pub mod runner;
 pub mod settle;
 pub mod slice;
+pub mod unwind;

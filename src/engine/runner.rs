@@ -183,7 +183,8 @@ pub async fn run_slice(
             }
         };
         job.row_version = fenced;
-        let stepped = tr.step(&mut tx, &job).instrument(tracing::info_span!(
+        // A panic in the step is its failure, settled like any other (see `unwind`).
+        let stepped = super::unwind::step(tr.step(&mut tx, &job)).instrument(tracing::info_span!(
             "step",
             kind = name,
             job_id = %job.job_id,

@@ -1,5 +1,5 @@
 //! The HTTP surface: `/healthz` (the process answers), `/readyz` (Postgres and RabbitMQ
-//! reachable, topology declared), `/metrics` (Prometheus) and the operator dashboard at `/`
+//! reachable, topology declared, and every kind the process consumes has a consumer), `/metrics` (Prometheus) and the operator dashboard at `/`
 //! ([`dashboard`]). Invariant: read-only except the dashboard's actions, which change a job
 //! only with the admin token and only through the same library functions as the CLI; no
 //! response carries a secret.
@@ -24,7 +24,8 @@ use crate::config::Services;
 use crate::jobs::Kind;
 
 /// What the process's parts report about their broker sessions. Ready when every role this
-/// process runs is connected with the topology declared.
+/// process runs is connected with the topology declared, and the consumers have one consumer
+/// for each kind they serve.
 #[derive(Debug)]
 pub struct Health {
     relay: Option<AtomicBool>,
@@ -96,7 +97,7 @@ async fn readyz(State(st): State<AppState>) -> impl IntoResponse {
         if broker_ok {
             "ok, topology declared"
         } else {
-            "not connected"
+            "not connected, or a kind without a consumer"
         }
     );
     let code = if db_ok && broker_ok {

@@ -1560,6 +1560,38 @@ async fn a_claim_whose_reply_was_lost_is_recognised_as_its_own_on_retry() {
 /// loop waits on that ack forever and nothing enqueued after it is consumed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_the_broker_never_answers_ends_the_session_and_the_jobs_still_finish_once() {
+    settlement_never_answered(&["probe"]).await;
+}
+
+/// The same with the default kinds served beside the probe: the other kinds' consumers,
+/// which never stalled, must not keep the session from being rebuilt (or the process would
+/// stay half-consuming, the probe kind never consumed again), and every kind has its consumer
+/// again afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_the_broker_never_answers_with_the_default_kinds_beside_rebuilds_every_consumer(
+) {
+    settlement_never_answered(&["probe", "compile", "deletion", "research"]).await;
+}
+
+/// How many consumers `queue` has.
+async fn consumer_count(env: &TestEnv, queue: &str) -> u32 {
+    let ch = env.channel().await;
+    let q = ch
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+        .expect("passive declare");
+    let _ = ch.close(200, "counted".into()).await;
+    q.consumer_count()
+}
+
+async fn settlement_never_answered(kinds: &[&str]) {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
     install_claim_log(&env.pool).await;
@@ -1567,7 +1599,12 @@ async fn a_settlement_the_broker_never_answers_ends_the_session_and_the_jobs_sti
     probe::enqueue_many(&env.pool, JOBS, &spec).await.unwrap();
     let mut extra = base_env("probe=10s");
     extra.push(("KFS_STALL_AT", "settle:1"));
-    let mut w = spawn(&env, "mute-acks", &[], &extra);
+    let list = kinds.join(",");
+    let mut w = env.spawn_worker(
+        "mute-acks",
+        &["run", "--kinds", &list, "--worker-id", "mute-acks"],
+        &extra,
+    );
 
     let stalled = env
         .wait_until(Duration::from_secs(30), || async {
@@ -1594,6 +1631,21 @@ async fn a_settlement_the_broker_never_answers_ends_the_session_and_the_jobs_sti
         "probe queue / dead-letter queue not drained\n{}",
         w.tail(30)
     );
+    for kind in kinds {
+        let queue = env
+            .topology
+            .queue(Kind::parse_list(kind).expect("a kind")[0]);
+        let one = env
+            .wait_until(Duration::from_secs(15), || async {
+                consumer_count(&env, &queue).await == 1
+            })
+            .await;
+        assert!(
+            one,
+            "{kind} is not consumed after the rebuild\n{}",
+            w.tail(30)
+        );
+    }
     support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
 
     let log = w.log_text();

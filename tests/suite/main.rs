@@ -42,6 +42,7 @@ mod publication;
 mod relay;
 mod research;
 mod schema;
+mod session;
 mod statistics;
 mod status;
 mod tracing;

@@ -36,7 +36,8 @@ pub async fn install(pool: &PgPool) -> Result<(), sqlx::Error> {
 pub struct ProbeSpec {
     pub steps: i32,
     pub step_sleep: Duration,
-    /// `none`, `retry_once` (a retryable error on the first attempt), `fatal`, `retry_always`.
+    /// `none`, `retry_once` (a retryable error on the first attempt), `fatal`, `retry_always`,
+    /// `panic_once` (the step panics on the first attempt), `panic` (on every attempt).
     pub fail_mode: &'static str,
     pub max_attempts: i32,
 }
@@ -279,6 +280,10 @@ async fn slow_step(
                 "probe_retry",
                 "the probe fails its first attempt",
             ))
+        }
+        "panic" => panic!("the probe was told to panic"),
+        "panic_once" if job.execution_attempts == 1 => {
+            panic!("the probe panics on its first attempt")
         }
         _ => {}
     }
