@@ -4,7 +4,7 @@
 //! release with backoff, and `dead` after the last allowed dispatch attempt.
 //!
 //! Every test has its own database and queue prefix (`support::TestEnv`). Nothing sleeps to make
-//! time pass: rows are made due by moving `available_at` / `locked_until` with SQL, and a relay
+//! a row due: rows are made due by moving `available_at` / `locked_until` with SQL, and a relay
 //! is held between its publish and its mark by a test-only trigger that waits on an advisory
 //! lock the test holds.
 
@@ -178,9 +178,10 @@ async fn delete_exchange(env: &TestEnv, topology: &Topology) {
 // Gates between publish and mark.
 //
 // A statement-level BEFORE UPDATE trigger on the probe outbox makes the relay's
-// mark-dispatched statement wait on an advisory lock when its session's application name starts
-// with `kfs-test-gate-`; the lock is keyed by that name. The test holds the lock, so a relay on
-// a pool with that application name claims, publishes, gets its confirms and then stops just
+// mark-dispatched statement wait on an advisory lock when its session's application name holds
+// `kfs-test-gate-`; the lock is keyed by that name. The test holds the lock, so a relay on
+// a pool with that application name (or a worker whose id holds it: its sessions are named
+// `kfs-worker <worker id>`) claims, publishes, gets its confirms and then stops just
 // before its mark, until the test opens its gate. The trigger fires before any row is locked,
 // so everyone else can write the rows meanwhile; the mark then runs on whatever it finds.
 // ---------------------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ impl Gate {
             r#"
             CREATE FUNCTION kfs_test_mark_gate() RETURNS trigger LANGUAGE plpgsql AS $g$
             BEGIN
-              IF current_setting('application_name') LIKE 'kfs-test-gate-%'
+              IF current_setting('application_name') LIKE '%kfs-test-gate-%'
                  AND current_query() LIKE '%SET status = ''dispatched''%' THEN
                 PERFORM pg_advisory_lock_shared(hashtext(current_setting('application_name'))::bigint);
                 PERFORM pg_advisory_unlock_shared(hashtext(current_setting('application_name'))::bigint);
@@ -213,7 +214,7 @@ impl Gate {
         .expect("install the gate trigger");
     }
 
-    /// Closes the gate named `app` (which must start with `kfs-test-gate-`).
+    /// Closes the gate named `app` (which must hold `kfs-test-gate-`).
     async fn close(env: &TestEnv, app: &'static str) -> Gate {
         let mut holder = PgConnection::connect(&env.url).await.unwrap();
         sqlx::query("SELECT pg_advisory_lock(hashtext($1)::bigint)")
@@ -2179,5 +2180,119 @@ async fn the_mark_skips_a_row_a_claim_holds_and_marks_the_others_without_waiting
     assert_eq!(msgs.len(), 1);
     assert_eq!(Some(message_id(&msgs[0])), republished.queue_job_id);
     gated.close().await;
+    env.cleanup().await;
+}
+
+/// Whether `queue` exists (a passive declare, on a channel of its own: a failed one closes it).
+async fn queue_exists(env: &TestEnv, queue: &str) -> bool {
+    env.channel()
+        .await
+        .queue_declare(
+            queue.into(),
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_ok()
+}
+
+/// A relay session whose poll finds its kind's queue gone (the passive declare that counts an
+/// `auto` window's consumers fails) starts no new round, but its rounds in flight still settle
+/// what they claimed before the session ends with the error: a round held before its mark
+/// while the declare fails marks its rows once it goes on. Ended at once, the session dropped
+/// that round and left its rows `dispatching` until their lock ran out, ten minutes here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_declare_at_the_poll_lets_the_rounds_in_flight_settle_what_they_claimed() {
+    let env = TestEnv::new().await;
+    let mut rows = Vec::new();
+    for _ in 0..3 {
+        rows.push(enqueue_one(&env.pool, &ProbeSpec::default()).await.1);
+    }
+    Gate::install(&env).await;
+    // The worker's sessions are named `kfs-worker <worker id>`.
+    let gate = Gate::close(&env, "kfs-worker kfs-test-gate-declare").await;
+    let poll = Duration::from_millis(50);
+    let opts = kfs_worker::runtime::RunOptions {
+        worker_id: "kfs-test-gate-declare".into(),
+        consumer: false,
+        maintenance: false,
+        relay_cfg: RelayConfig {
+            lock_ttl: Duration::from_secs(600),
+            poll,
+            // One round in flight: the one the gate holds.
+            depth: 1,
+            // An `auto` window: the poll counts the queue's consumers with a passive declare.
+            windows: kfs_worker::relay::window::Windows {
+                default: kfs_worker::relay::window::Size::Auto { per_consumer: 64 },
+                per_kind: std::collections::BTreeMap::new(),
+            },
+            ..cfg()
+        },
+        ..crate::engine::options(&env, "kfs-test-gate-declare")
+    };
+    let stop = CancellationToken::new();
+    let worker = tokio::spawn(kfs_worker::runtime::run(opts, stop.clone()));
+
+    // The round claimed the three rows, published them and got its confirms; it waits to mark.
+    gate.wait_until_held(&env).await;
+    for &id in &rows {
+        let row = outbox_state(&env.pool, id).await;
+        assert_eq!(row.status, "dispatching", "{row:?}");
+    }
+    let queue = env.topology.queue(Kind::Probe);
+    assert_eq!(env.queue_depth(&queue).await, 3, "the held round published");
+
+    // The queue goes; the session's next poll fails its passive declare while the round waits.
+    // Nothing outside the relay shows that poll, so twenty of its periods pass before the gate
+    // opens (too few, and the round would settle before the poll, whatever the session does).
+    env.channel()
+        .await
+        .queue_delete(
+            queue.as_str().into(),
+            lapin::options::QueueDeleteOptions::default(),
+        )
+        .await
+        .expect("delete the probe queue");
+    tokio::time::sleep(poll * 20).await;
+
+    gate.open().await;
+    let states = || async {
+        let mut out = Vec::new();
+        for &id in &rows {
+            let row = outbox_state(&env.pool, id).await;
+            out.push((row.status, row.lock_cleared));
+        }
+        out
+    };
+    let settled = env
+        .wait_until(HANG, || async {
+            states().await.iter().all(|(s, _)| s != "dispatching")
+        })
+        .await;
+    assert!(
+        settled,
+        "the rows the held round claimed are still dispatching under its lock: {:?}",
+        states().await
+    );
+    assert_eq!(
+        states().await,
+        vec![("dispatched".to_owned(), true); 3],
+        "the round marked what the broker had confirmed"
+    );
+    // Then the session ended with the error, and the next one declared the queue again.
+    assert!(
+        env.wait_until(HANG, || queue_exists(&env, &queue)).await,
+        "the relay never declared the probe queue again"
+    );
+
+    stop.cancel();
+    tokio::time::timeout(HANG, worker)
+        .await
+        .expect("the worker stopped")
+        .unwrap()
+        .unwrap();
     env.cleanup().await;
 }
