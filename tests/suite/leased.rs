@@ -2075,3 +2075,62 @@ async fn a_worker_dying_inside_the_backfill_transaction_leaves_nothing_and_is_ta
     support::stop_cleanly([&mut b], Duration::from_secs(30)).await;
     fx.cleanup().await;
 }
+
+/// A profile backfill holds its space's row while it reads the space's heads. It locks it
+/// against the space's deletion and other writers of the row (`FOR NO KEY UPDATE`), not against
+/// every insert that references the space: a compile request's insert, whose foreign key check
+/// takes `KEY SHARE` on the space, goes on meanwhile. Under `FOR UPDATE` the platform's request
+/// waited for the backfill while holding the profile heads the backfill was about to lock, and
+/// Postgres broke the deadlock by failing the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_holding_its_space_lets_a_compile_request_for_it_insert_meanwhile() {
+    let fx = Fx::new().await;
+    let pool = fx.pool().clone();
+    let doc = fx.add("guide.md", "text/markdown", GUIDE_MD).await;
+    // Holds the backfill once it has locked the space: its next lock (on `deletion_jobs`, the
+    // platform's deletion admission) waits for this table lock, which plain reads pass.
+    let mut gate = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE deletion_jobs IN EXCLUSIVE MODE")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let space = fx.space;
+    let backfill = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            let mut conn = pool.acquire().await.unwrap();
+            backfill::binding::bind_current_published(&mut conn, TENANT, space).await
+        })
+    };
+    let waiting = fx
+        .env
+        .wait_until(Duration::from_secs(20), || async {
+            sqlx::query_scalar::<_, bool>(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE datname = current_database() \
+                   AND wait_event_type = 'Lock' AND query LIKE '%FROM deletion_jobs%')",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        })
+        .await;
+    assert!(waiting, "the backfill never reached its deletion admission");
+    let mut request = pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '5s'")
+        .execute(&mut *request)
+        .await
+        .unwrap();
+    let requested = compile::request(&mut request, doc, compile::RequestOptions::default()).await;
+    assert!(
+        requested.is_ok(),
+        "a compile request waited for the backfill's lock on its space: {requested:?}"
+    );
+    request.commit().await.unwrap();
+    gate.rollback().await.unwrap();
+    let reconciled = tokio::time::timeout(Duration::from_secs(30), backfill)
+        .await
+        .expect("the backfill hung")
+        .unwrap();
+    assert!(reconciled.is_ok(), "{reconciled:?}");
+    fx.cleanup().await;
+}

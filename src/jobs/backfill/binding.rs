@@ -412,7 +412,10 @@ pub enum Reconciled {
 }
 
 /// Locks the space for a write as the platform's deletion admission does: its row, then its
-/// active deletion job. `true`: the space is active, not deletion-fenced, with no active
+/// active deletion job. The row is locked `FOR NO KEY UPDATE`: against the space's deletion
+/// and every other writer of the row, not against inserts that reference the space (their
+/// foreign key checks take `KEY SHARE`), so a compile request holding the profile heads this
+/// transaction locks next never waits for it, and the two cannot deadlock. `true`: the space is active, not deletion-fenced, with no active
 /// deletion job.
 pub(super) async fn lock_space(
     tx: &mut PgConnection,
@@ -421,7 +424,7 @@ pub(super) async fn lock_space(
 ) -> Result<bool, sqlx::Error> {
     let row: Option<(String, Option<Uuid>)> = sqlx::query_as(
         "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces \
-         WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
+         WHERE tenant_id = $1 AND id = $2 FOR NO KEY UPDATE",
     )
     .bind(tenant)
     .bind(space)

@@ -118,14 +118,15 @@ async fn job_by_id(
     .await
 }
 
-/// Locks the space row; `Space::Missing` when there is none.
+/// Locks the space row against its deletion (`FOR NO KEY UPDATE`: inserts that reference the
+/// space are not held up); `Space::Missing` when there is none.
 async fn lock_space(
     conn: &mut PgConnection,
     tenant: &str,
     space: Uuid,
 ) -> Result<Space, sqlx::Error> {
     let row: Option<(String, Option<Uuid>)> = sqlx::query_as(
-        "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR UPDATE",
+        "SELECT lifecycle_state::text, deletion_job_id FROM knowledge_spaces WHERE tenant_id = $1 AND id = $2 FOR NO KEY UPDATE",
     )
     .bind(tenant)
     .bind(space)
