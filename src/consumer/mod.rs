@@ -93,6 +93,12 @@ pub struct ConsumerConfig {
     /// back to the broker (requeued), so it does not hold a prefetch slot until the broker's
     /// consumer timeout.
     pub claim_patience: Duration,
+    /// How long a claim that finds its job leased by a holder that looks alive keeps looking
+    /// before it acks the delivery as a duplicate. A killed worker's deliveries come back from
+    /// the broker at once, often before Postgres has ended its liveness session (within
+    /// `client_connection_check_interval`, 25 ms); acked then, the job waited for the
+    /// maintenance sweep's grace and period (2 to 3 s) to be published again.
+    pub holder_settle: Duration,
 }
 
 impl Default for ConsumerConfig {
@@ -107,9 +113,14 @@ impl Default for ConsumerConfig {
                 .collect(),
             shutdown_grace: Duration::from_secs(30),
             claim_patience: Duration::from_secs(30),
+            holder_settle: Duration::from_millis(500),
         }
     }
 }
+
+/// How soon a claim that found a live-looking holder (see [`ConsumerConfig::holder_settle`])
+/// looks again: the check interval of a liveness session.
+const HOLDER_LOOK_AGAIN: Duration = Duration::from_millis(25);
 
 /// Runs jobs for deliveries. Shared by all consumers of one process.
 pub struct Engine {
@@ -321,6 +332,14 @@ impl Engine {
             )
             .await
             {
+                // A lease that looks live may be a just-killed holder's, whose session Postgres
+                // has not ended yet: look again for a moment (`holder_settle`) under the same
+                // token before acking a duplicate.
+                Ok(Claim::Duplicate) if claiming.elapsed() < self.cfg.holder_settle => {
+                    if !nap(HOLDER_LOOK_AGAIN, shutdown).await {
+                        return Handled::Abandon;
+                    }
+                }
                 Ok(c) => break c,
                 Err(e) => {
                     conn = None;

@@ -53,7 +53,8 @@ pub fn own_sessions(cfg: &RelayConfig) -> u32 {
 pub struct RelayConfig {
     /// Rows claimed per round trip.
     pub batch: i64,
-    /// How long a claimed row stays locked to this relay before another may take it.
+    /// How long a claimed row stays locked to this relay before another may take it; less when
+    /// the relay's id is a liveness holder that dies first (see `statements::claim`).
     pub lock_ttl: Duration,
     /// How long a dispatched row waits for a consumer before it is published again.
     pub visibility: Duration,

@@ -1,5 +1,6 @@
 //! The relay's statement texts of one kind, rendered once. Invariant: a claim takes rows with
-//! `SKIP LOCKED`, at most 1.5 × `batch` + 3 of them; every later write to a claimed row
+//! `SKIP LOCKED`, at most 1.5 × `batch` + 3 of them; a `dispatching` row of another relay only once
+//! its lock ran out or that relay's liveness holder is dead; every later write to a claimed row
 //! (mark, release, dead) is fenced by the claim's lock token and status `dispatching`; a row goes
 //! dead only with its job failed with it (or already ended or paused), never while its job
 //! holds a live lease; with tenant limits, no retry of a tenant at its limit takes any of a
@@ -154,6 +155,11 @@ const FAIR_SCAN: &str = "(2 * sh.n + 32)";
 /// costs the same on an outbox of a hundred due rows or of millions:
 /// - rows a relay died holding (`stuck`) and rows whose visibility passed (`lost`) are already
 ///   in the window and are taken whatever the room, up to a quarter and an eighth of a batch;
+///   a row is stuck once its lock ran out, or at once when its `locked_by` is a liveness holder
+///   (`<id>#<8 hex>`, what a worker process's relay locks under) that `kfs_worker_alive` calls
+///   dead (`dead_relays`, each distinct holder asked once): a relay killed between its claim
+///   and its mark left nothing to wait for. Any other `locked_by` (a relay with no liveness
+///   session) waits out its lock;
 /// - the room is the window less what is published and not yet claimed (`dispatching` and
 ///   `dispatched` rows), at most a batch; taken-over rows (`expired`), then retries (`retry`,
 ///   the project's `urgent` index) use it first;
@@ -321,8 +327,14 @@ fn claim(spec: &KindSpec, revision: &str, limited: bool) -> String {
         "WITH RECURSIVE free AS ( \
            SELECT greatest(least($1::bigint, $5::bigint - count(*)), 0) AS n, count(*) AS c \
            FROM {{outbox}} WHERE status IN ('dispatching', 'dispatched') \
+         ), dead_relays AS MATERIALIZED ( \
+           SELECT r.h FROM ( \
+             SELECT DISTINCT locked_by AS h FROM {{outbox}} \
+             WHERE status = 'dispatching' AND locked_until > {{now}} OFFSET 0 \
+           ) r WHERE r.h <> $3 AND r.h ~ '#[0-9A-Fa-f]{{8}}$' AND NOT kfs_worker_alive(r.h) \
          ), stuck AS ( \
-           SELECT id FROM {{outbox}} WHERE status = 'dispatching' AND locked_until <= {{now}} \
+           SELECT id FROM {{outbox}} WHERE status = 'dispatching' \
+             AND (locked_until <= {{now}} OR locked_by IN (SELECT h FROM dead_relays)) \
            ORDER BY locked_until LIMIT $1 / 4 + 1 FOR UPDATE SKIP LOCKED \
          ), lost AS ( \
            SELECT id FROM {{outbox}} WHERE status = 'dispatched' AND available_at <= {{now}} \

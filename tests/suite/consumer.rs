@@ -461,6 +461,57 @@ async fn a_job_leased_by_a_live_worker_is_a_duplicate_but_a_dead_workers_job_is_
     env.cleanup().await;
 }
 
+/// When a worker process is killed, the broker hands its unacked deliveries to another worker
+/// at once, often before Postgres has ended the killed process's liveness session: the first
+/// look at the job finds its lease held by a holder that still looks alive. Acked as a
+/// duplicate there, the job waited for the maintenance sweep (its grace and period, 2 to 3 s)
+/// to be published again. The consumer looks again for `holder_settle` and takes the job over
+/// once the holder is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_whose_holder_dies_just_after_the_first_look_is_taken_over_not_acked_as_a_duplicate(
+) {
+    let env = TestEnv::new().await;
+    let url = env.services().database_url;
+    let (job, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+    let d = dispatch(&env.pool, Kind::Probe, outbox).await;
+    let holder = "dying-worker#0123abcd";
+    let liveness = kfs_worker::liveness::acquire(&url, holder)
+        .await
+        .expect("liveness lock");
+    let (_, conn, _) = claim_by_hand(&env.pool, &d, holder, Duration::from_secs(600)).await;
+    drop(conn);
+
+    let engine = probe_engine(
+        &env,
+        "worker-b",
+        ConsumerConfig {
+            holder_settle: HANG,
+            ..ConsumerConfig::default()
+        },
+    );
+    let delivery = d.clone();
+    let mut task = tokio::spawn(async move { process(&engine, &delivery).await });
+    // The holder still holds its lock: whatever the consumer decides now, it decides on a lease
+    // that looks live.
+    if let Ok(done) = tokio::time::timeout(Duration::from_millis(300), &mut task).await {
+        panic!(
+            "decided while the holder still looked alive: {:?}",
+            done.expect("task")
+        );
+    }
+    // The holder's process dies: its session, and with it the lock, is gone.
+    liveness.close().await.unwrap();
+    let handled = tokio::time::timeout(HANG, task)
+        .await
+        .expect("process hung")
+        .expect("task");
+    assert_eq!(handled, ack("claimed", Some("succeeded")), "taken over");
+    let j = probe_job(&env.pool, job).await;
+    assert_eq!(j.run_state, "succeeded");
+    assert_eq!(j.execution_attempts, 2);
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_on_its_last_attempt_is_neither_taken_over_nor_failed_while_its_lease_runs() {
     let env = TestEnv::new().await;

@@ -703,6 +703,73 @@ async fn a_dispatching_row_is_reclaimed_only_after_its_lock_expired() {
     env.cleanup().await;
 }
 
+/// A worker process's relay locks the rows it claims under its liveness holder
+/// (`<id>#<8 hex>`). Once that holder is dead to `kfs_worker_alive` (the process was killed
+/// between its claim and its mark), its rows are taken again at once, not after `lock_ttl`
+/// (30 s): the jobs behind them would otherwise wait that long for their first message. A live
+/// holder's rows, and rows locked under a name that is not a holder (a relay without a liveness
+/// session), still wait for their lock to run out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatching_row_of_a_dead_relay_process_is_reclaimed_before_its_lock_expires() {
+    let env = TestEnv::new().await;
+    let url = env.services().database_url;
+    let live_holder = "relay-live#89abcdef";
+    let _alive = kfs_worker::liveness::acquire(&url, live_holder)
+        .await
+        .expect("liveness lock");
+    let dead_holder = "relay-killed#0123abcd";
+    let mut rows = Vec::new();
+    for locked_by in [dead_holder, live_holder, "relay-without-liveness"] {
+        let (_, outbox) = enqueue_one(&env.pool, &ProbeSpec::default()).await;
+        // Claimed an hour of lock ago, by a relay that has not marked it.
+        sqlx::query(
+            "UPDATE kfs_probe_outbox SET status = 'dispatching', lock_token = gen_random_uuid(), \
+               locked_by = $2, locked_until = now() + interval '1 hour', queue_job_id = 'old-' || id, \
+               dispatch_attempts = 1 \
+             WHERE id = $1",
+        )
+        .bind(outbox)
+        .bind(locked_by)
+        .execute(&env.pool)
+        .await
+        .unwrap();
+        rows.push((locked_by, outbox, outbox_text(&env.pool, outbox).await));
+    }
+    let r = relay(&env, "relay-survivor#fedcba98", cfg());
+    let ch = env.confirm_channel().await;
+
+    assert_eq!(
+        round(&r, &ch, Kind::Probe).await,
+        Round {
+            claimed: 1,
+            dispatched: 1,
+            released: 0,
+            dead: 0,
+            look_again: false
+        },
+        "only the dead holder's row is taken"
+    );
+    let (_, dead_row, _) = &rows[0];
+    let row = outbox_state(&env.pool, *dead_row).await;
+    assert_eq!(row.status, "dispatched");
+    assert!(row.lock_cleared);
+    assert_eq!(row.dispatch_attempts, 2);
+    let new_id = row.queue_job_id.unwrap();
+    assert_ne!(new_id, format!("old-{dead_row}"), "under a new delivery id");
+    for (locked_by, outbox, before) in &rows[1..] {
+        assert_eq!(
+            &outbox_text(&env.pool, *outbox).await,
+            before,
+            "the row locked by {locked_by} is not taken before its lock runs out"
+        );
+    }
+    let msgs = drain(&env).await;
+    assert_eq!(msgs.len(), 1);
+    assert_eq!(outbox_header(&msgs[0]), *dead_row);
+    assert_eq!(message_id(&msgs[0]), new_id);
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispatched_and_leased_rows_are_republished_with_a_new_delivery_id_once_their_visibility_passed(
 ) {

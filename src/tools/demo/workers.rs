@@ -141,6 +141,12 @@ pub(super) async fn both_consuming(services: &Services, timeout: Duration) -> Re
     ))
 }
 
+/// A job leased by an incarnation of the worker id `$2`: exactly the holder format
+/// (`<id>#<8 hex>`, see [`crate::liveness::id_of`]), so that `demo-a` never matches the holders
+/// of another id that merely starts with `demo-a#`.
+const HELD_BY: &str =
+    "(worker_id = $2 || '#' || right(worker_id, 8) AND right(worker_id, 8) ~ '^[0-9A-Fa-f]{8}$')";
+
 pub(super) struct Kill {
     pub(super) held: usize,
     pub(super) takeover: Option<Duration>,
@@ -154,9 +160,10 @@ pub(super) async fn kill_mid_run(
     let deadline = Instant::now() + Duration::from_secs(20);
     let mut held: Vec<Uuid> = Vec::new();
     while Instant::now() < deadline {
-        held = sqlx::query_scalar(
-            "SELECT id FROM document_compilation_attempts WHERE tenant_id = $1 AND left(worker_id, length($2) + 1) = $2 || '#' AND run_state = 'running'",
-        )
+        held = sqlx::query_scalar(&format!(
+            "SELECT id FROM document_compilation_attempts WHERE tenant_id = $1 AND {HELD_BY} \
+             AND run_state = 'running'"
+        ))
         .bind(TENANT)
         .bind(&a.name)
         .fetch_all(pool)
@@ -182,10 +189,11 @@ pub(super) async fn kill_mid_run(
     // Taken over: none of those jobs is still leased by demo-a.
     let mut takeover = None;
     while killed.elapsed() < Duration::from_secs(90) {
-        let still: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM document_compilation_attempts WHERE id = ANY($1) AND left(worker_id, 7) = 'demo-a#'",
-        )
+        let still: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM document_compilation_attempts WHERE id = ANY($1) AND {HELD_BY}"
+        ))
         .bind(&held)
+        .bind(&a.name)
         .fetch_one(pool)
         .await
         .map_err(|e| e.to_string())?;
