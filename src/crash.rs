@@ -5,8 +5,13 @@
 //! point wait forever and lets the later ones through, the way a connect to a host that never
 //! answers, or a broker connection that never answers a settlement, does;
 //! `KFS_DELAY_AT=<point>@<worker>=<ms>` makes that worker's passes through a delay point wait
-//! that long, the way a slow start does; and `KFS_LOSE_REPLY_AT=<statement>` makes the first
-//! reply of that statement look lost.
+//! that long, the way a slow start does; `KFS_LOSE_REPLY_AT=<statement>` makes the first
+//! reply of that statement look lost; and `KFS_CLOSE_CHANNEL_FILE=<path>` makes the consumer of
+//! the kind a file at `<path>` names, once that file appears, take it (remove it) and ack a
+//! delivery tag its channel never had, so the broker closes that one channel (406
+//! `PRECONDITION_FAILED`, "unknown delivery tag") while the connection and the other kinds'
+//! channels stay, the way a broker-side channel error does. Each file is played once, by the
+//! one delivery loop that removed it.
 
 /// The points the engine passes through.
 pub const POINTS: [&str; 8] = [
@@ -80,6 +85,36 @@ pub fn lose_reply(name: &'static str) -> bool {
 #[inline(always)]
 pub fn lose_reply(_name: &'static str) -> bool {
     false
+}
+
+/// How often a delivery loop looks for the `KFS_CLOSE_CHANNEL_FILE` file.
+#[cfg(feature = "crash-points")]
+const CLOSE_CHANNEL_POLL: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// `KFS_CLOSE_CHANNEL_FILE=<path>`: returns once a file at `<path>` names `kind` and this call
+/// removed it, so that exactly one delivery loop of that kind plays the fault (its caller then
+/// acks a delivery tag its channel never had); never returns otherwise. Create the future once
+/// per loop and poll it across iterations: its polling pace must not restart with each event.
+#[cfg(feature = "crash-points")]
+pub async fn close_channel(kind: &str) {
+    let Some(path) = std::env::var_os("KFS_CLOSE_CHANNEL_FILE") else {
+        return std::future::pending().await;
+    };
+    let mut every = tokio::time::interval(CLOSE_CHANNEL_POLL);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        let named = std::fs::read_to_string(&path).is_ok_and(|s| s.trim() == kind);
+        // Whoever removes the file plays it: another loop of the kind may have read it too.
+        if named && std::fs::remove_file(&path).is_ok() {
+            return;
+        }
+    }
+}
+
+#[cfg(not(feature = "crash-points"))]
+pub async fn close_channel(_kind: &str) {
+    std::future::pending().await
 }
 
 /// The points that may be delayed for one worker.

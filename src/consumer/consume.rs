@@ -195,7 +195,7 @@ fn micros_now() -> u64 {
 /// it, so each can be checked against the database.
 fn log_acks(kind: Kind, covered: &[Unsettled], sent: lapin::Result<bool>, sent_at: u64) {
     match sent {
-        Ok(_) => {
+        Ok(true) => {
             for u in covered {
                 let delivery_id = u
                     .delivery
@@ -205,6 +205,11 @@ fn log_acks(kind: Kind, covered: &[Unsettled], sent: lapin::Result<bool>, sent_a
                     .map_or("", |s| s.as_str());
                 tracing::debug!(target: "kfs_worker::ack", kind = %kind, delivery_id, claim = u.claim, end = u.end.unwrap_or("none"), sent_at, multiple = covered.len() > 1, "acked");
             }
+        }
+        // Not sent: the channel was closed (by the broker, say) before the ack, and its
+        // deliveries went back to the queue. The decision is committed; the claim sees it.
+        Ok(false) => {
+            tracing::warn!(kind = %kind, deliveries = covered.len(), "not acked: the channel is gone; the broker redelivers");
         }
         // The decision is committed; the broker redelivers and the claim sees it.
         Err(e) => {
@@ -290,6 +295,11 @@ pub(crate) async fn run(
     // Set when the broker stopped taking settlements: the session is rebuilt.
     let mut stuck = false;
     let mut ending = Ending::Stopped;
+    // Fault injection (crash-points builds; pending for ever otherwise): a broker-side close of
+    // this channel alone. Made once, so its polling survives the loop's iterations.
+    let close_asked = crate::crash::close_channel(kind.name());
+    tokio::pin!(close_asked);
+    let mut close_played = false;
     let result = loop {
         let flush_at = window.flush_at();
         let now = Instant::now();
@@ -324,6 +334,17 @@ pub(crate) async fn run(
                 }
             }
             () = sleep_until(look_again), if look_again.is_some() => {}
+            () = &mut close_asked, if !close_played => {
+                close_played = true;
+                // No delivery of this channel has this tag, so no delivery is settled by it:
+                // the broker answers with a channel error, and the consumer ends below.
+                tracing::warn!(kind = %kind, "fault injection: acking a delivery tag this channel never had, so the broker closes it");
+                let _ = tokio::time::timeout(
+                    SEND,
+                    channel.basic_ack(u64::MAX, BasicAckOptions::default()),
+                )
+                .await;
+            }
             next = consumer.next(), if take => {
                 let first = match next {
                     Some(Ok(d)) => d,

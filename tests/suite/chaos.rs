@@ -1,11 +1,14 @@
 //! Chaos run: a stream of probe jobs, and the platform's document compiles, research tasks and
 //! deletions (`chaos/platform.rs`), through several `kfs-worker` consumer and relay processes
 //! while a seeded driver injects faults: SIGKILL, kill points, SIGSTOP/SIGCONT past the lease,
-//! RabbitMQ and Postgres restarts, `pg_terminate_backend` of worker sessions, and network
-//! faults (latency, cut connections, half-open connections) through a TCP proxy. Invariant
-//! under test: whatever fails when, every job ends in the state its behaviour calls for, none is
-//! lost, each step's effect exists exactly once and in order, checkpoints never go backwards,
-//! no write lands from a fenced-out lease, every ack follows its commit, and the queues drain.
+//! RabbitMQ and Postgres restarts, `pg_terminate_backend` of worker sessions, network faults
+//! (latency, cut connections, half-open connections) through a TCP proxy, and one kind's
+//! consumer channel closed by the broker under a live process and connection. Invariant under
+//! test: whatever fails when, every job ends in the state its behaviour calls for, none is lost,
+//! each step's effect exists exactly once and in order, checkpoints never go backwards, no write
+//! lands from a fenced-out lease, every ack follows the commit of its own delivery's decision,
+//! a kind whose channel closed is consumed again at once on the same connection, and the
+//! queues drain.
 //!
 //! It runs against its OWN Postgres cluster and RabbitMQ node (started in a temporary
 //! directory, on their own ports), never the shared services. Only built with `crash-points`.
@@ -64,15 +67,21 @@ const RELAY_POINTS: [&str; 2] = [
 ];
 
 /// Observers installed in the run's database. They record, they never change what the engine
-/// does: every new lease (claim) with the database clock, every checkpoint change, and every
-/// outbox status or delivery-id change. Trigger rows commit with the transaction that caused
-/// them, so a row exists exactly when that transaction committed.
+/// does: every new lease (claim) with the database clock, every end of a lease (its token
+/// cleared) with the session that wrote it, every checkpoint change, and every outbox write but
+/// a heartbeat's (a change of status, delivery id or `updated_at`) with its session. Trigger rows
+/// commit with the transaction that caused them, so a row exists exactly when that transaction
+/// committed, and rows with the same `tx` were written by one transaction: a claim's lease and
+/// the delivery it claimed for, a lease's end and the outbox status it wrote.
 const OBSERVERS: &str = r#"
+CREATE FUNCTION chaos_us(xid) RETURNS bigint LANGUAGE sql STABLE AS
+  $f$ SELECT (extract(epoch FROM pg_xact_commit_timestamp($1)) * 1000000)::bigint $f$;
 CREATE TABLE chaos_claims (
   id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, worker_id TEXT NOT NULL, lease_token UUID NOT NULL,
-  at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+  at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(), tx BIGINT NOT NULL DEFAULT txid_current());
 CREATE INDEX chaos_claims_job ON chaos_claims (job_id, id);
 CREATE INDEX chaos_claims_lease ON chaos_claims (job_id, lease_token);
+CREATE INDEX chaos_claims_tx ON chaos_claims (tx, job_id);
 CREATE FUNCTION chaos_claim() RETURNS trigger LANGUAGE plpgsql AS $f$
 BEGIN
   INSERT INTO chaos_claims (job_id, worker_id, lease_token) VALUES (NEW.id, NEW.worker_id, NEW.lease_token);
@@ -81,6 +90,18 @@ END $f$;
 CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON kfs_probe_jobs FOR EACH ROW
   WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
   EXECUTE FUNCTION chaos_claim();
+CREATE TABLE chaos_ends (
+  id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, lease_token UUID NOT NULL, writer TEXT NOT NULL,
+  tx BIGINT NOT NULL DEFAULT txid_current());
+CREATE INDEX chaos_ends_lease ON chaos_ends (job_id, lease_token);
+CREATE FUNCTION chaos_end() RETURNS trigger LANGUAGE plpgsql AS $f$
+BEGIN
+  INSERT INTO chaos_ends (job_id, lease_token, writer)
+  VALUES (NEW.id, OLD.lease_token, current_setting('application_name'));
+  RETURN NULL;
+END $f$;
+CREATE TRIGGER chaos_end AFTER UPDATE OF lease_token ON kfs_probe_jobs FOR EACH ROW
+  WHEN (OLD.lease_token IS NOT NULL AND NEW.lease_token IS NULL) EXECUTE FUNCTION chaos_end();
 CREATE TABLE chaos_checkpoints (
   id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, old_cp TEXT NOT NULL, new_cp TEXT NOT NULL,
   at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
@@ -93,9 +114,12 @@ CREATE TRIGGER chaos_checkpoint AFTER UPDATE OF checkpoint ON kfs_probe_jobs FOR
   WHEN (NEW.checkpoint IS DISTINCT FROM OLD.checkpoint) EXECUTE FUNCTION chaos_checkpoint();
 CREATE TABLE chaos_outbox (
   id BIGSERIAL PRIMARY KEY, job_id UUID NOT NULL, old_status TEXT NOT NULL, status TEXT NOT NULL,
-  queue_job_id TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());
+  queue_job_id TEXT, at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp(),
+  writer TEXT NOT NULL DEFAULT current_setting('application_name'),
+  tx BIGINT NOT NULL DEFAULT txid_current());
 CREATE INDEX chaos_outbox_delivery ON chaos_outbox (queue_job_id);
 CREATE INDEX chaos_outbox_job ON chaos_outbox (job_id, id);
+CREATE INDEX chaos_outbox_tx ON chaos_outbox (tx, job_id);
 CREATE FUNCTION chaos_outbox() RETURNS trigger LANGUAGE plpgsql AS $f$
 BEGIN
   INSERT INTO chaos_outbox (job_id, old_status, status, queue_job_id)
@@ -103,7 +127,8 @@ BEGIN
   RETURN NULL;
 END $f$;
 CREATE TRIGGER chaos_outbox AFTER UPDATE ON kfs_probe_outbox FOR EACH ROW
-  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id
+        OR NEW.updated_at IS DISTINCT FROM OLD.updated_at)
   EXECUTE FUNCTION chaos_outbox();
 "#;
 
@@ -170,6 +195,8 @@ struct Cluster {
     slots: Vec<Slot>,
     /// Every log file ever written, for the final analysis.
     all_logs: Vec<std::path::PathBuf>,
+    /// When each process (by worker id) was seen dead or was killed.
+    ended: BTreeMap<String, DateTime<Utc>>,
 }
 
 impl Cluster {
@@ -204,6 +231,9 @@ impl Cluster {
         if let Some(point) = &armed {
             cmd.env("KFS_CRASH_AT", point);
         }
+        if role == Role::Consumer {
+            cmd.env("KFS_CLOSE_CHANNEL_FILE", self.close_file(&id));
+        }
         let child = cmd.spawn().expect("spawn kfs-worker");
         self.all_logs.push(log.clone());
         (
@@ -229,6 +259,12 @@ impl Cluster {
             stopped: false,
             killed: false,
         });
+    }
+
+    /// The file whose appearance makes consumer `id` close one kind's channel (see
+    /// [`close_a_channel`]).
+    fn close_file(&self, id: &str) -> std::path::PathBuf {
+        self.logs.join(format!("{id}.close"))
     }
 
     /// Replaces the process of slot `i` with a new generation, armed at a kill point or not.
@@ -274,8 +310,22 @@ struct Record {
     in_doubt_committed: usize,
     /// The platform's jobs requested during the run.
     platform: platform::Requested,
+    /// Consumer channels the broker was made to close.
+    channel_closes: Vec<ChannelClose>,
+    /// When the faulty phase ended (no new probe jobs after it).
+    faults_ended: Option<DateTime<Utc>>,
     /// Unexpected events worth reading in the report.
     notes: Vec<String>,
+}
+
+/// One request to a consumer process to have the broker close one kind's channel.
+struct ChannelClose {
+    /// The process (its worker id) and its log.
+    process: String,
+    log: std::path::PathBuf,
+    kind: &'static str,
+    /// Which of the process's plays this is (1 for its first), once it played it.
+    played: Option<usize>,
 }
 
 impl Record {
@@ -501,6 +551,7 @@ async fn chaos_run_keeps_every_promise() {
         logs: logs.clone(),
         slots: Vec::new(),
         all_logs: Vec::new(),
+        ended: BTreeMap::new(),
     };
     cluster.add("c1", Role::Consumer, true);
     cluster.add("c2", Role::Consumer, false);
@@ -601,6 +652,7 @@ async fn chaos_run_keeps_every_promise() {
     }
 
     // Recovery: no more faults, no more new jobs; everything must finish.
+    rec.faults_ended = Some(Utc::now());
     stop_enqueue.cancel();
     let (jobs, in_doubt) = enqueuer.await.unwrap();
     rec.jobs = jobs;
@@ -803,6 +855,10 @@ async fn reap(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool, i: usize) 
     let Ok(Some(_)) = s.worker.child.try_wait() else {
         return false;
     };
+    cluster
+        .ended
+        .entry(s.worker_id.clone())
+        .or_insert_with(Utc::now);
     if s.killed {
         return true;
     }
@@ -846,14 +902,16 @@ async fn inject(
     let victims: Vec<usize> = (0..cluster.slots.len())
         .filter(|&i| !cluster.slots[i].witness)
         .collect();
-    let roll = rng.random_range(0..100);
+    let roll = rng.random_range(0..110);
     match roll {
+        100.. => close_a_channel(cluster, rec, rng).await,
         0..=24 => {
             let i = victims[rng.random_range(0..victims.len())];
             let s = &mut cluster.slots[i];
             let held = held_by(pool, &s.worker_id).await;
             s.worker.kill();
             s.killed = true;
+            cluster.ended.insert(s.worker_id.clone(), Utc::now());
             rec.fault(match s.role {
                 Role::Consumer => "SIGKILL consumer",
                 Role::Relay => "SIGKILL relay",
@@ -958,6 +1016,145 @@ async fn inject(
     }
 }
 
+/// How often a consumer's play of a channel close appears in its log.
+fn plays(log: &str) -> usize {
+    log.matches(CLOSE_PLAYED).count()
+}
+
+/// What a consumer logs when it plays the fault (`src/consumer/consume.rs`).
+const CLOSE_PLAYED: &str = "fault injection: acking a delivery tag this channel never had";
+
+/// Has the broker close one kind's channel in one consumer process while the process and its
+/// connection stay up: the process acks a delivery tag that channel never had (a crash-points
+/// fault, `KFS_CLOSE_CHANNEL_FILE`), the broker closes the channel with 406 and puts its unacked
+/// deliveries back in the queue, and the process must consume that kind again at once. Only a
+/// running, unpaused consumer that is armed at no kill point is chosen (the witness always
+/// qualifies), so that the process lives to show its restart. Waits until the process played
+/// it and consumes every kind again (or 15 s), so that no other fault mixes into it.
+async fn close_a_channel(cluster: &mut Cluster, rec: &mut Record, rng: &mut StdRng) {
+    let mut able = Vec::new();
+    for (i, s) in cluster.slots.iter_mut().enumerate() {
+        if s.role == Role::Consumer
+            && !s.stopped
+            && s.armed.is_none()
+            && matches!(s.worker.child.try_wait(), Ok(None))
+        {
+            able.push(i);
+        }
+    }
+    if able.is_empty() {
+        return;
+    }
+    let i = able[rng.random_range(0..able.len())];
+    let kind = KINDS[rng.random_range(0..KINDS.len())].name();
+    let (process, log) = {
+        let s = &cluster.slots[i];
+        (s.worker_id.clone(), s.worker.log.clone())
+    };
+    let file = cluster.close_file(&process);
+    let before = plays(&std::fs::read_to_string(&log).unwrap_or_default());
+    // Written whole, then moved into place: the worker never reads half of it.
+    let partial = file.with_extension("partial");
+    std::fs::write(&partial, kind).expect("write the channel-close file");
+    std::fs::rename(&partial, &file).expect("place the channel-close file");
+    let asked = Instant::now();
+    let mut close = ChannelClose {
+        process,
+        log,
+        kind,
+        played: None,
+    };
+    while asked.elapsed() < Duration::from_secs(15) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let text = std::fs::read_to_string(&close.log).unwrap_or_default();
+        if close.played.is_none() {
+            if plays(&text) > before {
+                close.played = Some(before + 1);
+            } else if asked.elapsed() > Duration::from_secs(5)
+                && std::fs::remove_file(&file).is_ok()
+            {
+                // Taken back before the process took it (no consumer of the kind meanwhile).
+                break;
+            }
+        }
+        if close
+            .played
+            .is_some_and(|n| consuming_again(&text, n).is_some())
+        {
+            break;
+        }
+    }
+    rec.fault(if close.played.is_some() {
+        "consumer channel closed by the broker"
+    } else {
+        "consumer channel close not played (no consumer of the kind in time)"
+    });
+    rec.channel_closes.push(close);
+}
+
+/// What a consumer's log shows after its `n`-th play of a channel close.
+struct Restart {
+    /// The kind whose channel was closed (from the play line).
+    kind: String,
+    /// The session restarted that kind on a new channel (before any reconnect).
+    restarted: bool,
+    /// The session ended instead (the connection lost or given up).
+    reconnected: bool,
+    /// From the play to every kind consuming again, by the log's clock.
+    back_ms: f64,
+    /// When every kind consumed again, in µs since the epoch.
+    back_at_us: i64,
+}
+
+/// The restart that followed the `n`-th play of a channel close in `log`, once every kind of
+/// the process consumes again: `None` while it has not (or the process stopped logging first).
+fn consuming_again(log: &str, n: usize) -> Option<Restart> {
+    let mut lines = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok());
+    let field = |v: &serde_json::Value, k: &str| {
+        v.get(k)
+            .and_then(|x| x.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let at = |v: &serde_json::Value| {
+        DateTime::parse_from_rfc3339(&field(v, "timestamp"))
+            .map(|t| t.timestamp_micros())
+            .ok()
+    };
+    let play = lines
+        .by_ref()
+        .filter(|v| field(v, "message").starts_with(CLOSE_PLAYED))
+        .nth(n - 1)?;
+    let kind = field(&play, "kind");
+    let played_at = at(&play)?;
+    let mut restarted = false;
+    let mut reconnected = false;
+    for v in lines {
+        let message = field(&v, "message");
+        if message == "a consumer stopped; consuming its queue again on a new channel"
+            && field(&v, "kind") == kind
+        {
+            restarted = true;
+        } else if message == "a consumer stopped; reconnecting"
+            || message.starts_with("consumer cannot connect")
+        {
+            reconnected = true;
+        } else if message == "consuming" {
+            let back_at_us = at(&v)?;
+            return Some(Restart {
+                kind,
+                restarted,
+                reconnected,
+                back_ms: (back_at_us - played_at) as f64 / 1000.0,
+                back_at_us,
+            });
+        }
+    }
+    None
+}
+
 /// A long outage of one service; checks that the workers idle (no busy loop) meanwhile.
 async fn outage(
     which: &str,
@@ -1050,6 +1247,9 @@ fn check(name: &'static str, ok: bool, detail: impl Into<String>) -> Check {
 
 /// An `acked` line of a worker's ack log.
 struct Ack {
+    /// The process that acked (its worker id, from its log's name).
+    process: String,
+    kind: String,
     delivery_id: String,
     claim: String,
     end: String,
@@ -1062,6 +1262,10 @@ fn read_logs(cluster: &Cluster) -> (Vec<Ack>, BTreeMap<String, u64>) {
     let mut warnings: BTreeMap<String, u64> = BTreeMap::new();
     for path in &cluster.all_logs {
         let text = std::fs::read_to_string(path).unwrap_or_default();
+        let process = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_default();
         for line in text.lines() {
             let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
                 continue;
@@ -1069,6 +1273,8 @@ fn read_logs(cluster: &Cluster) -> (Vec<Ack>, BTreeMap<String, u64>) {
             let field = |k: &str| v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_owned();
             if field("message") == "acked" {
                 acks.push(Ack {
+                    process: process.clone(),
+                    kind: field("kind"),
                     delivery_id: field("delivery_id"),
                     claim: field("claim"),
                     end: field("end"),
@@ -1100,6 +1306,244 @@ async fn settle_in_doubt(pool: &PgPool, rec: &mut Record) {
     rec.in_doubt_committed = committed.len();
     let found = rec.in_doubt.iter().filter(|(id, _)| committed.contains(id));
     rec.jobs.extend(found.copied());
+}
+
+/// The outbox status the end of a slice writes, in the end's own transaction (`end_*` in
+/// `src/engine/lease.rs`, and the group ends of `src/engine/lease/batched.rs`).
+fn outbox_status_of_end(end: &str) -> Option<&'static str> {
+    Some(match end {
+        "succeeded" => "completed",
+        "failed" => "dead",
+        "canceled" | "superseded" => "canceled",
+        "wait" | "continue" => "pending",
+        _ => return None,
+    })
+}
+
+/// Per ack: (its index, delivery id given to its row at (µs), the deciding commit found (µs),
+/// whether that commit carries the delivery's own id, a newer id given to the row at (µs)).
+type AckVerdict = (i64, Option<i64>, Option<i64>, Option<bool>, Option<i64>);
+
+/// "No message acked before its commit", ack by ack, from the ack log and the observers. Commit
+/// times come from `track_commit_timestamp` (on in this cluster); `sent_at` is when the ack
+/// left the worker. What each ack must follow:
+///
+/// - Every ack, whatever its outcome: the relay's claim that gave the row this delivery id
+///   (`dispatching` under it). It committed before the message was published; the run sends
+///   no foreign messages.
+/// - `claimed` with an end that decides the slice (succeeded, failed, canceled, superseded,
+///   wait, continue): the commit that ended the very lease this delivery's claim issued. The
+///   claim is found by the delivery id (its `leased` outbox write) and the lease token written
+///   in the same transaction, by a holder of the acking process; the end is the transaction that
+///   cleared that token, written by a session of the acking process, whose outbox write has the
+///   status the end names (completed, dead, canceled, pending). That write carries the
+///   delivery's own id, except when the relay published the row again while the slice ran (its
+///   worker looked dead for a moment): the end then writes under the newer id, and the lease
+///   is what ties it to this delivery (counted in the detail).
+/// - `claimed` / `lease_lost`: no commit of its own: the slice was fenced out and wrote nothing
+///   more; the job belongs to whoever holds it now. It must follow its claim (by the process).
+/// - `exhausted`: the diagnosis failed the job in its own transaction, writing the row `dead`
+///   (`fail_exhausted`): that write, by a session of the acking process, before the ack.
+/// - `terminal`: the diagnosis settled the row of a job already ended (`settle`, `completed` /
+///   `dead` / `canceled` under this delivery's id), or another copy of the same delivery did
+///   first (the broker redelivers a delivery whose channel closed before its ack): a settling
+///   write under this id before the ack. Exception: the diagnosis reads without locks, so the
+///   relay may give the row a newer id between the diagnosis and the settle, which then writes
+///   nothing; then that newer id, given before the ack, is what must be found.
+/// - `duplicate`: no commit of its own (the diagnosis saw another live lease; re-arming the
+///   row's due time writes only when it differs): a claim of the job before the ack.
+/// - `stale`: no commit of its own (the delivery was replaced, its row settled or its job not
+///   claimable; a re-arm at the retry time writes only sometimes): only the first rule.
+async fn acks_after_their_commits(pool: &PgPool, acks: &[Ack]) -> Check {
+    let name = "no message acked before its commit";
+    let want: Vec<String> = acks
+        .iter()
+        .map(|a| match a.claim.as_str() {
+            "claimed" => outbox_status_of_end(&a.end).map_or(a.end.clone(), str::to_owned),
+            _ => String::new(),
+        })
+        .collect();
+    let verdicts: Vec<AckVerdict> = sqlx::query_as(
+        "WITH a AS (SELECT (i - 1)::bigint AS i, p, d, claim, want, sent FROM \
+           unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bigint[]) WITH ORDINALITY \
+           AS a(p, d, claim, want, sent, i)), \
+         x AS (SELECT a.*, g.job, g.given_id, g.given_us FROM a LEFT JOIN LATERAL ( \
+             SELECT r.job_id AS job, r.id AS given_id, chaos_us(r.xmin) AS given_us \
+             FROM chaos_outbox r WHERE r.queue_job_id = a.d AND r.status = 'dispatching' \
+             ORDER BY r.id LIMIT 1) g ON true) \
+         SELECT x.i, x.given_us, v.committed, v.own, n.newer FROM x \
+         LEFT JOIN LATERAL ( \
+           SELECT chaos_us(o.xmin) AS committed, o.queue_job_id = x.d AS own \
+           FROM chaos_outbox oc \
+           JOIN chaos_claims c ON c.tx = oc.tx AND c.job_id = oc.job_id \
+           JOIN chaos_ends e ON e.job_id = c.job_id AND e.lease_token = c.lease_token \
+           JOIN chaos_outbox o ON o.tx = e.tx AND o.job_id = e.job_id \
+           WHERE x.claim = 'claimed' AND x.want IN ('completed', 'dead', 'canceled', 'pending') \
+             AND oc.queue_job_id = x.d AND oc.status = 'leased' \
+             AND left(c.worker_id, length(x.p) + 1) = x.p || '#' \
+             AND (e.writer = 'kfs-worker ' || x.p \
+               OR left(e.writer, length(x.p) + 12) = 'kfs-worker ' || x.p || ' ') \
+             AND o.status = x.want \
+           UNION ALL \
+           SELECT chaos_us(c.xmin), true FROM chaos_outbox oc \
+           JOIN chaos_claims c ON c.tx = oc.tx AND c.job_id = oc.job_id \
+           WHERE x.claim = 'claimed' AND x.want = 'lease_lost' \
+             AND oc.queue_job_id = x.d AND oc.status = 'leased' \
+             AND left(c.worker_id, length(x.p) + 1) = x.p || '#' \
+           UNION ALL \
+           SELECT chaos_us(o.xmin), o.queue_job_id = x.d FROM chaos_outbox o \
+           WHERE x.claim = 'exhausted' AND o.job_id = x.job \
+             AND o.status = 'dead' AND o.old_status <> 'dead' \
+             AND (o.writer = 'kfs-worker ' || x.p \
+               OR left(o.writer, length(x.p) + 12) = 'kfs-worker ' || x.p || ' ') \
+           UNION ALL \
+           SELECT chaos_us(o.xmin), true FROM chaos_outbox o \
+           WHERE x.claim = 'terminal' AND o.job_id = x.job AND o.queue_job_id = x.d \
+             AND o.status IN ('completed', 'dead', 'canceled') AND o.old_status <> o.status \
+           UNION ALL \
+           SELECT chaos_us(c.xmin), false FROM chaos_claims c \
+           WHERE x.claim = 'duplicate' AND c.job_id = x.job \
+           ORDER BY 1 LIMIT 1) v ON true \
+         LEFT JOIN LATERAL ( \
+           SELECT min(chaos_us(o.xmin)) AS newer FROM chaos_outbox o \
+           WHERE x.claim = 'terminal' AND o.job_id = x.job AND o.status = 'dispatching' \
+             AND o.id > x.given_id AND o.queue_job_id <> x.d) n ON true \
+         ORDER BY x.i",
+    )
+    .bind(acks.iter().map(|a| a.process.clone()).collect::<Vec<_>>())
+    .bind(
+        acks.iter()
+            .map(|a| a.delivery_id.clone())
+            .collect::<Vec<_>>(),
+    )
+    .bind(acks.iter().map(|a| a.claim.clone()).collect::<Vec<_>>())
+    .bind(&want)
+    .bind(acks.iter().map(|a| a.sent_at).collect::<Vec<_>>())
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut bad = Vec::new();
+    let mut by: BTreeMap<String, u64> = BTreeMap::new();
+    let mut newer_id = 0u64;
+    let mut terminal_raced = 0u64;
+    for (i, given, committed, own, newer) in verdicts {
+        let a = &acks[usize::try_from(i).expect("an index")];
+        let before = |t: Option<i64>| t.is_some_and(|t| t <= a.sent_at);
+        let decided = a.claim == "claimed" && outbox_status_of_end(&a.end).is_some();
+        let ok = before(given)
+            && a.sent_at > 0
+            && match a.claim.as_str() {
+                "claimed" if decided || a.end == "lease_lost" => before(committed),
+                "exhausted" | "duplicate" => before(committed),
+                "terminal" if before(committed) => true,
+                "terminal" if before(newer) => {
+                    terminal_raced += 1;
+                    true
+                }
+                "stale" => true,
+                _ => false,
+            };
+        if !ok {
+            bad.push(format!(
+                "{} {} {}/{} sent {} given {given:?} committed {committed:?}",
+                a.process, a.delivery_id, a.claim, a.end, a.sent_at
+            ));
+            continue;
+        }
+        if decided && own == Some(false) {
+            newer_id += 1;
+        }
+        let class = if decided {
+            "decided a slice"
+        } else {
+            a.claim.as_str()
+        };
+        let class = if a.end == "lease_lost" {
+            "lease_lost"
+        } else {
+            class
+        };
+        *by.entry(class.to_owned()).or_default() += 1;
+    }
+    let decided = by.get("decided a slice").copied().unwrap_or(0);
+    let shown: Vec<&String> = bad.iter().take(10).collect();
+    check(
+        name,
+        bad.is_empty() && decided > 0,
+        format!(
+            "{} acks logged, each after the commit it rests on ({by:?}): each that decided a slice \
+             after the commit that ended the lease its own claim issued, by its process, with the \
+             outbox status its end names ({newer_id} of them under a newer delivery id, the row \
+             published again while the slice ran); each lease_lost after its claim, exhausted after \
+             its dead row, terminal after its row settled under its id ({terminal_raced} after a \
+             newer id instead), duplicate after a claim of its job; every delivery id given by a \
+             relay before its ack. Not so ({} acks, the first 10: process, delivery, claim/end, \
+             sent, id given, commit found, in µs): {shown:?}",
+            acks.len(),
+            bad.len()
+        ),
+    )
+}
+
+/// Every channel close a consumer played: the process restarted that kind's consumer on a new
+/// channel of the same connection (no reconnect in between) and consumed every kind again; and,
+/// for the probe kind, whose jobs arrive all the time, it acked probe deliveries after that,
+/// unless it died within 10 s or the run stopped enqueuing within 10 s.
+fn channels_consumed_again(rec: &Record, cluster: &Cluster, acks: &[Ack]) -> Check {
+    let mut bad = Vec::new();
+    let mut played: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut acked_after = 0;
+    let mut times: Vec<f64> = Vec::new();
+    let margin = chrono::TimeDelta::seconds(10);
+    for c in &rec.channel_closes {
+        let Some(n) = c.played else { continue };
+        *played.entry(c.kind).or_default() += 1;
+        let text = std::fs::read_to_string(&c.log).unwrap_or_default();
+        let Some(r) = consuming_again(&text, n) else {
+            bad.push(format!("{} {}: never consuming again", c.process, c.kind));
+            continue;
+        };
+        times.push(r.back_ms);
+        if r.kind != c.kind || !r.restarted || r.reconnected {
+            bad.push(format!(
+                "{} {} (played on {}): restarted on the connection {}, reconnected {}",
+                c.process, c.kind, r.kind, r.restarted, r.reconnected
+            ));
+            continue;
+        }
+        let back = DateTime::from_timestamp_micros(r.back_at_us).unwrap_or_default();
+        let lived = cluster
+            .ended
+            .get(&c.process)
+            .is_none_or(|end| *end > back + margin);
+        let fed = rec.faults_ended.is_none_or(|end| end > back + margin);
+        let after = acks
+            .iter()
+            .filter(|a| a.process == c.process && a.kind == c.kind && a.sent_at > r.back_at_us)
+            .count();
+        if after > 0 {
+            acked_after += 1;
+        } else if c.kind == Kind::Probe.name() && lived && fed {
+            bad.push(format!(
+                "{} {}: no ack of the kind after it consumed again",
+                c.process, c.kind
+            ));
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    check(
+        "a channel the broker closed is consumed again at once, on the same connection",
+        bad.is_empty(),
+        format!(
+            "{} closes played ({} asked; by kind {played:?}), each kind consumed again on a new channel after \
+             p50 {:.0} ms, max {:.0} ms; {acked_after} of them with acks of that kind after; \
+             not so: {bad:?}",
+            played.values().sum::<u64>(),
+            rec.channel_closes.len(),
+            percentile(&times, 0.5),
+            times.last().copied().unwrap_or(f64::NAN)
+        ),
+    )
 }
 
 async fn check_invariants(
@@ -1208,54 +1652,8 @@ async fn check_invariants(
     ));
 
     let (acks, _) = read_logs(cluster);
-    let decided: Vec<&Ack> = acks
-        .iter()
-        .filter(|a| {
-            a.claim == "claimed"
-                && matches!(
-                    a.end.as_str(),
-                    "succeeded" | "failed" | "canceled" | "superseded" | "wait" | "continue"
-                )
-        })
-        .collect();
-    let ids: Vec<String> = decided.iter().map(|a| a.delivery_id.clone()).collect();
-    let sent: Vec<i64> = decided.iter().map(|a| a.sent_at).collect();
-    // The decision carries the delivery's id, unless the outbox row was published again under
-    // a newer id while the slice ran (its worker looked dead after its liveness session was
-    // cut, say); then the decision is the next settling transition of the same job. Its commit
-    // time (track_commit_timestamp is on in this cluster; each observer row commits with the
-    // transition) must come before the ack left the worker, for every ack that decided a slice.
-    let missing: Vec<(String, i64, Option<i64>)> = sqlx::query_as(
-        "WITH a AS (SELECT * FROM unnest($1::text[], $2::bigint[]) AS a(d, sent)), \
-         m AS (SELECT a.d, a.sent, \
-           (SELECT min(pg_xact_commit_timestamp(o.xmin)) FROM chaos_outbox o \
-             WHERE o.queue_job_id = a.d AND o.status IN ('completed', 'pending', 'dead', 'canceled')) AS direct, \
-           (SELECT min(pg_xact_commit_timestamp(o.xmin)) FROM chaos_outbox x JOIN chaos_outbox o \
-              ON o.job_id = x.job_id AND o.id > x.id AND o.queue_job_id IS DISTINCT FROM a.d \
-             AND o.status IN ('completed', 'pending', 'dead', 'canceled') \
-             WHERE x.queue_job_id = a.d) AS later FROM a) \
-         SELECT d, sent, (extract(epoch FROM coalesce(direct, later)) * 1000000)::bigint FROM m \
-         WHERE coalesce(direct, later) IS NULL \
-            OR (extract(epoch FROM coalesce(direct, later)) * 1000000)::bigint > sent LIMIT 10",
-    )
-    .bind(&ids)
-    .bind(&sent)
-    .fetch_all(pool)
-    .await
-    .unwrap();
-    let untimed = decided.iter().filter(|a| a.sent_at == 0).count();
-    let blank = acks.iter().filter(|a| a.delivery_id.is_empty()).count();
-    out.push(check(
-        "no message acked before its commit",
-        missing.is_empty() && blank == 0 && untimed == 0 && !decided.is_empty(),
-        format!(
-            "{} acks logged, {} decided a slice, each sent after its decision committed; \
-             acked before or without a committed decision (delivery, sent, committed µs): {missing:?}; \
-             acks without a delivery id: {blank}; without a send time: {untimed}",
-            acks.len(),
-            decided.len()
-        ),
-    ));
+    out.push(acks_after_their_commits(pool, &acks).await);
+    out.push(channels_consumed_again(rec, cluster, &acks));
 
     let outbox_open = count(pool, "SELECT count(*) FROM kfs_probe_outbox WHERE status NOT IN ('completed', 'dead', 'canceled')").await
         + platform::outbox_open(pool).await;

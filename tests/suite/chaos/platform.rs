@@ -31,8 +31,8 @@ const SUBJECT: &str = "user-chaos";
 /// Documents of the space; the first half is never deleted, so research always has sources.
 const DOCUMENTS: usize = 24;
 
-/// Observers on the platform's tables, as for the probe kind: claims, walks (checkpoint or
-/// stage) and outbox transitions, recorded in the transaction that makes them.
+/// Observers on the platform's tables, as for the probe kind: claims, ends of leases, walks
+/// (checkpoint or stage) and outbox writes, recorded in the transaction that makes them.
 pub const OBSERVERS: &str = r#"
 CREATE TABLE chaos_walks (
   id BIGSERIAL PRIMARY KEY, kind TEXT NOT NULL, job_id UUID NOT NULL, old_cp TEXT NOT NULL, new_cp TEXT NOT NULL);
@@ -53,13 +53,16 @@ BEGIN
   RETURN NULL;
 END $f$;
 CREATE TRIGGER chaos_outbox AFTER UPDATE ON document_compilation_outbox FOR EACH ROW
-  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id
+        OR NEW.updated_at IS DISTINCT FROM OLD.updated_at)
   EXECUTE FUNCTION chaos_outbox_of('attempt_id');
 CREATE TRIGGER chaos_outbox AFTER UPDATE ON deletion_outbox FOR EACH ROW
-  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id
+        OR NEW.updated_at IS DISTINCT FROM OLD.updated_at)
   EXECUTE FUNCTION chaos_outbox_of('deletion_job_id');
 CREATE TRIGGER chaos_outbox AFTER UPDATE ON research_task_outbox FOR EACH ROW
-  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id)
+  WHEN (NEW.status IS DISTINCT FROM OLD.status OR NEW.queue_job_id IS DISTINCT FROM OLD.queue_job_id
+        OR NEW.updated_at IS DISTINCT FROM OLD.updated_at)
   EXECUTE FUNCTION chaos_outbox_of('research_task_job_id');
 CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON document_compilation_attempts FOR EACH ROW
   WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
@@ -70,6 +73,12 @@ CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON deletion_jobs FOR EACH
 CREATE TRIGGER chaos_claim AFTER UPDATE OF lease_token ON research_task_jobs FOR EACH ROW
   WHEN (NEW.lease_token IS NOT NULL AND NEW.lease_token IS DISTINCT FROM OLD.lease_token)
   EXECUTE FUNCTION chaos_claim();
+CREATE TRIGGER chaos_end AFTER UPDATE OF lease_token ON document_compilation_attempts FOR EACH ROW
+  WHEN (OLD.lease_token IS NOT NULL AND NEW.lease_token IS NULL) EXECUTE FUNCTION chaos_end();
+CREATE TRIGGER chaos_end AFTER UPDATE OF lease_token ON deletion_jobs FOR EACH ROW
+  WHEN (OLD.lease_token IS NOT NULL AND NEW.lease_token IS NULL) EXECUTE FUNCTION chaos_end();
+CREATE TRIGGER chaos_end AFTER UPDATE OF lease_token ON research_task_jobs FOR EACH ROW
+  WHEN (OLD.lease_token IS NOT NULL AND NEW.lease_token IS NULL) EXECUTE FUNCTION chaos_end();
 "#;
 
 /// The jobs requested during the run.
