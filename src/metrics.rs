@@ -142,6 +142,10 @@ fn describe() {
         "Deliveries taken from the broker, by how the database decided them"
     );
     describe_counter!("kfs_slices_total", "Job slices run, by how each ended");
+    describe_counter!(
+        "kfs_relay_claims_total",
+        "Claims the relay ran on the outbox, per kind"
+    );
     describe_histogram!(
         "kfs_slice_duration_seconds",
         Unit::Seconds,
