@@ -526,15 +526,7 @@ impl Relay {
         st: &Statements,
         token: Uuid,
     ) -> Result<(Vec<Claimed>, Room), sqlx::Error> {
-        let window = self.window(kind);
-        let cursor = self
-            .state()
-            .get(&kind)
-            .map(|s| s.cursor.clone())
-            .unwrap_or_default();
-        let limit = self.cfg.tenant_limits.get(&kind).copied();
-        let fair = kind.spec().fairness.is_some();
-        let limited = fair && limit.is_some();
+        let (sql, args) = self.claim_statement(kind, st, token)?;
         // Read before the claim's snapshot: a consumer's claim in between is counted both as
         // gone from the window and as left since, so the estimate errs towards looking early.
         let left_at_claim = window::local(kind).claimed;
@@ -558,24 +550,9 @@ impl Relay {
             i64,
             bool,
         );
-        let sql = if limited {
-            &st.claim_limited
-        } else {
-            &st.claim
-        };
-        let mut q = sqlx::query_as::<_, Row>(sql)
-            .bind(self.cfg.batch)
-            .bind(token)
-            .bind(&self.relay_id)
-            .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
-            .bind(window);
-        if fair {
-            q = q.bind(&cursor);
-        }
-        if limited {
-            q = q.bind(i64::from(limit.unwrap_or(u32::MAX)));
-        }
-        let got = q.fetch_all(&mut *tx).await?;
+        let got = sqlx::query_as_with::<_, Row, _>(sql, args)
+            .fetch_all(&mut *tx)
+            .await?;
         tx.commit().await?;
         let mut room = Room::default();
         let mut rows = Vec::with_capacity(got.len());
@@ -637,10 +614,42 @@ impl Relay {
         Ok((rows, room))
     }
 
-    /// The relay's Postgres work for one batch of `kind` with no broker: claim, then mark every
-    /// claimed row dispatched as if the broker had confirmed it. Returns the rows marked. Only
-    /// the bench uses it, to measure how fast the relay could go if publishing cost nothing;
-    /// the messages it "dispatches" are never sent.
+    /// The claim statement of `kind` as this relay would run it now under `token`, and its
+    /// arguments: the window, the round-robin's cursor and, with a tenant limit, the limit.
+    fn claim_statement<'s>(
+        &self,
+        kind: Kind,
+        st: &'s Statements,
+        token: Uuid,
+    ) -> Result<(&'s str, sqlx::postgres::PgArguments), sqlx::Error> {
+        use sqlx::Arguments;
+        let window = self.window(kind);
+        let cursor = self
+            .state()
+            .get(&kind)
+            .map(|s| s.cursor.clone())
+            .unwrap_or_default();
+        let limit = self.cfg.tenant_limits.get(&kind).copied();
+        let fair = kind.spec().fairness.is_some();
+        let mut args = sqlx::postgres::PgArguments::default();
+        args.add(self.cfg.batch).map_err(sqlx::Error::Encode)?;
+        args.add(token).map_err(sqlx::Error::Encode)?;
+        args.add(self.relay_id.as_str())
+            .map_err(sqlx::Error::Encode)?;
+        args.add(crate::engine::lease::millis(self.cfg.lock_ttl))
+            .map_err(sqlx::Error::Encode)?;
+        args.add(window).map_err(sqlx::Error::Encode)?;
+        if !fair {
+            return Ok((&st.claim, args));
+        }
+        args.add(cursor).map_err(sqlx::Error::Encode)?;
+        let Some(limit) = limit else {
+            return Ok((&st.claim, args));
+        };
+        args.add(i64::from(limit)).map_err(sqlx::Error::Encode)?;
+        Ok((&st.claim_limited, args))
+    }
+
     /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of the claim this relay would run for `kind`
     /// now, in a transaction rolled back afterwards: what a claim costs, for tests and
     /// benchmarks. Nothing is claimed. `generic`: under the plan Postgres may settle on for the
@@ -650,23 +659,8 @@ impl Relay {
         kind: Kind,
         generic: bool,
     ) -> Result<serde_json::Value, sqlx::Error> {
-        let st = &self.statements[&kind];
-        let cursor = self
-            .state()
-            .get(&kind)
-            .map(|s| s.cursor.clone())
-            .unwrap_or_default();
-        let limit = self.cfg.tenant_limits.get(&kind).copied();
-        let fair = kind.spec().fairness.is_some();
-        let limited = fair && limit.is_some();
-        let sql = format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {}",
-            if limited {
-                &st.claim_limited
-            } else {
-                &st.claim
-            }
-        );
+        let (sql, args) = self.claim_statement(kind, &self.statements[&kind], Uuid::new_v4())?;
+        let explain = format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}");
         let mut tx = self.index_planned().await?;
         let mode = if generic {
             "force_generic_plan"
@@ -677,23 +671,17 @@ impl Relay {
             .bind(mode)
             .execute(&mut *tx)
             .await?;
-        let mut q = sqlx::query_scalar::<_, serde_json::Value>(&sql)
-            .bind(self.cfg.batch)
-            .bind(Uuid::new_v4())
-            .bind(&self.relay_id)
-            .bind(crate::engine::lease::millis(self.cfg.lock_ttl))
-            .bind(self.window(kind));
-        if fair {
-            q = q.bind(&cursor);
-        }
-        if limited {
-            q = q.bind(i64::from(limit.unwrap_or(u32::MAX)));
-        }
-        let plan = q.fetch_one(&mut *tx).await?;
+        let plan = sqlx::query_scalar_with::<_, serde_json::Value, _>(&explain, args)
+            .fetch_one(&mut *tx)
+            .await?;
         tx.rollback().await?;
         Ok(plan)
     }
 
+    /// The relay's Postgres work for one batch of `kind` with no broker: claim, then mark every
+    /// claimed row dispatched as if the broker had confirmed it. Returns the rows marked. Only
+    /// the bench uses it, to measure how fast the relay could go if publishing cost nothing;
+    /// the messages it "dispatches" are never sent.
     pub async fn claim_and_mark_without_publishing(&self, kind: Kind) -> Result<usize, RelayError> {
         let st = &self.statements[&kind];
         let token = Uuid::new_v4();

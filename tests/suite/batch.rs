@@ -77,16 +77,6 @@ async fn effect_transactions(pool: &PgPool, jobs: &[Uuid]) -> i64 {
     .unwrap()
 }
 
-async fn effects_of(pool: &PgPool, job: Uuid) -> Vec<(i32, i64)> {
-    sqlx::query_as(
-        "SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step",
-    )
-    .bind(job)
-    .fetch_all(pool)
-    .await
-    .unwrap()
-}
-
 async fn state(pool: &PgPool, job: Uuid) -> (String, String) {
     sqlx::query_as("SELECT j.run_state, o.status FROM kfs_probe_jobs j JOIN kfs_probe_outbox o ON o.probe_job_id = j.id WHERE j.id = $1")
         .bind(job)
@@ -165,7 +155,7 @@ async fn a_poison_member_fails_or_retries_alone_and_the_others_commit_once() {
         assert_eq!(h, &want, "delivery {i}");
     }
     for d in &refs {
-        let effects = effects_of(&env.pool, d.job_id).await;
+        let effects = support::probe_effects(&env.pool, d.job_id).await;
         let st = state(&env.pool, d.job_id).await;
         if d.job_id == fatal[0].job_id {
             assert_eq!(effects, vec![], "the failed member wrote nothing");
@@ -250,7 +240,7 @@ async fn a_member_fenced_out_after_the_group_claim_writes_nothing_and_the_others
     let ends = run_group(&env, jobs, policy).await;
     assert_eq!(ends.len(), 5);
     for (id, end) in ends {
-        let effects = effects_of(&env.pool, id).await;
+        let effects = support::probe_effects(&env.pool, id).await;
         if id == fenced_out {
             assert_eq!(end, Some(LEASE_LOST));
             assert_eq!(effects, vec![], "the fenced-out member wrote nothing");
@@ -290,7 +280,7 @@ async fn a_group_whose_steps_outlast_a_heartbeat_interval_commits_what_fits_and_
     for (id, end) in ends {
         assert_eq!(end, Some("succeeded"), "{id}");
         assert_eq!(
-            effects_of(&env.pool, id).await,
+            support::probe_effects(&env.pool, id).await,
             vec![(1, 1), (2, 1)],
             "{id}"
         );
@@ -336,7 +326,7 @@ async fn members_going_on_alone_late_in_their_leases_are_heartbeaten_by_the_clai
     for (id, end) in ends {
         assert_eq!(end, Some("succeeded"), "{id}");
         assert_eq!(
-            effects_of(&env.pool, id).await,
+            support::probe_effects(&env.pool, id).await,
             vec![(1, 1), (2, 1), (3, 1), (4, 1)],
             "{id}"
         );
@@ -681,7 +671,7 @@ async fn long_steps_beside_short_jobs_lose_no_lease_on_the_production_heartbeat_
         "jobs whose slices did not succeed on their first lease (a heartbeat waited): {lost:?}"
     );
     for d in &refs {
-        let steps = effects_of(&env.pool, d.job_id).await;
+        let steps = support::probe_effects(&env.pool, d.job_id).await;
         assert!(
             steps.iter().all(|(_, n)| *n == 1),
             "every step once: {steps:?}"

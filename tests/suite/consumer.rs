@@ -190,15 +190,6 @@ async fn probe_outbox(pool: &PgPool, outbox: Uuid) -> ProbeOutbox {
     .unwrap()
 }
 
-/// (step, count) of a job's effect rows.
-async fn effects(pool: &PgPool, job: Uuid) -> Vec<(i32, i64)> {
-    sqlx::query_as("SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step")
-        .bind(job)
-        .fetch_all(pool)
-        .await
-        .unwrap()
-}
-
 /// Makes a waiting job due now: its retry time and its outbox row.
 async fn make_retry_due(pool: &PgPool, job: Uuid, outbox: Uuid) {
     sqlx::query("UPDATE kfs_probe_jobs SET retry_at = now() - interval '1 second' WHERE id = $1")
@@ -380,7 +371,7 @@ async fn stale_deliveries_are_acked_without_changing_anything() {
         0,
         "no slice ran"
     );
-    assert!(effects(&env.pool, job).await.is_empty());
+    assert!(support::probe_effects(&env.pool, job).await.is_empty());
 
     // Positive control: the same delivery is claimed once its row is out for delivery again.
     sqlx::query("UPDATE kfs_probe_outbox SET status = 'dispatched' WHERE id = $1")
@@ -627,7 +618,7 @@ async fn an_expired_lease_is_taken_over_even_while_its_worker_lives() {
         process(&engine, &d).await,
         ack("claimed", Some("succeeded"))
     );
-    assert_eq!(effects(&env.pool, job).await, vec![(1, 1)]);
+    assert_eq!(support::probe_effects(&env.pool, job).await, vec![(1, 1)]);
     liveness.close().await.unwrap();
     env.cleanup().await;
 }
@@ -727,7 +718,10 @@ async fn a_job_whose_attempts_are_used_up_is_failed_and_its_outbox_row_is_dead()
     assert_eq!(o.status, "dead");
     assert!(o.lock_cleared);
     assert_eq!(o.last_error.as_deref(), Some("attempts_exhausted"));
-    assert!(effects(&env.pool, job).await.is_empty(), "nothing ran");
+    assert!(
+        support::probe_effects(&env.pool, job).await.is_empty(),
+        "nothing ran"
+    );
     assert_eq!(engine.counters.exhausted.load(Ordering::Relaxed), 1);
     env.cleanup().await;
 }
@@ -771,7 +765,7 @@ async fn a_three_step_job_completes_in_one_slice_from_a_relayed_message() {
     assert_eq!(o.status, "completed");
     assert!(o.lock_cleared);
     assert_eq!(
-        effects(&env.pool, job).await,
+        support::probe_effects(&env.pool, job).await,
         vec![(1, 1), (2, 1), (3, 1)],
         "each step's effect exactly once"
     );
@@ -832,7 +826,7 @@ async fn a_used_up_slice_budget_requeues_the_job_at_its_checkpoint_with_the_atte
     assert!(o.due, "claimable again at once");
     assert_eq!(o.dispatch_attempts, 0);
     assert!(o.lock_cleared);
-    assert_eq!(effects(&env.pool, job).await, vec![(1, 1)]);
+    assert_eq!(support::probe_effects(&env.pool, job).await, vec![(1, 1)]);
 
     // The relay sends it again and the job goes on where it stopped.
     assert_eq!(
@@ -844,7 +838,10 @@ async fn a_used_up_slice_budget_requeues_the_job_at_its_checkpoint_with_the_atte
         deliver(&env, &engine, Kind::Probe).await,
         ack("claimed", Some("succeeded"))
     );
-    assert_eq!(effects(&env.pool, job).await, vec![(1, 1), (2, 1), (3, 1)]);
+    assert_eq!(
+        support::probe_effects(&env.pool, job).await,
+        vec![(1, 1), (2, 1), (3, 1)]
+    );
     assert_eq!(
         probe_job(&env.pool, job).await.execution_attempts,
         1,
@@ -885,7 +882,7 @@ async fn a_retryable_error_waits_until_retry_at_and_an_early_delivery_only_rearm
     assert_eq!(o.at_retry_at, Some(true), "outbox available_at = retry_at");
     assert_eq!(o.dispatch_attempts, 0);
     assert!(
-        effects(&env.pool, job).await.is_empty(),
+        support::probe_effects(&env.pool, job).await.is_empty(),
         "the failed step's writes rolled back"
     );
 
@@ -919,7 +916,7 @@ async fn a_retryable_error_waits_until_retry_at_and_an_early_delivery_only_rearm
         ("succeeded", 2, None)
     );
     assert_eq!(j.last_error_code, None, "success clears the last error");
-    assert_eq!(effects(&env.pool, job).await, vec![(1, 1)]);
+    assert_eq!(support::probe_effects(&env.pool, job).await, vec![(1, 1)]);
     env.cleanup().await;
 }
 
@@ -950,7 +947,7 @@ async fn a_fatal_error_fails_the_job_at_once_and_kills_its_outbox_row() {
     assert_eq!(o.status, "dead");
     assert!(o.lock_cleared);
     assert!(o.last_error.unwrap_or_default().starts_with("probe_fatal"));
-    assert!(effects(&env.pool, job).await.is_empty());
+    assert!(support::probe_effects(&env.pool, job).await.is_empty());
     env.cleanup().await;
 }
 
@@ -1304,7 +1301,7 @@ async fn a_lease_lost_mid_slice_stops_the_slice_and_writes_nothing_after_the_tak
     .await
     .unwrap();
     assert_eq!(taken, 1, "the job was still running when taken over");
-    let effects_at_takeover = effects(&env.pool, job).await;
+    let effects_at_takeover = support::probe_effects(&env.pool, job).await;
     let job_at_takeover = job_text(&env.pool, job).await;
     let outbox_at_takeover: String =
         sqlx::query_scalar("SELECT o::text FROM kfs_probe_outbox o WHERE id = $1")
@@ -1319,7 +1316,7 @@ async fn a_lease_lost_mid_slice_stops_the_slice_and_writes_nothing_after_the_tak
         .unwrap();
     assert_eq!(handled, ack("claimed", Some("lease_lost")));
     assert_eq!(
-        effects(&env.pool, job).await,
+        support::probe_effects(&env.pool, job).await,
         effects_at_takeover,
         "no effect after the takeover"
     );
@@ -1528,7 +1525,7 @@ async fn heartbeats_keep_a_long_slice_alive_when_the_slices_hold_every_pool_conn
         (ack("claimed", Some("succeeded")), "succeeded"),
         "the lease ran out while its heartbeats waited for a connection: {after:?}"
     );
-    assert_eq!(effects(&env.pool, job).await.len(), 12);
+    assert_eq!(support::probe_effects(&env.pool, job).await.len(), 12);
     slices.close().await;
     heartbeats.close().await;
     env.cleanup().await;
@@ -1712,7 +1709,7 @@ async fn a_step_statement_cancelled_mid_flight_is_retried_and_the_job_succeeds_o
     );
     assert_eq!(probe_job(&env.pool, job).await.run_state, "succeeded");
     assert_eq!(
-        effects(&env.pool, job).await.len(),
+        support::probe_effects(&env.pool, job).await.len(),
         1,
         "the step's effect, once"
     );
@@ -1764,7 +1761,7 @@ async fn a_step_may_stay_outside_the_database_for_its_kinds_lease_not_the_sessio
         (ack("claimed", Some("succeeded")), "succeeded"),
         "the session's idle-in-transaction timeout ended the step: {after:?}"
     );
-    assert_eq!(effects(&env.pool, job).await.len(), 1);
+    assert_eq!(support::probe_effects(&env.pool, job).await.len(), 1);
     pool.close().await;
     env.cleanup().await;
 }

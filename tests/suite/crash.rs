@@ -1574,24 +1574,6 @@ async fn a_settlement_the_broker_never_answers_with_the_default_kinds_beside_reb
     settlement_never_answered(&["probe", "compile", "deletion", "research"]).await;
 }
 
-/// How many consumers `queue` has.
-async fn consumer_count(env: &TestEnv, queue: &str) -> u32 {
-    let ch = env.channel().await;
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            lapin::options::QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            lapin::types::FieldTable::default(),
-        )
-        .await
-        .expect("passive declare");
-    let _ = ch.close(200, "counted".into()).await;
-    q.consumer_count()
-}
-
 async fn settlement_never_answered(kinds: &[&str]) {
     let _serial = SERIAL.lock().await;
     let env = TestEnv::new().await;
@@ -1638,7 +1620,7 @@ async fn settlement_never_answered(kinds: &[&str]) {
             .queue(Kind::parse_list(kind).expect("a kind")[0]);
         let one = env
             .wait_until(Duration::from_secs(15), || async {
-                consumer_count(&env, &queue).await == 1
+                env.queue_consumers(&queue).await == 1
             })
             .await;
         assert!(
@@ -1757,7 +1739,7 @@ async fn a_channel_the_broker_closes_is_consumed_again_on_the_same_connection() 
     let depths = wait_queues_drained(&env, Duration::from_secs(15)).await;
     assert_eq!(depths, (0, 0), "queues not drained\n{}", w.tail(30));
     let queue = env.topology.queue(Kind::Probe);
-    assert_eq!(consumer_count(&env, &queue).await, 1, "{}", w.tail(30));
+    assert_eq!(env.queue_consumers(&queue).await, 1, "{}", w.tail(30));
     support::stop_cleanly([&mut w], Duration::from_secs(30)).await;
 
     let log = w.log_text();

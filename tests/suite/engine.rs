@@ -1336,18 +1336,6 @@ async fn a_leased_slice_longer_than_its_lease_is_kept_alive_by_heartbeats_from_a
     env.cleanup().await;
 }
 
-/// Each step's effects of a probe job: `(step, times written)`.
-#[cfg(feature = "crash-points")]
-async fn probe_effects(pool: &sqlx::PgPool, job: uuid::Uuid) -> Vec<(i32, i64)> {
-    sqlx::query_as(
-        "SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step",
-    )
-    .bind(job)
-    .fetch_all(pool)
-    .await
-    .unwrap()
-}
-
 /// A link that goes silent without closing (a half-open connection: a NAT or a failed peer
 /// dropped it) answers no call. Every call is bounded: a claim on such a link fails within
 /// the claim patience and gives its delivery back to the broker, and a slice whose connection
@@ -1429,7 +1417,7 @@ async fn calls_on_a_link_gone_silent_are_bounded_so_claims_give_back_and_slices_
     };
     let first = env
         .wait_until(Duration::from_secs(30), || async {
-            !probe_effects(&env.pool, job).await.is_empty()
+            !support::probe_effects(&env.pool, job).await.is_empty()
         })
         .await;
     assert!(first, "the first step never committed");
@@ -1462,7 +1450,7 @@ async fn calls_on_a_link_gone_silent_are_bounded_so_claims_give_back_and_slices_
         assert_eq!(end, Some("succeeded"), "{handled:?}");
     }
     assert_eq!(
-        probe_effects(&env.pool, job).await,
+        support::probe_effects(&env.pool, job).await,
         vec![(1, 1), (2, 1), (3, 1)],
         "each step committed once"
     );

@@ -10,24 +10,6 @@ use lapin::types::FieldTable;
 
 use crate::support::{self, free_port, http_get as get, TestEnv, Worker};
 
-/// How many consumers a queue has, `None` when it does not exist.
-async fn consumers(env: &TestEnv, queue: &str) -> Option<u32> {
-    let ch = env.channel().await;
-    let q = ch
-        .queue_declare(
-            queue.into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .ok()?;
-    let _ = ch.close(200, "counted".into()).await;
-    Some(q.consumer_count())
-}
-
 /// Spawns `kfs-worker run` for `kinds` with the given role flags, serving HTTP on `addr`.
 fn spawn(
     env: &TestEnv,
@@ -79,7 +61,7 @@ async fn a_kind_whose_consumer_the_broker_cancelled_is_consumed_again_and_not_re
         .await;
     assert!(ready, "the worker never became ready\n{}", worker.tail(30));
     for q in [&probe_queue, &compile_queue] {
-        assert_eq!(consumers(&env, q).await, Some(1), "{q}");
+        assert_eq!(env.queue_counts(q).await.map(|c| c.1), Some(1), "{q}");
     }
     assert!(
         a_probe_job_runs(&env, Duration::from_secs(30)).await,
@@ -124,7 +106,7 @@ async fn a_kind_whose_consumer_the_broker_cancelled_is_consumed_again_and_not_re
         worker.tail(30)
     );
     assert_eq!(
-        consumers(&env, &compile_queue).await,
+        env.queue_counts(&compile_queue).await.map(|c| c.1),
         Some(1),
         "the other kind lost its consumer\n{}",
         worker.tail(30)
@@ -137,14 +119,15 @@ async fn a_kind_whose_consumer_the_broker_cancelled_is_consumed_again_and_not_re
         .expect("delete the blocking queue");
     let back = env
         .wait_until(Duration::from_secs(30), || async {
-            get(addr, "/readyz").await.0 == 200 && consumers(&env, &probe_queue).await == Some(1)
+            get(addr, "/readyz").await.0 == 200
+                && env.queue_counts(&probe_queue).await.map(|c| c.1) == Some(1)
         })
         .await;
     assert!(
         back,
         "the probe kind was not consumed again within 30 s: readyz {:?}, probe consumers {:?}\n{}",
         get(addr, "/readyz").await,
-        consumers(&env, &probe_queue).await,
+        env.queue_counts(&probe_queue).await.map(|c| c.1),
         worker.tail(30)
     );
     assert!(
@@ -153,7 +136,7 @@ async fn a_kind_whose_consumer_the_broker_cancelled_is_consumed_again_and_not_re
         support::probe_states(&env.pool).await,
         worker.tail(30)
     );
-    assert_eq!(consumers(&env, &compile_queue).await, Some(1));
+    assert_eq!(env.queue_counts(&compile_queue).await.map(|c| c.1), Some(1));
     support::stop_cleanly([&mut worker, &mut relay], Duration::from_secs(30)).await;
     env.cleanup().await;
 }

@@ -124,6 +124,17 @@ impl TestEnv {
 
     /// Messages waiting in a queue.
     pub async fn queue_depth(&self, queue: &str) -> u32 {
+        self.queue_counts(queue).await.expect("passive declare").0
+    }
+
+    /// Consumers attached to a queue.
+    pub async fn queue_consumers(&self, queue: &str) -> u32 {
+        self.queue_counts(queue).await.expect("passive declare").1
+    }
+
+    /// `(messages waiting, consumers)` of a queue, from a passive declare; `None` when the
+    /// queue does not exist.
+    pub async fn queue_counts(&self, queue: &str) -> Option<(u32, u32)> {
         let ch = self.channel().await;
         let q = ch
             .queue_declare(
@@ -135,8 +146,9 @@ impl TestEnv {
                 lapin::types::FieldTable::default(),
             )
             .await
-            .expect("passive declare");
-        q.message_count()
+            .ok()?;
+        let _ = ch.close(200, "counted".into()).await;
+        Some((q.message_count(), q.consumer_count()))
     }
 
     /// Polls `f` until it returns true or `timeout` passes. Returns whether it became true.
@@ -440,6 +452,17 @@ pub async fn enqueue_one(
             .await
             .unwrap();
     (job, outbox)
+}
+
+/// `(step, times written)` of a probe job's effect rows, by step.
+pub async fn probe_effects(pool: &PgPool, job: uuid::Uuid) -> Vec<(i32, i64)> {
+    sqlx::query_as(
+        "SELECT step, count(*) FROM kfs_probe_effects WHERE job_id = $1 GROUP BY step ORDER BY step",
+    )
+    .bind(job)
+    .fetch_all(pool)
+    .await
+    .unwrap()
 }
 
 /// Puts an outbox row out for delivery the way the relay's mark leaves it: `dispatched` under a
