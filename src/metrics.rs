@@ -211,6 +211,38 @@ fn describe() {
         "Leased jobs by checkpoint, read at scrape time"
     );
     describe_gauge!("kfs_dead_letters", "Messages in the dead-letter queue");
+    describe_counter!(
+        "kfs_document_parses_total",
+        "Documents (PDF, office files) run through a parser, by route, format and outcome"
+    );
+    describe_histogram!(
+        "kfs_document_parse_seconds",
+        Unit::Seconds,
+        "How long one parse of a document took, by route and format"
+    );
+    describe_counter!(
+        "kfs_parse_checkpoints_total",
+        "Raw-parse checkpoints written after a parse, and reused instead of parsing again"
+    );
+}
+
+/// One parse of a document through the parser route: `outcome` is `parsed`, `failed` (the
+/// document cannot be parsed) or `retry` (the parser could not answer).
+pub fn document_parse(
+    route: &'static str,
+    format: &'static str,
+    outcome: &'static str,
+    took: Duration,
+) {
+    metrics::counter!("kfs_document_parses_total", "route" => route, "format" => format, "outcome" => outcome)
+        .increment(1);
+    metrics::histogram!("kfs_document_parse_seconds", "route" => route, "format" => format)
+        .record(took.as_secs_f64());
+}
+
+/// A raw-parse checkpoint `written` after a parse, or `reused` instead of one.
+pub fn parse_checkpoint(outcome: &'static str) {
+    metrics::counter!("kfs_parse_checkpoints_total", "outcome" => outcome).increment(1);
 }
 
 pub fn delivery(kind: &'static str, outcome: &'static str) {

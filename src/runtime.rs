@@ -40,6 +40,8 @@ pub struct RunOptions {
     pub admin_token: Option<crate::config::AdminToken>,
     /// The embedding port compile and research use for spaces with an embedding profile.
     pub embedder: crate::embed::EmbedderConfig,
+    /// How PDF and office documents are parsed.
+    pub parser: crate::jobs::compile::parse::route::ParserConfig,
 }
 
 /// Connections of the heartbeat pool. A heartbeat is one short statement every lease/3, so
@@ -311,6 +313,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         let deps = jobs::Deps {
             store: crate::store::Store::open(&opts.object_store)?,
             embedder: crate::embed::build(&opts.embedder)?,
+            parsers: Arc::new(jobs::compile::parse::route::Parsers::new(&opts.parser)?),
         };
         let handlers: Vec<Arc<dyn Handler>> = jobs::handlers(&deps)?
             .into_iter()

@@ -457,6 +457,16 @@ pub trait Handler: Send + Sync + 'static {
         Ok(())
     }
 
+    /// Work a step needs that may take longer than one transaction may stay open (a remote
+    /// parse of a long document), done before the step's fence, outside any transaction, on
+    /// the slice's connection, while the heartbeat keeps extending the lease. Its result must
+    /// be left where the step finds it, by fenced writes only; the step must still be right if
+    /// it finds nothing (a crash between the two). An error ends the slice as the step's
+    /// would. The default does nothing.
+    async fn prepare(&self, _conn: &mut PgConnection, _job: &JobCtx) -> Result<(), JobError> {
+        Ok(())
+    }
+
     /// Called after a step's checkpoint has committed and before the next step's fence, with
     /// the job at its new checkpoint. Nothing is locked then: another writer (a pause, a
     /// cancel) that was waiting on the job row gets it before the next step can. The default

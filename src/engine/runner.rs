@@ -70,6 +70,11 @@ pub trait Transitions: Send + Sync {
     fn heartbeat(&self) -> Arc<dyn Heartbeat>;
     /// Called after a step's checkpoint committed, before the next fence. Default: nothing.
     async fn after_step_commit(&self, _job: &JobCtx) {}
+    /// The kind's work before a step's fence, outside any transaction
+    /// ([`super::kind::Handler::prepare`]). Default: nothing.
+    async fn prepare(&self, _conn: &mut PgConnection, _job: &JobCtx) -> Result<(), JobError> {
+        Ok(())
+    }
 }
 
 /// Extends a live lease. Does not bump the row version, so it never races the steps.
@@ -150,6 +155,26 @@ pub async fn run_slice(
         if std::mem::take(&mut broken) {
             conn = None;
         }
+        // The kind's long work for this step, outside any transaction: the heartbeat goes on
+        // extending the lease meanwhile. Its error is the step's.
+        let prepared = tokio::select! {
+            biased;
+            () = lost.cancelled() => return Some(lease_lost(name, &job)),
+            () = env.shutdown.cancelled() => return None,
+            p = prepare(tr, env.pool, &mut conn, &job) => p,
+        };
+        let prepared = match prepared {
+            Ok(p) => p,
+            Err(e) => {
+                broken = true;
+                tries += 1;
+                tracing::warn!(error = %e, tries, "cannot prepare a step; retrying");
+                if !pause(tries, env.shutdown).await {
+                    return None;
+                }
+                continue;
+            }
+        };
         // Held while this step's transaction is open: the heartbeat waits for it here, on no
         // connection, instead of on the row lock the fence takes.
         let held = gate.hold().await;
@@ -184,7 +209,13 @@ pub async fn run_slice(
         };
         job.row_version = fenced;
         // A panic in the step is its failure, settled like any other (see `unwind`).
-        let stepped = super::unwind::step(tr.step(&mut tx, &job)).instrument(tracing::info_span!(
+        let stepped = super::unwind::step(async {
+            match prepared {
+                Ok(()) => tr.step(&mut tx, &job).await,
+                Err(e) => Err(e),
+            }
+        })
+        .instrument(tracing::info_span!(
             "step",
             kind = name,
             job_id = %job.job_id,
@@ -458,6 +489,22 @@ pub(crate) async fn resync(tr: &dyn Transitions, env: Env<'_>, job: &JobCtx) -> 
 }
 
 /// Begins a transaction on the slot's connection, taking one from `pool` when it has none.
+/// Runs the kind's [`Transitions::prepare`] on the slice's connection (taken when it has
+/// none); a panic in it is its failure, as in a step. The outer error is the connection's, the
+/// inner one the kind's.
+async fn prepare(
+    tr: &dyn Transitions,
+    pool: &PgPool,
+    slot: &mut Slot,
+    job: &JobCtx,
+) -> Result<Result<(), JobError>, sqlx::Error> {
+    if slot.is_none() {
+        *slot = Some(crate::db::acquire(pool).await?);
+    }
+    let c: &mut PgConnection = slot.as_mut().expect("acquired above");
+    Ok(super::unwind::step(tr.prepare(c, job)).await)
+}
+
 async fn begin<'a>(
     pool: &PgPool,
     slot: &'a mut Slot,

@@ -227,6 +227,8 @@ pub fn leased_kinds() -> Vec<Arc<dyn crate::engine::leased::LeasedKind>> {
 pub struct Deps {
     pub store: crate::store::Store,
     pub embedder: Arc<dyn crate::embed::Embedder>,
+    /// How PDF and office documents are parsed.
+    pub parsers: Arc<compile::parse::route::Parsers>,
 }
 
 impl Deps {
@@ -235,6 +237,7 @@ impl Deps {
         Self {
             store,
             embedder: Arc::new(crate::embed::Offline),
+            parsers: Arc::new(compile::parse::route::Parsers::local()),
         }
     }
 }

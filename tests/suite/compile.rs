@@ -307,7 +307,7 @@ async fn bad_input_fails_with_a_clear_code_frees_the_slot_and_publishes_nothing(
         .put(&key, Bytes::from_static(b"tampered words"))
         .await
         .unwrap();
-    let unsupported = fx.add("scan.pdf", "application/pdf", b"%PDF-1.7 ...").await;
+    let unsupported = fx.add("photo.bmp", "image/bmp", b"BM6 ...").await;
     let missing = fx.add("gone.txt", "text/plain", b"soon gone").await;
     let key: String = sqlx::query_scalar("SELECT object_key FROM document_assets WHERE id = $1")
         .bind(missing)
@@ -1088,6 +1088,7 @@ fn http_engine(fx: &Fx, base: &str, key: &str) -> kfs_worker::consumer::Engine {
     let handler = CompileHandler::new(Deps {
         store: fx.store.clone(),
         embedder: std::sync::Arc::new(embedder),
+        parsers: std::sync::Arc::new(kfs_worker::jobs::compile::parse::route::Parsers::local()),
     })
     .unwrap();
     kfs_worker::consumer::Engine::new(
@@ -1225,6 +1226,7 @@ async fn an_embedder_answering_the_wrong_dimension_fails_the_attempt_with_a_clea
     let unconfigured = CompileHandler::new(Deps {
         store: fx.store.clone(),
         embedder: std::sync::Arc::new(kfs_worker::embed::Unconfigured),
+        parsers: std::sync::Arc::new(kfs_worker::jobs::compile::parse::route::Parsers::local()),
     })
     .unwrap();
     let engine = kfs_worker::consumer::Engine::new(

@@ -31,12 +31,12 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "== Summary",
             "all jobs succeeded",
             "deletion  succeeded=1",
-            "compile   succeeded=5",
+            "compile   succeeded=7",
             "research  completed=2",
-            "read model: head revision 5, 5 documents,",
+            "read model: head revision 7, 7 documents,",
             "ready dense-vector projections (dimension 64)",
             "deletion of source \"notes\" (succeeded):",
-            "documents left in the space: 3 of 5",
+            "documents left in the space: 5 of 7",
             "takeover: demo-a was killed holding",
             "; demo-b took over in ",
             "stopped demo-b (exit 0)",
@@ -69,7 +69,7 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "{stdout}"
         );
     }
-    // The second run reset the first: one space, three documents, and their bytes only.
+    // The second run reset the first: one space, five documents, and their bytes only.
     let spaces: i64 =
         sqlx::query_scalar("SELECT count(*) FROM knowledge_spaces WHERE tenant_id = 'kfs-demo'")
             .fetch_one(&env.pool)
@@ -77,7 +77,7 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             .unwrap();
     assert_eq!(spaces, 1);
     let files = walk(&store);
-    assert_eq!(files, 3, "object files left: {files}");
+    assert_eq!(files, 5, "object files left: {files}");
     let _ = std::fs::remove_dir_all(&store);
     let _ = std::fs::remove_dir_all(&logs);
     env.cleanup().await;

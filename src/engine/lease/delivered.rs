@@ -103,6 +103,10 @@ impl Transitions for Delivered {
     async fn after_step_commit(&self, job: &JobCtx) {
         self.handler.after_step_commit(job).await;
     }
+
+    async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
+        self.handler.prepare(conn, job).await
+    }
 }
 
 #[async_trait::async_trait]

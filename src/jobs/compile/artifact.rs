@@ -60,6 +60,7 @@ pub fn parser_of(format: Format) -> (&'static str, &'static str) {
     match format {
         Format::Markdown | Format::Text => ("native-markdown", "native-markdown@1"),
         Format::Html => ("native-html", "native-html@1"),
+        _ => ("unstructured", super::parse::route::PARSER_VERSION),
     }
 }
 

@@ -46,10 +46,12 @@
 pub mod artifact;
 pub(crate) mod build;
 pub mod candidate;
+pub mod checkpoint;
 pub mod chunk;
 pub mod cli;
 pub(crate) mod compose;
 pub mod intents;
+pub mod media;
 pub mod multimodal;
 pub mod operate;
 pub mod outline;
@@ -95,7 +97,12 @@ pub(crate) async fn record_failure(
     }
     if !matches!(
         code,
-        "hash_mismatch" | "unsupported_format" | "corrupt_document" | "object_missing"
+        "hash_mismatch"
+            | "unsupported_format"
+            | "corrupt_document"
+            | "object_missing"
+            | parse::route::INPUT_INVALID
+            | parse::route::UNSUPPORTED_TYPE
     ) {
         return Ok(());
     }
@@ -167,7 +174,9 @@ impl Handler for CompileHandler {
         }
         let store = &self.deps.store;
         match cp {
-            Checkpoint::Queued => steps::parse_step(tx, store, &attempt, &doc).await?,
+            Checkpoint::Queued => {
+                steps::parse_step(tx, store, &self.deps.parsers, &attempt, &doc).await?;
+            }
             Checkpoint::Parsed => build::outline_step(tx, &attempt, &doc).await?,
             Checkpoint::OutlineBuilt => {
                 build::nodes_step(tx, self.deps.embedder.as_ref(), &attempt, &doc).await?;
@@ -187,6 +196,15 @@ impl Handler for CompileHandler {
             Outcome::Advance(next) => Step::Advance(next.as_str().into()),
             Outcome::Succeed(last) => Step::Succeed(last.as_str().into()),
         })
+    }
+
+    /// A PDF or office document is parsed (or its raw-parse checkpoint found) before the
+    /// first step, outside its transaction: a remote parse may take many minutes.
+    async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
+        if job.checkpoint != Checkpoint::Queued.as_str() {
+            return Ok(());
+        }
+        steps::prepare_parse(conn, &self.deps.store, &self.deps.parsers, job).await
     }
 }
 

@@ -12,7 +12,12 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::artifact::{self, Element};
-use super::parse;
+use super::checkpoint;
+use super::media;
+use super::parse::{
+    self,
+    route::{self, Parsers, Source},
+};
 use super::profiles::{self, Frozen};
 use super::walk::{Facts, Gate, Served};
 use crate::access::Authority;
@@ -52,6 +57,8 @@ pub(crate) struct Document {
     pub object_key: String,
     pub sha256: String,
     pub permission_scope: Value,
+    /// The document's metadata (the parser hints: `language`, `layoutComplexity`, ...).
+    pub metadata: Value,
 }
 
 #[derive(sqlx::FromRow)]
@@ -142,19 +149,10 @@ pub(crate) async fn load_document(
     conn: &mut PgConnection,
     a: &Attempt,
 ) -> Result<Document, JobError> {
-    type Row = (
-        i32,
-        String,
-        String,
-        String,
-        String,
-        String,
-        String,
-        Option<Value>,
-    );
+    type Row = (i32, String, String, String, String, String, String, Value);
     let row: Option<Row> = sqlx::query_as(
         "SELECT d.version, d.lifecycle_state::text, s.lifecycle_state::text, d.filename, d.mime_type, \
-           d.object_key, d.sha256, d.metadata -> 'permissionScope' \
+           d.object_key, d.sha256, d.metadata \
          FROM document_assets d JOIN knowledge_spaces s ON s.id = d.knowledge_space_id \
          WHERE s.tenant_id = $1 AND d.knowledge_space_id = $2 AND d.id = $3 \
          FOR SHARE OF d",
@@ -164,7 +162,7 @@ pub(crate) async fn load_document(
     .bind(a.document)
     .fetch_optional(&mut *conn)
     .await?;
-    let (version, doc_state, space_state, filename, mime_type, object_key, sha256, scope) = row
+    let (version, doc_state, space_state, filename, mime_type, object_key, sha256, metadata) = row
         .ok_or_else(|| {
             JobError::fatal(
                 "document_missing",
@@ -174,8 +172,8 @@ pub(crate) async fn load_document(
                 ),
             )
         })?;
-    let permission_scope = match scope {
-        Some(v @ Value::Array(_)) => v,
+    let permission_scope = match metadata.get("permissionScope") {
+        Some(v @ Value::Array(_)) => v.clone(),
         _ => json!([]),
     };
     Ok(Document {
@@ -187,6 +185,7 @@ pub(crate) async fn load_document(
         object_key,
         sha256,
         permission_scope,
+        metadata,
     })
 }
 
@@ -357,17 +356,149 @@ pub(crate) async fn load_artifact(
     })
 }
 
+/// Before `queued → parsed` of a PDF or office document, outside any transaction (see
+/// [`crate::jobs::Handler::prepare`]): the bytes are read and checked, and unless a raw-parse
+/// checkpoint made under the route's current policy is there, parsed through the route and
+/// checkpointed under the attempt's lease. An attempt its grant no longer authorizes, or whose
+/// document is gone or not a document, is left to the step, which ends it as it would anyway.
+pub(crate) async fn prepare_parse(
+    conn: &mut PgConnection,
+    store: &Store,
+    parsers: &Parsers,
+    job: &crate::jobs::JobCtx,
+) -> Result<(), JobError> {
+    let a = load_attempt(conn, job.job_id).await?;
+    if let Some(grant) = a.authority.grant() {
+        let verdict = crate::capability::check(conn, &a.tenant, a.space, grant).await?;
+        if verdict.into_result().is_err() {
+            return Ok(());
+        }
+    }
+    let Ok(d) = load_document(conn, &a).await else {
+        return Ok(());
+    };
+    let Ok(format) = parse::detect(&d.mime_type, &d.filename) else {
+        return Ok(());
+    };
+    if !format.is_document() || !d.active || !d.space_active || d.version != a.version {
+        return Ok(());
+    }
+    let bytes = read_bytes(store, &d).await?;
+    let src = source(&a, &d, format, &bytes);
+    let fingerprint = parsers.policy_fingerprint(&src);
+    if checkpoint::matching(conn, a.document, a.version, &fingerprint)
+        .await?
+        .is_some()
+    {
+        crate::metrics::parse_checkpoint("reused");
+        tracing::debug!(attempt = %a.id, "raw-parse checkpoint reused");
+        return Ok(());
+    }
+    let id = artifact_id_of(conn, &a).await?;
+    let parsed = parsers.parse(&src, id).await?;
+    let json = parsed.to_json(a.document, a.version);
+    if checkpoint::write(conn, job, a.document, a.version, &fingerprint, &json).await? {
+        crate::metrics::parse_checkpoint("written");
+        tracing::debug!(attempt = %a.id, elements = parsed.elements.len(), "raw-parse checkpoint written");
+        crate::crash::point("compile-after-parse-checkpoint");
+    }
+    Ok(())
+}
+
+fn source<'a>(a: &Attempt, d: &'a Document, format: parse::Format, bytes: &'a [u8]) -> Source<'a> {
+    Source {
+        asset: a.document,
+        version: a.version,
+        format,
+        bytes,
+        filename: &d.filename,
+        mime_type: &d.mime_type,
+        metadata: &d.metadata,
+    }
+}
+
+/// The document version's artifact id: the one it has, else the platform's deterministic one.
+async fn artifact_id_of(conn: &mut PgConnection, a: &Attempt) -> Result<Uuid, JobError> {
+    let existing: Option<Uuid> = sqlx::query_scalar(
+        "SELECT id FROM parse_artifacts WHERE document_asset_id = $1 AND version = $2",
+    )
+    .bind(a.document)
+    .bind(a.version)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(existing.unwrap_or_else(|| route::artifact_id(a.document, a.version)))
+}
+
+/// `queued → parsed` of a PDF or office document: the raw-parse checkpoint the preparation
+/// left becomes the canonical artifact, and the checkpoint is deleted, in the step's
+/// transaction. Without one (another attempt took it meanwhile) the step is tried again.
+async fn store_checkpointed(
+    conn: &mut PgConnection,
+    store: &Store,
+    parsers: &Parsers,
+    a: &Attempt,
+    d: &Document,
+    format: parse::Format,
+    bytes: &[u8],
+) -> Result<(), JobError> {
+    let fingerprint = parsers.policy_fingerprint(&source(a, d, format, bytes));
+    let Some(mut parsed) = checkpoint::matching(conn, a.document, a.version, &fingerprint).await?
+    else {
+        return Err(JobError::retryable(
+            "DOCUMENT_COMPILATION_RETRYABLE",
+            format!(
+                "the raw parse of {:?} is no longer checkpointed; parsing it again",
+                d.filename
+            ),
+        ));
+    };
+    // Inline images go to the object store, under the document's prefix and this attempt.
+    let marker = format!("/documents/{}", a.document);
+    let prefix = match d.object_key.find(&marker) {
+        Some(at) => d.object_key[..at + marker.len()].to_owned(),
+        None => format!("{}/spaces/{}{marker}", a.tenant, a.space),
+    };
+    let extracted = media::extract(store, &prefix, a.id, &mut parsed.elements).await?;
+    if let (Some(m), Some(obj)) = (media::metadata(&extracted), parsed.metadata.as_object_mut()) {
+        obj.insert("multimodalAssets".into(), m);
+    }
+    sqlx::query(
+        "INSERT INTO parse_artifacts (id, document_asset_id, version, parser, content_type, artifact_hash, elements, \
+           metadata, created_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, now()) \
+         ON CONFLICT (document_asset_id, version) DO UPDATE SET parser = EXCLUDED.parser, \
+           content_type = EXCLUDED.content_type, artifact_hash = EXCLUDED.artifact_hash, \
+           elements = EXCLUDED.elements, metadata = EXCLUDED.metadata, updated_at = now()",
+    )
+    .bind(parsed.id)
+    .bind(a.document)
+    .bind(a.version)
+    .bind(route::PARSER)
+    .bind(artifact::content_type_of(&parsed.elements))
+    .bind(&parsed.hash)
+    .bind(serde_json::to_value(&parsed.elements).unwrap_or_else(|_| json!([])))
+    .bind(&parsed.metadata)
+    .execute(&mut *conn)
+    .await?;
+    checkpoint::delete(conn, a.document, a.version, &fingerprint).await?;
+    Ok(())
+}
+
 /// queued → parsed: the bytes are there, match their hash and parse; the canonical parse goes to
 /// `parse_artifacts` (one per document version, its first id kept).
 pub(crate) async fn parse_step(
     conn: &mut PgConnection,
     store: &Store,
+    parsers: &Parsers,
     a: &Attempt,
     d: &Document,
 ) -> Result<(), JobError> {
     let bytes = read_bytes(store, d).await?;
     let format = parse::detect(&d.mime_type, &d.filename)
         .map_err(|e| JobError::fatal(e.code(), e.to_string()))?;
+    if format.is_document() {
+        return store_checkpointed(conn, store, parsers, a, d, format, &bytes).await;
+    }
     // The platform parses plain text as Markdown.
     let as_format = if format == parse::Format::Text {
         parse::Format::Markdown

@@ -41,10 +41,11 @@ pub struct BenchArgs {
     /// bare loop's work; needs Python 3 and PyPI the first time), latency, kinds, fairness
     /// (a second tenant's jobs behind a first tenant's backlog), claim (the fair claim at 100
     /// and at 100,000 due rows; needs a superuser to make the backlog), takeover (a SIGKILLed worker's
-    /// jobs under that backlog, also after a restart under its id), scaleout
+    /// jobs under that backlog, also after a restart under its id), scaleout, documents (a PDF
+    /// corpus through the local parser and through poppler's pdftotext, and compiled)
     #[arg(
         long,
-        default_value = "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
+        default_value = "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout,documents"
     )]
     pub scenarios: String,
     /// How long the latency scenario creates jobs, in seconds
@@ -80,10 +81,11 @@ pub enum Scenario {
     Claim,
     Takeover,
     Scaleout,
+    Documents,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 12] = [
+    pub const ALL: [Scenario; 13] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Statements,
@@ -96,6 +98,7 @@ impl Scenario {
         Scenario::Claim,
         Scenario::Takeover,
         Scenario::Scaleout,
+        Scenario::Documents,
     ];
 
     pub fn name(self) -> &'static str {
@@ -112,6 +115,7 @@ impl Scenario {
             Scenario::Claim => "claim",
             Scenario::Takeover => "takeover",
             Scenario::Scaleout => "scaleout",
+            Scenario::Documents => "documents",
         }
     }
 
@@ -124,7 +128,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, statements, writes, engine, peer, latency, kinds, fairness, claim, takeover or scaleout")
+                    format!("unknown scenario '{part}'; expected limit, relay, statements, writes, engine, peer, latency, kinds, fairness, claim, takeover, scaleout or documents")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -361,6 +365,7 @@ async fn one(
         Scenario::Latency => scenarios::latency(&env, p).await,
         Scenario::Kinds => scenarios::kinds(&env, p).await,
         Scenario::Claim => scenarios::claim(&env, p).await,
+        Scenario::Documents => scenarios::documents(&env, p).await,
         Scenario::Scaleout | Scenario::Takeover | Scenario::Fairness => {
             unreachable!("handled above")
         }
@@ -457,7 +462,7 @@ mod tests {
         );
         assert_eq!(
             Scenario::parse_list(
-                "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout"
+                "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout,documents"
             )
             .unwrap(),
             Scenario::ALL.to_vec()

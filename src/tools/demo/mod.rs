@@ -1,8 +1,8 @@
 //! `kfs-worker demo`: the main job end to end on real services. It writes only its own tenant
-//! (`kfs-demo`): a space, two sources and five documents shipped in the binary; it compiles them,
-//! asks two research questions, deletes one source, and kills one of its two worker processes
-//! mid-run to show the other take over. Invariant: it resets its own demo data, never anything
-//! else, so running it twice works.
+//! (`kfs-demo`): a space, two sources and seven documents (a PDF and a Word document among
+//! them) shipped in the binary; it compiles them, asks two research questions, deletes one
+//! source, and kills one of its two worker processes mid-run to show the other take over.
+//! Invariant: it resets its own demo data, never anything else, so running it twice works.
 //!
 //! By concern: `seed` writes and resets the demo's data, `workers` starts, kills and watches
 //! the worker processes, and `summary` waits for the jobs and prints what they left.
@@ -79,7 +79,7 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
     p.say("resetting the demo's own data (tenant kfs-demo)");
     seed::reset(&pool, &store).await.map_err(fail("reset"))?;
 
-    p.say("creating a knowledge space with two sources and five documents");
+    p.say("creating a knowledge space with two sources and seven documents (Markdown, HTML, text, a PDF, a Word file)");
     let seed = seed::seed(&pool, &store).await.map_err(fail("seed"))?;
 
     let (http_a, http_b) = (http_addr(9464), http_addr(9465));

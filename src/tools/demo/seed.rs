@@ -1,5 +1,5 @@
-//! The demo's own data: a space of the `kfs-demo` tenant with two sources and the five documents
-//! shipped in the binary. Invariant: it writes and removes rows and object keys of the demo's
+//! The demo's own data: a space of the `kfs-demo` tenant with two sources and the seven
+//! documents (a PDF and a Word document among them) shipped in the binary. Invariant: it writes and removes rows and object keys of the demo's
 //! tenant only, and the seed commits as one transaction.
 
 use bytes::Bytes;
@@ -14,7 +14,7 @@ use crate::tools::platform;
 const EMBEDDING_DIMENSION: usize = 64;
 
 /// The documents, written for this project.
-const DOCUMENTS: [(&str, &str, &str, &[u8]); 5] = [
+const DOCUMENTS: [(&str, &str, &str, &[u8]); 7] = [
     (
         "guides",
         "outbox-relay.md",
@@ -32,6 +32,19 @@ const DOCUMENTS: [(&str, &str, &str, &[u8]); 5] = [
         "research-tasks.md",
         "text/markdown",
         include_bytes!("../../../examples/demo/research-tasks.md"),
+    ),
+    // A PDF and a Word document, parsed by the local parsers (`ops/make-demo-documents`).
+    (
+        "guides",
+        "runbook.pdf",
+        "application/pdf",
+        include_bytes!("../../../examples/demo/runbook.pdf"),
+    ),
+    (
+        "guides",
+        "onboarding.docx",
+        "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+        include_bytes!("../../../examples/demo/onboarding.docx"),
     ),
     (
         "notes",

@@ -6,6 +6,7 @@
 pub mod isolation;
 pub mod proxy;
 pub mod space;
+pub mod unstructured;
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};

@@ -151,7 +151,12 @@ impl SpaceFx {
 
     /// An engine with the compile handler (offline embedder), `max_steps` steps per slice.
     pub fn engine(&self, worker: &str, max_steps: u32) -> Engine {
-        let handler = CompileHandler::new(Deps::offline(self.store.clone())).unwrap();
+        self.engine_with(worker, max_steps, Deps::offline(self.store.clone()))
+    }
+
+    /// An engine with the compile handler built from `deps`, `max_steps` steps per slice.
+    pub fn engine_with(&self, worker: &str, max_steps: u32, deps: Deps) -> Engine {
+        let handler = CompileHandler::new(deps).unwrap();
         Engine::new(
             self.pool().clone(),
             worker,

@@ -4,6 +4,7 @@
 //! Postgres' clock for jobs (created, claimed and completed timestamps of the rows themselves).
 
 mod claim;
+mod documents;
 mod engine;
 mod fairness;
 mod kinds;
@@ -33,6 +34,7 @@ use crate::relay::{Relay, RelayConfig};
 use crate::runtime::{self, RunOptions};
 
 pub use claim::claim;
+pub use documents::documents;
 pub use engine::{engine, latency, statements};
 pub use fairness::fairness;
 pub use kinds::kinds;
@@ -177,6 +179,7 @@ fn run_options(
         http_addr: None,
         admin_token: None,
         embedder: crate::embed::EmbedderConfig::Offline,
+        parser: Default::default(),
     })
 }
 

@@ -3,17 +3,69 @@
 //! format always give the same sections, and no input makes these functions panic: bad input
 //! is a [`ParseError`].
 
+pub mod office;
+pub mod pdf;
+pub mod raw;
+pub mod remote;
+pub mod route;
+
 use pulldown_cmark::{Event, HeadingLevel, Options, Parser, Tag, TagEnd};
 use serde::Serialize;
 
-/// A format the compiler understands.
+/// A format the compiler understands. Text, Markdown and HTML are parsed here; the others are
+/// the platform's parser-service family (PDF and office files), parsed through the configured
+/// parser route ([`route`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     Text,
     Markdown,
     Html,
+    Pdf,
+    Docx,
+    Pptx,
+    Xlsx,
+    Doc,
+    Ppt,
+    Xls,
+    Odt,
+    Rtf,
+    Epub,
+    Eml,
+    Msg,
 }
+
+/// The parser-service family: extension and MIME type of each.
+const DOCUMENTS: [(Format, &str, &str); 12] = [
+    (Format::Pdf, "pdf", "application/pdf"),
+    (
+        Format::Docx,
+        "docx",
+        "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+    ),
+    (
+        Format::Pptx,
+        "pptx",
+        "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+    ),
+    (
+        Format::Xlsx,
+        "xlsx",
+        "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+    ),
+    (Format::Doc, "doc", "application/msword"),
+    (Format::Ppt, "ppt", "application/vnd.ms-powerpoint"),
+    (Format::Xls, "xls", "application/vnd.ms-excel"),
+    (
+        Format::Odt,
+        "odt",
+        "application/vnd.oasis.opendocument.text",
+    ),
+    (Format::Rtf, "rtf", "application/rtf"),
+    (Format::Epub, "epub", "application/epub+zip"),
+    (Format::Eml, "eml", "message/rfc822"),
+    (Format::Msg, "msg", "application/vnd.ms-outlook"),
+];
 
 impl Format {
     pub fn as_str(self) -> &'static str {
@@ -21,7 +73,17 @@ impl Format {
             Format::Text => "text",
             Format::Markdown => "markdown",
             Format::Html => "html",
+            other => DOCUMENTS
+                .iter()
+                .find(|(f, _, _)| *f == other)
+                .map_or("document", |(_, ext, _)| ext),
         }
+    }
+
+    /// A format of the parser-service family, parsed through the parser route rather than
+    /// here.
+    pub fn is_document(self) -> bool {
+        !matches!(self, Format::Text | Format::Markdown | Format::Html)
     }
 }
 
@@ -31,6 +93,10 @@ pub enum ParseError {
     Unsupported(String),
     #[error("corrupt document: {0}")]
     Corrupt(String),
+    #[error("encrypted document: {0}")]
+    Encrypted(String),
+    #[error("empty document: {0}")]
+    Empty(String),
 }
 
 impl ParseError {
@@ -39,6 +105,8 @@ impl ParseError {
         match self {
             ParseError::Unsupported(_) => "unsupported_format",
             ParseError::Corrupt(_) => "corrupt_document",
+            ParseError::Encrypted(_) => "encrypted_document",
+            ParseError::Empty(_) => "empty_document",
         }
     }
 }
@@ -52,27 +120,37 @@ pub fn detect(mime_type: &str, filename: &str) -> Result<Format, ParseError> {
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
+    let ext = filename
+        .rsplit_once('.')
+        .map(|(_, e)| e.to_ascii_lowercase())
+        .unwrap_or_default();
+    // As on the platform, a document extension wins over the MIME type.
+    if let Some((f, _, _)) = DOCUMENTS.iter().find(|(_, e, _)| *e == ext) {
+        return Ok(*f);
+    }
+    if let Some((f, _, _)) = DOCUMENTS.iter().find(|(_, _, m)| *m == essence) {
+        return Ok(*f);
+    }
     match essence.as_str() {
+        "text/rtf" => return Ok(Format::Rtf),
         "text/plain" => return Ok(Format::Text),
         "text/markdown" | "text/x-markdown" => return Ok(Format::Markdown),
         "text/html" | "application/xhtml+xml" => return Ok(Format::Html),
         "" | "application/octet-stream" | "binary/octet-stream" => {}
         other => {
             return Err(ParseError::Unsupported(format!(
-            "MIME type {other:?} of {filename:?} (supported: text/plain, text/markdown, text/html)"
+            "MIME type {other:?} of {filename:?} (supported: text/plain, text/markdown, text/html, \
+             application/pdf and the office formats)"
         )))
         }
     }
-    let ext = filename
-        .rsplit_once('.')
-        .map(|(_, e)| e.to_ascii_lowercase())
-        .unwrap_or_default();
     match ext.as_str() {
         "txt" | "text" => Ok(Format::Text),
         "md" | "markdown" => Ok(Format::Markdown),
         "html" | "htm" | "xhtml" => Ok(Format::Html),
         _ => Err(ParseError::Unsupported(format!(
-            "{filename:?} has no supported MIME type or extension (.txt, .md, .html)"
+            "{filename:?} has no supported MIME type or extension (.txt, .md, .html, .pdf, \
+             .docx, .pptx, ...)"
         ))),
     }
 }
@@ -107,8 +185,14 @@ pub struct Parsed {
     pub sections: Vec<Section>,
 }
 
-/// Decodes and parses `bytes` as `format`.
+/// Decodes and parses `bytes` as `format`, one of text, Markdown and HTML.
 pub fn parse(format: Format, bytes: &[u8]) -> Result<Parsed, ParseError> {
+    if format.is_document() {
+        return Err(ParseError::Unsupported(format!(
+            "{} is parsed through the parser route",
+            format.as_str()
+        )));
+    }
     let text = std::str::from_utf8(bytes).map_err(|e| {
         ParseError::Corrupt(format!(
             "not valid UTF-8 (first bad byte at offset {})",
@@ -123,9 +207,10 @@ pub fn parse(format: Format, bytes: &[u8]) -> Result<Parsed, ParseError> {
     let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let text = text.replace("\r\n", "\n").replace('\r', "\n");
     Ok(match format {
-        Format::Text => parse_text(&text),
         Format::Markdown => parse_markdown(&text),
         Format::Html => parse_html(&text),
+        // Plain text (documents were refused above).
+        _ => parse_text(&text),
     })
 }
 
@@ -506,8 +591,20 @@ mod tests {
             Ok(Format::Markdown)
         );
         assert_eq!(detect("", "page.htm"), Ok(Format::Html));
+        assert_eq!(detect("application/pdf", "a.pdf"), Ok(Format::Pdf));
+        // As on the platform, a document extension wins over the MIME type.
+        assert_eq!(detect("text/plain", "deck.PPTX"), Ok(Format::Pptx));
         assert_eq!(
-            detect("application/pdf", "a.pdf").unwrap_err().code(),
+            detect(
+                "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+                "upload"
+            ),
+            Ok(Format::Docx)
+        );
+        assert_eq!(detect("", "letter.rtf"), Ok(Format::Rtf));
+        assert!(Format::Pdf.is_document() && !Format::Markdown.is_document());
+        assert_eq!(
+            detect("image/bmp", "a.bmp").unwrap_err().code(),
             "unsupported_format"
         );
         assert_eq!(
