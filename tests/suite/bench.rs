@@ -121,8 +121,31 @@ async fn every_scenario_reports_all_its_work_done() {
         "claim",
         "takeover",
         "scaleout",
+        "documents",
     ] {
         assert_run_complete(scenario(name), name);
+    }
+    // The PDF corpus through the local parser and through pdftotext (ops/test installs
+    // poppler-utils), both in pages, and compiled: every page of each came through.
+    let documents = scenario("documents");
+    let labels: Vec<&str> = documents["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["label"].as_str())
+        .collect();
+    assert_eq!(
+        labels,
+        [
+            "local PDF parser",
+            "pdftotext (poppler)",
+            "compile (local parser)"
+        ],
+        "{documents}"
+    );
+    for run in documents["runs"].as_array().unwrap() {
+        assert_run_complete(run, "documents");
+        assert!(num(run, "n") >= 200.0, "{run}");
     }
     // With the window and without: the second tenant's five and the backlog, each done.
     let fairness = scenario("fairness");
