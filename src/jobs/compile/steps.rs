@@ -367,6 +367,19 @@ pub(crate) async fn prepare_parse(
     parsers: &Parsers,
     job: &crate::jobs::JobCtx,
 ) -> Result<(), JobError> {
+    // Most documents are text: one read tells, and they go straight to the step.
+    let named: Option<(String, String)> = sqlx::query_as(
+        "SELECT d.mime_type, d.filename FROM document_compilation_attempts a \
+         JOIN document_assets d ON d.id = a.document_asset_id WHERE a.id = $1",
+    )
+    .bind(job.job_id)
+    .fetch_optional(&mut *conn)
+    .await?;
+    if !named.is_some_and(|(mime, name)| {
+        parse::detect(&mime, &name).is_ok_and(parse::Format::is_document)
+    }) {
+        return Ok(());
+    }
     let a = load_attempt(conn, job.job_id).await?;
     if let Some(grant) = a.authority.grant() {
         let verdict = crate::capability::check(conn, &a.tenant, a.space, grant).await?;
