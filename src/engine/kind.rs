@@ -462,9 +462,15 @@ pub trait Handler: Send + Sync + 'static {
     /// the slice's connection, while the heartbeat keeps extending the lease. Its result must
     /// be left where the step finds it, by fenced writes only; the step must still be right if
     /// it finds nothing (a crash between the two). An error ends the slice as the step's
-    /// would. The default does nothing.
+    /// would. Runs only where [`Handler::prepares`] says so. The default does nothing.
     async fn prepare(&self, _conn: &mut PgConnection, _job: &JobCtx) -> Result<(), JobError> {
         Ok(())
+    }
+
+    /// Whether [`Handler::prepare`] has work before this step (a cheap look at the job, no
+    /// I/O). The default: no.
+    fn prepares(&self, _job: &JobCtx) -> bool {
+        false
     }
 
     /// Called after a step's checkpoint has committed and before the next step's fence, with

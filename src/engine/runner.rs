@@ -70,6 +70,11 @@ pub trait Transitions: Send + Sync {
     fn heartbeat(&self) -> Arc<dyn Heartbeat>;
     /// Called after a step's checkpoint committed, before the next fence. Default: nothing.
     async fn after_step_commit(&self, _job: &JobCtx) {}
+    /// Whether the kind has work before this step's fence ([`Transitions::prepare`]).
+    /// Default: no.
+    fn prepares(&self, _job: &JobCtx) -> bool {
+        false
+    }
     /// The kind's work before a step's fence, outside any transaction
     /// ([`super::kind::Handler::prepare`]). Default: nothing.
     async fn prepare(&self, _conn: &mut PgConnection, _job: &JobCtx) -> Result<(), JobError> {
@@ -156,12 +161,19 @@ pub async fn run_slice(
             conn = None;
         }
         // The kind's long work for this step, outside any transaction: the heartbeat goes on
-        // extending the lease meanwhile. Its error is the step's.
-        let prepared = tokio::select! {
-            biased;
-            () = lost.cancelled() => return Some(lease_lost(name, &job)),
-            () = env.shutdown.cancelled() => return None,
-            p = prepare(tr, env.pool, &mut conn, &job) => p,
+        // extending the lease meanwhile. Its error is the step's. Only a kind that has such
+        // work takes a connection here, outside the gate: where slices and beats share one
+        // small pool (the polled leases), a slice holding the connection while it waits for the
+        // gate, and a beat holding the gate while it waits for a connection, would stall each
+        // other.
+        let prepared = if tr.prepares(&job) {
+            tokio::select! {
+                biased;
+                () = lost.cancelled() => return Some(lease_lost(name, &job)),
+                p = prepare(tr, env.pool, &mut conn, &job) => p,
+            }
+        } else {
+            Ok(Ok(()))
         };
         let prepared = match prepared {
             Ok(p) => p,

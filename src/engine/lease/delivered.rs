@@ -104,6 +104,10 @@ impl Transitions for Delivered {
         self.handler.after_step_commit(job).await;
     }
 
+    fn prepares(&self, job: &JobCtx) -> bool {
+        self.handler.prepares(job)
+    }
+
     async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
         self.handler.prepare(conn, job).await
     }

@@ -201,10 +201,11 @@ impl Handler for CompileHandler {
     /// A PDF or office document is parsed (or its raw-parse checkpoint found) before the
     /// first step, outside its transaction: a remote parse may take many minutes.
     async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
-        if job.checkpoint != Checkpoint::Queued.as_str() {
-            return Ok(());
-        }
         steps::prepare_parse(conn, &self.deps.store, &self.deps.parsers, job).await
+    }
+
+    fn prepares(&self, job: &JobCtx) -> bool {
+        job.checkpoint == Checkpoint::Queued.as_str()
     }
 }
 
