@@ -506,18 +506,35 @@ async fn two_relay_processes_never_admit_a_tenant_past_its_limit() {
     .execute(t.pool())
     .await
     .unwrap();
-    t.commit_compiles("tenant-a", 12).await;
-    t.commit_compiles("tenant-b", 12).await;
     let vars = [
         ("KFS_TENANT_LIMITS", "compile=2"),
         ("KFS_RELAY_LEAD", "all"),
         ("KFS_RELAY_WINDOW", "8"),
         ("KFS_RELAY_POLL", "100ms"),
     ];
+    let http = [crate::support::free_port(), crate::support::free_port()];
     let mut relays = [
-        relay_process(&t, "limit-relay-1", crate::support::free_port(), &vars),
-        relay_process(&t, "limit-relay-2", crate::support::free_port(), &vars),
+        relay_process(&t, "limit-relay-1", http[0], &vars),
+        relay_process(&t, "limit-relay-2", http[1], &vars),
     ];
+    // Both relays claim rounds before the work is committed: the jobs are then shared between
+    // two relays at work, not taken by whichever process started first (on a loaded machine
+    // one start can outlast the whole run).
+    let both_polling =
+        t.fx.env
+            .wait_until(Duration::from_secs(60), || async {
+                claims(http[0]).await.is_some_and(|n| n >= 1)
+                    && claims(http[1]).await.is_some_and(|n| n >= 1)
+            })
+            .await;
+    assert!(
+        both_polling,
+        "the relays did not start\n{}\n{}",
+        relays[0].tail(10),
+        relays[1].tail(10)
+    );
+    t.commit_compiles("tenant-a", 12).await;
+    t.commit_compiles("tenant-b", 12).await;
     let started = std::time::Instant::now();
     let mut samples = 0;
     loop {
