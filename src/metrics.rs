@@ -221,6 +221,14 @@ fn describe() {
         "How long one parse of a document took, by route and format"
     );
     describe_counter!(
+        "kfs_publish_head_waits_total",
+        "Publishes that found the space's publication head held past their wait and queued again"
+    );
+    describe_counter!(
+        "kfs_publish_rebases_total",
+        "Publishes whose head had moved since their candidate was composed, by how the candidate followed"
+    );
+    describe_counter!(
         "kfs_parse_checkpoints_total",
         "Raw-parse checkpoints written after a parse, and reused instead of parsing again"
     );
@@ -238,6 +246,16 @@ pub fn document_parse(
         .increment(1);
     metrics::histogram!("kfs_document_parse_seconds", "route" => route, "format" => format)
         .record(took.as_secs_f64());
+}
+
+/// A publish that found the space's head held past its wait.
+pub fn publish_head_wait() {
+    metrics::counter!("kfs_publish_head_waits_total").increment(1);
+}
+
+/// A publish whose head had moved: its candidate rebased `in_place` or `recomposed`.
+pub fn publish_rebase(how: &'static str) {
+    metrics::counter!("kfs_publish_rebases_total", "how" => how).increment(1);
 }
 
 /// A raw-parse checkpoint `written` after a parse, or `reused` instead of one.

@@ -307,6 +307,49 @@ fn without_python_the_peer_row_says_so_and_the_bench_still_succeeds() {
     assert!(!venv.exists(), "no virtualenv was made");
 }
 
+#[tokio::test]
+async fn the_bulk_scenario_reports_each_uploads_publications_and_the_second_tenant() {
+    let _services = support::isolation::shared().await;
+    let o = bench(&[
+        "--scenarios",
+        "bulk",
+        "--bulk-sizes",
+        "6,12",
+        "--inflight",
+        "16",
+        "--json",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "stdout: {out}\nstderr: {err}");
+    let bulk: serde_json::Value = out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["scenario"] == "bulk")
+        .unwrap_or_else(|| panic!("no bulk row in: {out}"));
+    let runs = bulk["runs"].as_array().unwrap();
+    assert_eq!(
+        runs.len(),
+        4,
+        "an upload and the second tenant, per size: {bulk}"
+    );
+    for run in runs {
+        assert_run_complete(run, "bulk");
+    }
+    for (size, n) in [("6", 6.0), ("12", 12.0)] {
+        let d = &bulk["settings"]["by_size"][size];
+        // Every document's publication was a head once; nothing else was.
+        assert!(
+            num(d, "head_moves") >= 1.0 && num(d, "head_moves") <= n,
+            "{d}"
+        );
+        assert!(num(d, "member_rows") > 0.0, "{d}");
+        assert!(num(d, "candidates_composed") >= num(d, "head_moves"), "{d}");
+        assert_eq!(num(&d["second_tenant"], "succeeded"), 5.0, "{d}");
+        assert!(d["head_lock_waits"].as_f64().is_some(), "{d}");
+    }
+}
+
 #[test]
 fn an_unknown_scenario_is_one_clear_error() {
     let _services = support::isolation::shared_blocking();

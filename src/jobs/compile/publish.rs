@@ -305,10 +305,11 @@ pub(crate) async fn publish_step(
     {
         publication::Locked::Held(head) => head,
         publication::Locked::Busy => {
+            crate::metrics::publish_head_wait();
             return Ok(Step::Wait {
                 delay: HEAD_BUSY_RETRY,
                 reason: "other publishes of the space hold its publication head".into(),
-            })
+            });
         }
     };
     let newest = steps::newest_other_active(conn, a).await?;
@@ -341,6 +342,7 @@ pub(crate) async fn publish_step(
         // The document's own members are those the smoke evaluation passed; the rest are the
         // head's, published already.
         tracing::debug!(attempt = %a.id, from = a.base_head_revision, to = current, "head moved; candidate rebased in place");
+        crate::metrics::publish_rebase("in_place");
         (c.id, c.fingerprint)
     } else if let Rebased::Served = rebased {
         deactivate(conn, a.id).await?;
@@ -368,6 +370,7 @@ pub(crate) async fn publish_step(
             ));
         }
         tracing::debug!(attempt = %a.id, from = a.base_head_revision, to = current, "head moved; candidate rebased");
+        crate::metrics::publish_rebase("recomposed");
         (c.id, c.fingerprint)
     };
     let tombstoned: bool = sqlx::query_scalar(

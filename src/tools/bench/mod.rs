@@ -42,7 +42,9 @@ pub struct BenchArgs {
     /// (a second tenant's jobs behind a first tenant's backlog), claim (the fair claim at 100
     /// and at 100,000 due rows; needs a superuser to make the backlog), takeover (a SIGKILLed worker's
     /// jobs under that backlog, also after a restart under its id), scaleout, documents (a PDF
-    /// corpus through the local parser and through poppler's pdftotext, and compiled)
+    /// corpus through the local parser and through poppler's pdftotext, and compiled); not by
+    /// default: bulk (uploads of `--bulk-sizes` documents into one space, with a second
+    /// tenant's five meanwhile)
     #[arg(
         long,
         default_value = "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout,documents"
@@ -65,6 +67,10 @@ pub struct BenchArgs {
     /// and of probe jobs in the takeover scenario
     #[arg(long, default_value_t = 1500)]
     pub fair_backlog: u32,
+    /// The sizes of the bulk scenario's uploads into one space, comma-separated (not run by
+    /// default: `--scenarios bulk`)
+    #[arg(long, default_value = "300,1500,5000")]
+    pub bulk_sizes: String,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -82,10 +88,11 @@ pub enum Scenario {
     Takeover,
     Scaleout,
     Documents,
+    Bulk,
 }
 
 impl Scenario {
-    pub const ALL: [Scenario; 13] = [
+    pub const ALL: [Scenario; 14] = [
         Scenario::Limit,
         Scenario::Relay,
         Scenario::Statements,
@@ -99,6 +106,7 @@ impl Scenario {
         Scenario::Takeover,
         Scenario::Scaleout,
         Scenario::Documents,
+        Scenario::Bulk,
     ];
 
     pub fn name(self) -> &'static str {
@@ -116,6 +124,7 @@ impl Scenario {
             Scenario::Takeover => "takeover",
             Scenario::Scaleout => "scaleout",
             Scenario::Documents => "documents",
+            Scenario::Bulk => "bulk",
         }
     }
 
@@ -128,7 +137,7 @@ impl Scenario {
                 .into_iter()
                 .find(|s| s.name() == part)
                 .ok_or_else(|| {
-                    format!("unknown scenario '{part}'; expected limit, relay, statements, writes, engine, peer, latency, kinds, fairness, claim, takeover, scaleout or documents")
+                    format!("unknown scenario '{part}'; expected limit, relay, statements, writes, engine, peer, latency, kinds, fairness, claim, takeover, scaleout, documents or bulk")
                 })?;
             if !out.contains(&s) {
                 out.push(s);
@@ -187,6 +196,18 @@ impl BenchArgs {
                 "must be between 1 and 10000",
             ));
         }
+        let bulk_sizes = self
+            .bulk_sizes
+            .split(',')
+            .map(|s| s.trim().parse::<usize>().ok().filter(|n| (1..=100_000).contains(n)))
+            .collect::<Option<Vec<usize>>>()
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                ConfigError::new(
+                    "--bulk-sizes",
+                    "must be comma-separated numbers of documents from 1 to 100000, e.g. 300,1500,5000",
+                )
+            })?;
         Ok((
             scenarios,
             Params {
@@ -201,6 +222,7 @@ impl BenchArgs {
                 windows,
                 window_setting: self.relay_window.clone(),
                 interactive: !self.json,
+                bulk_sizes,
             },
         ))
     }
@@ -366,6 +388,7 @@ async fn one(
         Scenario::Kinds => scenarios::kinds(&env, p).await,
         Scenario::Claim => scenarios::claim(&env, p).await,
         Scenario::Documents => scenarios::documents(&env, p).await,
+        Scenario::Bulk => scenarios::bulk(&env, p).await,
         Scenario::Scaleout | Scenario::Takeover | Scenario::Fairness => {
             unreachable!("handled above")
         }
@@ -462,7 +485,7 @@ mod tests {
         );
         assert_eq!(
             Scenario::parse_list(
-                "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout,documents"
+                "limit,relay,statements,writes,engine,peer,latency,kinds,fairness,claim,takeover,scaleout,documents,bulk"
             )
             .unwrap(),
             Scenario::ALL.to_vec()

@@ -3,6 +3,7 @@
 //! asked), and takes its times from one clock: the bench's monotonic clock for the bare loops,
 //! Postgres' clock for jobs (created, claimed and completed timestamps of the rows themselves).
 
+mod bulk;
 mod claim;
 mod documents;
 mod engine;
@@ -33,6 +34,7 @@ use crate::maintenance::MaintenanceConfig;
 use crate::relay::{Relay, RelayConfig};
 use crate::runtime::{self, RunOptions};
 
+pub use bulk::bulk;
 pub use claim::claim;
 pub use documents::documents;
 pub use engine::{engine, latency, statements};
@@ -66,6 +68,8 @@ pub struct Params {
     pub windows: crate::relay::window::Windows,
     pub window_setting: String,
     pub interactive: bool,
+    /// The sizes of the bulk scenario's uploads.
+    pub bulk_sizes: Vec<usize>,
 }
 
 /// The probe's pool in a `run` process of the probe alone at `prefetch` (see `runtime::plan`).
