@@ -1195,9 +1195,12 @@ async fn a_worker_cut_off_by_a_half_open_link_frees_its_id_for_a_restart() {
         &["--consumer"],
         &[e.as_slice(), &[("DATABASE_URL", through.as_str())]].concat(),
     );
+    // Live, and its start logged (the holder line comes just after the locks are taken; on a
+    // loaded machine the check can fall between the two).
     let live = env
         .wait_until(Duration::from_secs(15), || async {
             kfs_worker::liveness::count_live(&env.pool).await.unwrap() == 1
+                && cut_off.log_text().contains("holder=")
         })
         .await;
     assert!(live, "w1 never started\n{}", cut_off.tail(20));
