@@ -1702,6 +1702,10 @@ async fn a_channel_the_broker_closes_is_consumed_again_on_the_same_connection() 
     let mut extra = base_env("probe=10s");
     extra.push(("KFS_CLOSE_CHANNEL_FILE", fault_path.as_str()));
     extra.push(("KFS_PREFETCH", "8"));
+    // The closed channel's running slices get this long to end with their commits and report
+    // their refused acks: on a loaded machine 5 s was not always enough, and slices past the
+    // grace are left to redelivery without an ack to report.
+    extra.push(("KFS_SHUTDOWN_GRACE", "30s"));
     extra.push(("KFS_LOG_FORMAT", "json"));
     let mut w = spawn(&env, "closed-channel", &[], &extra);
     // Slow steps: slices are running when the channel goes.
