@@ -432,14 +432,23 @@ fn source<'a>(a: &Attempt, d: &'a Document, format: parse::Format, bytes: &'a [u
 
 /// The document version's artifact id: the one it has, else the platform's deterministic one.
 async fn artifact_id_of(conn: &mut PgConnection, a: &Attempt) -> Result<Uuid, JobError> {
-    let existing: Option<Uuid> = sqlx::query_scalar(
+    Ok(existing_artifact_id(conn, a)
+        .await?
+        .unwrap_or_else(|| route::artifact_id(a.document, a.version)))
+}
+
+/// The id of the document version's parse artifact, when it has one (the first id is kept).
+async fn existing_artifact_id(
+    conn: &mut PgConnection,
+    a: &Attempt,
+) -> Result<Option<Uuid>, sqlx::Error> {
+    sqlx::query_scalar(
         "SELECT id FROM parse_artifacts WHERE document_asset_id = $1 AND version = $2",
     )
     .bind(a.document)
     .bind(a.version)
     .fetch_optional(&mut *conn)
-    .await?;
-    Ok(existing.unwrap_or_else(|| route::artifact_id(a.document, a.version)))
+    .await
 }
 
 /// `queued → parsed` of a PDF or office document: the raw-parse checkpoint the preparation
@@ -520,14 +529,9 @@ pub(crate) async fn parse_step(
     };
     let parsed =
         parse::parse(as_format, &bytes).map_err(|e| JobError::fatal(e.code(), e.to_string()))?;
-    let existing: Option<Uuid> = sqlx::query_scalar(
-        "SELECT id FROM parse_artifacts WHERE document_asset_id = $1 AND version = $2",
-    )
-    .bind(a.document)
-    .bind(a.version)
-    .fetch_optional(&mut *conn)
-    .await?;
-    let id = existing.unwrap_or_else(Uuid::new_v4);
+    let id = existing_artifact_id(conn, a)
+        .await?
+        .unwrap_or_else(Uuid::new_v4);
     let elements = artifact::elements(id, &parsed);
     let (parser, parser_version) = artifact::parser_of(format);
     tracing::debug!(attempt = %a.id, elements = elements.len(), parser, "parsed");

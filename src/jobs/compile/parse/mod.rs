@@ -9,6 +9,31 @@ pub mod raw;
 pub mod remote;
 pub mod route;
 
+/// What the local parsers' tests share: the committed fixtures and a readable dump.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::raw::RawElement;
+
+    pub(crate) fn fixture(name: &str) -> Vec<u8> {
+        let path = format!(
+            "{}/tests/fixtures/documents/{name}",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    pub(crate) fn dump(els: &[RawElement]) -> String {
+        els.iter()
+            .map(|e| {
+                format!(
+                    "{:?} p{:?} d{:?}: {}\n",
+                    e.kind, e.metadata.page_number, e.metadata.category_depth, e.text
+                )
+            })
+            .collect()
+    }
+}
+
 use pulldown_cmark::{Event, HeadingLevel, Options, Parser, Tag, TagEnd};
 use serde::Serialize;
 

@@ -1037,24 +1037,7 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn fixture(name: &str) -> Vec<u8> {
-        let path = format!(
-            "{}/tests/fixtures/documents/{name}",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-    }
-
-    fn dump(els: &[RawElement]) -> String {
-        els.iter()
-            .map(|e| {
-                format!(
-                    "{:?} p{:?} d{:?}: {}\n",
-                    e.kind, e.metadata.page_number, e.metadata.category_depth, e.text
-                )
-            })
-            .collect()
-    }
+    use super::super::test_support::{dump, fixture};
 
     /// A zip of the given parts, stored uncompressed.
     fn zip_of(parts: &[(&str, &str)]) -> Vec<u8> {

@@ -650,24 +650,7 @@ fn layout(pages: &[Page]) -> Vec<RawElement> {
 mod tests {
     use super::*;
 
-    fn fixture(name: &str) -> Vec<u8> {
-        let path = format!(
-            "{}/tests/fixtures/documents/{name}",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
-    }
-
-    fn dump(els: &[RawElement]) -> String {
-        els.iter()
-            .map(|e| {
-                format!(
-                    "{:?} p{:?} d{:?}: {}\n",
-                    e.kind, e.metadata.page_number, e.metadata.category_depth, e.text
-                )
-            })
-            .collect()
-    }
+    use super::super::test_support::{dump, fixture};
 
     #[test]
     fn handbook_headings_lists_and_pages() {
