@@ -225,6 +225,14 @@ fn describe() {
         "Publishes that found the space's publication head held past their wait and queued again"
     );
     describe_counter!(
+        "kfs_publish_parks_total",
+        "Publishes that parked until the space's next head move, to be published together with it"
+    );
+    describe_counter!(
+        "kfs_publish_joined_total",
+        "Attempts published by another attempt's head move of their space"
+    );
+    describe_counter!(
         "kfs_publish_rebases_total",
         "Publishes whose head had moved since their candidate was composed, by how the candidate followed"
     );
@@ -251,6 +259,16 @@ pub fn document_parse(
 /// A publish that found the space's head held past its wait.
 pub fn publish_head_wait() {
     metrics::counter!("kfs_publish_head_waits_total").increment(1);
+}
+
+/// A publish that parked until the space's next head move.
+pub fn publish_park() {
+    metrics::counter!("kfs_publish_parks_total").increment(1);
+}
+
+/// Attempts published by another attempt's head move.
+pub fn publish_joined(n: usize) {
+    metrics::counter!("kfs_publish_joined_total").increment(n as u64);
 }
 
 /// A publish whose head had moved: its candidate rebased `in_place` or `recomposed`.

@@ -4,11 +4,13 @@
 //! changed means the lease is lost. Locks are always taken job row first, then outbox row, so
 //! that claims, steps and heartbeats never deadlock each other.
 
+mod adopted;
 mod batched;
 mod claims;
 mod delivered;
 mod fenced;
 
+pub use adopted::succeed_unleased;
 pub use batched::{
     advance_many, claim_many, end_many, fence_many, heartbeat_many, Batched, GroupEnd,
 };

@@ -235,7 +235,10 @@ pub struct Moved {
 /// first head has the space's id as its id and revision 1). Two first heads racing meet on the
 /// primary key as well as on the space's unique key, so the insert yields on any conflict: the
 /// loser sees the head moved, never a unique violation. Only the head row changes here; the
-/// publications' statuses are the caller's, in the same transaction. Returns the new revision.
+/// publications' statuses are the caller's, in the same transaction. Its `updated_at` is the
+/// moment of the move (not the transaction's start: a long publish would otherwise look as
+/// if it had moved the head long ago, and the publishes of a space are paced on it). Returns
+/// the new revision.
 pub async fn swap_head(
     conn: &mut PgConnection,
     tenant: &str,
@@ -247,7 +250,7 @@ pub async fn swap_head(
         sqlx::query_scalar(
             "INSERT INTO projection_set_publication_heads \
                (id, tenant_id, knowledge_space_id, publication_id, head_revision, created_at, updated_at) \
-             VALUES ($2, $1, $2, $3, 1, now(), now()) \
+             VALUES ($2, $1, $2, $3, 1, now(), clock_timestamp()) \
              ON CONFLICT DO NOTHING \
              RETURNING head_revision",
         )
@@ -259,7 +262,7 @@ pub async fn swap_head(
     } else {
         sqlx::query_scalar(
             "UPDATE projection_set_publication_heads SET publication_id = $3, head_revision = $4 + 1, \
-               updated_at = now() \
+               updated_at = clock_timestamp() \
              WHERE tenant_id = $1 AND knowledge_space_id = $2 AND head_revision = $4 \
              RETURNING head_revision",
         )
@@ -281,12 +284,15 @@ pub async fn swap_head(
 }
 
 /// Why [`publish`] did not move the head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Refused {
     /// The head moved (or appeared) since the expected revision.
     Moved(Moved),
     /// The publication already has a profile binding other than the one to be written.
     Binding(binding::Conflict),
+    /// The publication is not a candidate (given up, or published already): a head never
+    /// moves to it.
+    NotCandidate(Option<String>),
 }
 
 /// Publishes `publication` in place of the space's head at revision `expected`: the publication
@@ -318,6 +324,9 @@ pub async fn publish(
     .bind(publication)
     .fetch_optional(&mut *conn)
     .await?;
+    if !matches!(status.as_deref(), Some("candidate" | "validating")) {
+        return Ok(Err(Refused::NotCandidate(status)));
+    }
     if status.as_deref() == Some("candidate") {
         transition(
             conn,

@@ -397,8 +397,16 @@ async fn second_candidate_over_a_moved_head(
     }
     let (sa, sb) = (fx.status(a).await, fx.status(b).await);
     assert_eq!((sa.base_head_revision, sb.base_head_revision), (0, 0));
-    // A publishes first; B then finds the head moved from 0 to 1.
+    // A publishes first, while B's row is held (as a worker's step holds it), so that A does
+    // not publish B with it; B then finds the head moved from 0 to 1.
+    let mut hold = fx.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1 FROM document_compilation_attempts WHERE id = $1 FOR NO KEY UPDATE")
+        .bind(b)
+        .execute(&mut *hold)
+        .await
+        .unwrap();
     assert_succeeded(&fx.drive(engine, a).await);
+    hold.rollback().await.unwrap();
     assert_eq!(fx.head().await.unwrap().revision, 1);
     (a_doc, b_doc, a, b)
 }
@@ -1930,6 +1938,8 @@ async fn two_hundred_documents_across_two_worker_processes() {
     support::stop_cleanly(&mut workers, Duration::from_secs(20)).await;
     fx.cleanup().await;
 }
+
+mod together;
 
 #[cfg(feature = "crash-points")]
 mod crash {

@@ -2901,19 +2901,14 @@ async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_f
         .add("gone.md", "text/markdown", note(1, "gone").as_bytes())
         .await;
     fx.compile(doc).await;
-    // Another document's compile has composed and evaluated its candidate over the head that
-    // serves `doc`; it only has to publish.
+    // Another document's compile has evaluated its candidate; it only has to publish.
     let other = fx
         .add("other.md", "text/markdown", note(2, "other").as_bytes())
         .await;
     let attempt = fx.request(other, false).await.unwrap();
-    fx.drive_to(&fx.engine("w-step", 1), attempt, "smoke_eval_passed")
-        .await;
+    let step = fx.engine("w-step", 1);
+    fx.drive_to(&step, attempt, "smoke_eval_passed").await;
     let candidate = fx.status(attempt).await.candidate_publication_id.unwrap();
-    let mut c = conn(pool).await;
-    let inherited = publication::members(&mut c, s.id, candidate).await.unwrap();
-    drop(c);
-    assert!(inherited.iter().any(|m| m.document_asset_id == Some(doc)));
 
     let job = request(
         pool,
@@ -2921,6 +2916,19 @@ async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_f
     )
     .await
     .unwrap();
+    // Its publish completes the candidate over the head that serves `doc`, finds the deletion
+    // under way and waits for it: the candidate now holds `doc`'s members.
+    assert_eq!(
+        fx.slice(&step, attempt).await,
+        kfs_worker::consumer::Handled::Ack {
+            claim: "claimed",
+            end: Some("wait")
+        }
+    );
+    let mut c = conn(pool).await;
+    let inherited = publication::members(&mut c, s.id, candidate).await.unwrap();
+    drop(c);
+    assert!(inherited.iter().any(|m| m.document_asset_id == Some(doc)));
     let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
     let mut held = false;
     for _ in 0..200 {
@@ -2948,12 +2956,17 @@ async fn a_compile_building_on_a_publication_of_the_deleted_document_is_waited_f
     let st = fx.status(attempt).await;
     assert_eq!(
         (st.active_slot, st.run_state.as_str()),
-        (Some(1), "queued"),
+        (Some(1), "retry_wait"),
         "{st:?}"
     );
 
-    // The compile goes on: it rebases onto the head without `doc` and publishes; then the
-    // deletion finishes, and the compile's attempt is still there.
+    // The compile goes on (its wait cut short): it rebases onto the head without `doc` and
+    // publishes; then the deletion finishes, and the compile's attempt is still there.
+    sqlx::query("UPDATE document_compilation_attempts SET retry_at = now() WHERE id = $1")
+        .bind(attempt)
+        .execute(pool)
+        .await
+        .unwrap();
     let st = fx.drive(&fx.engine("w-rest", 64), attempt).await;
     assert_eq!(st.run_state, "succeeded", "{st:?}");
     assert_eq!(driver.finish(job, true).await.0, "succeeded");

@@ -428,3 +428,38 @@ async fn a_publications_profile_binding_is_written_once_and_a_different_one_is_r
     drop(c);
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_publication_that_is_no_longer_a_candidate_is_never_made_the_head() {
+    let env = TestEnv::new().await;
+    let space = {
+        let mut c = env.pool.acquire().await.unwrap();
+        platform::create_space(&mut c, TENANT, "given-up", "Given up", "owner-1")
+            .await
+            .unwrap()
+    };
+    let p = candidate(&env.pool, space).await;
+    let fp: String = sqlx::query_scalar(
+        "UPDATE projection_set_publications SET status = 'inactive' WHERE id = $1 RETURNING fingerprint::text",
+    )
+    .bind(p)
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    let mut c = env.pool.acquire().await.unwrap();
+    let refused = publication::publish(&mut c, TENANT, space, 0, p, &fp, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        refused,
+        Err(publication::Refused::NotCandidate(Some("inactive".into())))
+    );
+    assert_eq!(
+        publication::head(&mut c, TENANT, space, false)
+            .await
+            .unwrap(),
+        None
+    );
+    drop(c);
+    env.cleanup().await;
+}

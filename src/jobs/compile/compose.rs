@@ -1,12 +1,15 @@
-//! A document's candidate publication: its members (the head's members of every other document,
-//! inherited, and this document's own components of the attempt's generation), its fingerprint
-//! (the platform's, over exactly those members), and its binding on the attempt. Invariant: a
-//! candidate's members are those of one head (its metadata's `baseHeadRevision`) for every
-//! other document, plus this document's own; rebased over a newer head in place, it takes the
-//! difference of the two heads and the fingerprint of the result, or is left for a new
-//! candidate when that fingerprint belongs to another publication. A candidate of identical
-//! content that an ended attempt left is taken over rather than duplicated (fingerprints are
-//! unique in a space).
+//! A document's candidate publication: its members, its fingerprint (the platform's, over
+//! exactly those members) and its binding on the attempt. Invariant: a candidate holds this
+//! document's own components of the attempt's generation, and either nothing else (an
+//! *owner-only* candidate, what an attempt composes before it publishes: its metadata says so,
+//! so the platform's coordinator refuses it as not the attempt's full candidate) or, for every
+//! other document, the members of one head (its metadata's `baseHeadRevision`); completed over
+//! a head at publish ([`complete`]) it takes what differs from that head (and the own members of
+//! the attempts publishing with it) and the fingerprint of the result, or is left for a new
+//! candidate when that fingerprint belongs to another publication. So an attempt writes its
+//! own members once, and each head move copies the space's members once, whatever the number
+//! of documents it publishes. A candidate of identical content that an ended attempt left is
+//! taken over rather than duplicated (fingerprints are unique in a space).
 
 use serde_json::json;
 use sqlx::PgConnection;
@@ -86,14 +89,34 @@ pub(crate) enum Compose {
     Made(Composed),
     /// The head already serves exactly this content.
     Served,
+    /// An owner-only candidate's fingerprint belongs to a publication that cannot become this
+    /// attempt's (one the space once published with this document alone): compose it over the
+    /// head instead.
+    Taken,
 }
 
-/// Writes the candidate publication `id` over `head`: its row (`candidate`) and its members.
+/// Which members a composed candidate holds besides the document's own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Scope {
+    /// Only the document's own; the head's are added when it publishes.
+    Owner,
+    /// The head's members of every other document too.
+    OverHead,
+}
+
+/// The key of the candidate metadata marking an owner-only candidate. The platform's
+/// coordinator compares an attempt's candidate metadata with its own rendering of the attempt,
+/// so a candidate carrying this key can never be published by it as it stands.
+pub const OWNER_ONLY_KEY: &str = "kfsMembers";
+
+/// Writes the candidate publication `id` for the head `head`: its row (`candidate`) and its
+/// members (the head's, inherited, only in [`Scope::OverHead`]).
 pub(crate) async fn compose(
     conn: &mut PgConnection,
     a: &Attempt,
     head: Option<&Head>,
     id: Uuid,
+    scope: Scope,
 ) -> Result<Compose, JobError> {
     let own = own_members(conn, a).await?;
     if !own.iter().any(|m| m.component_type == DOCUMENT_OUTLINE) {
@@ -103,7 +126,8 @@ pub(crate) async fn compose(
         ));
     }
     let mut members = own.clone();
-    if let Some(h) = head {
+    let inherit = head.filter(|_| scope == Scope::OverHead);
+    if let Some(h) = inherit {
         let inherited = publication::members(conn, a.space, h.publication_id).await?;
         members.extend(
             inherited
@@ -139,9 +163,12 @@ pub(crate) async fn compose(
     let base = head.map_or(0, |h| h.revision);
     let Described {
         fingerprint,
-        metadata,
+        mut metadata,
         projection_version,
     } = describe(a, base, &configs, &snapshots)?;
+    if scope == Scope::Owner {
+        metadata["documentCompilationCandidate"][OWNER_ONLY_KEY] = json!("owner-only");
+    }
     publication::insert(
         conn,
         id,
@@ -155,7 +182,8 @@ pub(crate) async fn compose(
     .await?;
     let holder: Option<(Uuid, String, bool)> = sqlx::query_as(
         "SELECT p.id, p.status::text, EXISTS (SELECT 1 FROM document_compilation_attempts a \
-             WHERE a.candidate_publication_id = p.id AND a.active_slot = 1 AND a.id <> $4) \
+             WHERE a.tenant_id = p.tenant_id AND a.knowledge_space_id = p.knowledge_space_id \
+               AND a.candidate_publication_id = p.id AND a.active_slot = 1 AND a.id <> $4) \
          FROM projection_set_publications p \
          WHERE p.tenant_id = $1 AND p.knowledge_space_id = $2 AND p.fingerprint = $3",
     )
@@ -185,6 +213,7 @@ pub(crate) async fn compose(
             .await?;
             h
         }
+        Some(_) if scope == Scope::Owner => return Ok(Compose::Taken),
         Some((h, status, _)) => {
             return Err(JobError::fatal(
                 "candidate_fingerprint_taken",
@@ -205,7 +234,7 @@ pub(crate) async fn compose(
         &a.tenant,
         a.space,
         id,
-        head.map(|h| h.publication_id),
+        inherit.map(|h| h.publication_id),
         Some(a.document),
         &own,
     )
@@ -244,7 +273,7 @@ fn describe(
     })
 }
 
-/// What became of rebasing a candidate in place.
+/// What became of completing a candidate in place.
 pub(crate) enum Rebased {
     /// The candidate now stands over the head, under this fingerprint, and the attempt is bound
     /// to it there.
@@ -256,43 +285,97 @@ pub(crate) enum Rebased {
     Apart,
 }
 
-/// Moves the attempt's candidate `candidate` over `head`, in place: only the members that
-/// differ between the head it stood on and this one are deleted or copied (the document's own
-/// members stay as the smoke evaluation found them), then its fingerprint and metadata follow.
-/// A publish rebasing under the head lock writes the few members of the documents published
-/// meanwhile, not every member of the space again.
-pub(crate) async fn rebase(
+/// Another attempt whose document a candidate publishes too: the attempt, its document and
+/// version, its generation and its own candidate (where its members are).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Joined {
+    pub attempt: Uuid,
+    pub document: Uuid,
+    pub version: i32,
+    pub generation: Uuid,
+    pub candidate: Uuid,
+}
+
+/// Completes the attempt's candidate `candidate` over `head`, in place, for publishing: for
+/// every document neither this attempt nor one of `joined` publishes, the head's members
+/// (only those it lacks are copied, those no longer in the head deleted: an owner-only
+/// candidate takes them all, one composed over an older head the difference); each of `joined`
+/// its own members, copied from its candidate; this document's own members stay as the smoke
+/// evaluation found them. Then its fingerprint and metadata follow, and the attempt's binding.
+pub(crate) async fn complete(
     conn: &mut PgConnection,
     a: &Attempt,
-    head: &Head,
+    head: Option<&Head>,
     candidate: Uuid,
+    joined: &[Joined],
 ) -> Result<Rebased, JobError> {
+    let mut documents: Vec<Uuid> = joined.iter().map(|j| j.document).collect();
+    documents.push(a.document);
     // The members are looked up by publication alone: it names one space, and the unique index
     // it leads serves the lookups whatever the table's statistics say. The deletions (a data-
     // modifying `WITH` runs whether read or not) and the copies touch disjoint members.
-    sqlx::query(
-        "WITH gone AS ( \
-           DELETE FROM projection_set_publication_members c \
-           WHERE c.publication_id = $1 AND c.document_asset_id IS DISTINCT FROM $3 \
-             AND NOT EXISTS (SELECT 1 FROM projection_set_publication_members h \
-               WHERE h.publication_id = $2 AND h.component_type = c.component_type \
-                 AND h.component_key = c.component_key) \
-           RETURNING 1) \
-         INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
-           component_type, component_key, generation_id, document_asset_id, created_at) \
-         SELECT h.tenant_id, h.knowledge_space_id, $1, h.component_type, h.component_key, h.generation_id, \
-           h.document_asset_id, now() \
-         FROM projection_set_publication_members h \
-         WHERE h.publication_id = $2 AND h.document_asset_id IS DISTINCT FROM $3 \
-           AND NOT EXISTS (SELECT 1 FROM projection_set_publication_members c \
-             WHERE c.publication_id = $1 AND c.component_type = h.component_type \
-               AND c.component_key = h.component_key)",
-    )
-    .bind(candidate)
-    .bind(head.publication_id)
-    .bind(a.document)
-    .execute(&mut *conn)
-    .await?;
+    if let Some(h) = head {
+        sqlx::query(
+            "WITH gone AS ( \
+               DELETE FROM projection_set_publication_members c \
+               WHERE c.publication_id = $1 AND c.document_asset_id IS DISTINCT FROM $3 \
+                 AND (c.document_asset_id = ANY($4) OR NOT EXISTS ( \
+                   SELECT 1 FROM projection_set_publication_members h \
+                   WHERE h.publication_id = $2 AND h.component_type = c.component_type \
+                     AND h.component_key = c.component_key)) \
+               RETURNING 1) \
+             INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+               component_type, component_key, generation_id, document_asset_id, created_at) \
+             SELECT h.tenant_id, h.knowledge_space_id, $1, h.component_type, h.component_key, h.generation_id, \
+               h.document_asset_id, now() \
+             FROM projection_set_publication_members h \
+             WHERE h.publication_id = $2 \
+               AND (h.document_asset_id IS NULL OR h.document_asset_id <> ALL($4)) \
+               AND NOT EXISTS (SELECT 1 FROM projection_set_publication_members c \
+                 WHERE c.publication_id = $1 AND c.component_type = h.component_type \
+                   AND c.component_key = h.component_key)",
+        )
+        .bind(candidate)
+        .bind(h.publication_id)
+        .bind(a.document)
+        .bind(&documents)
+        .execute(&mut *conn)
+        .await?;
+    }
+    if !joined.is_empty() {
+        let docs: Vec<Uuid> = joined.iter().map(|j| j.document).collect();
+        let gens: Vec<Uuid> = joined.iter().map(|j| j.generation).collect();
+        let from: Vec<Uuid> = joined.iter().map(|j| j.candidate).collect();
+        if head.is_none() {
+            // No head: what the candidate holds of the joined documents is at most theirs.
+            sqlx::query(
+                "DELETE FROM projection_set_publication_members \
+                 WHERE publication_id = $1 AND document_asset_id = ANY($2)",
+            )
+            .bind(candidate)
+            .bind(&docs)
+            .execute(&mut *conn)
+            .await?;
+        }
+        sqlx::query(
+            "INSERT INTO projection_set_publication_members (tenant_id, knowledge_space_id, publication_id, \
+               component_type, component_key, generation_id, document_asset_id, created_at) \
+             SELECT m.tenant_id, m.knowledge_space_id, $1, m.component_type, m.component_key, m.generation_id, \
+               m.document_asset_id, now() \
+             FROM unnest($2::uuid[], $3::uuid[], $4::uuid[]) AS j(publication, document, generation) \
+             JOIN projection_set_publication_members m ON m.publication_id = j.publication \
+               AND m.document_asset_id = j.document AND m.generation_id = j.generation \
+             WHERE m.knowledge_space_id = $5 \
+             ON CONFLICT (publication_id, component_type, component_key) DO NOTHING",
+        )
+        .bind(candidate)
+        .bind(&from)
+        .bind(&docs)
+        .bind(&gens)
+        .bind(a.space)
+        .execute(&mut *conn)
+        .await?;
+    }
     let configs: Vec<ProjectionConfig> = sqlx::query_as(
         "SELECT DISTINCT p.type::text AS kind, p.model::text AS model, p.projection_version \
          FROM projection_set_publication_members m \
@@ -310,15 +393,16 @@ pub(crate) async fn rebase(
         .bind(DOCUMENT_OUTLINE)
         .fetch_all(&mut *conn)
         .await?;
+    let revision = head.map_or(0, |h| h.revision);
     let Described {
         fingerprint,
         metadata,
         projection_version,
-    } = describe(a, head.revision, &configs, &snapshots)?;
+    } = describe(a, revision, &configs, &snapshots)?;
     // The fingerprint is unique in a space: the row moves only when no other publication holds
-    // it, and only while no other attempt (one that ended and left it) names it. The attempt's
-    // binding moves in the same statement: its reference names the fingerprint, and the
-    // constraint is checked once the statement has written both.
+    // it, and a new fingerprint only while no other attempt (one that ended and left it) names
+    // the row: its reference names the fingerprint. The attempt's binding moves in the same
+    // statement, and the constraint is checked once the statement has written both.
     let rows: Vec<(Uuid, bool)> = sqlx::query_as(
         "WITH other AS ( \
            SELECT id FROM projection_set_publications \
@@ -328,9 +412,9 @@ pub(crate) async fn rebase(
              updated_at = now() \
            WHERE id = $3 AND tenant_id = $1 AND knowledge_space_id = $2 \
              AND status IN ('candidate', 'validating') AND NOT EXISTS (SELECT 1 FROM other) \
-             AND NOT EXISTS (SELECT 1 FROM document_compilation_attempts x \
+             AND (fingerprint = $4 OR NOT EXISTS (SELECT 1 FROM document_compilation_attempts x \
                WHERE x.tenant_id = $1 AND x.knowledge_space_id = $2 AND x.candidate_publication_id = $3 \
-                 AND x.id <> $7) \
+                 AND x.id <> $7)) \
            RETURNING id), \
          bound AS ( \
            UPDATE document_compilation_attempts SET candidate_fingerprint = $4, base_head_revision = $8, \
@@ -347,7 +431,7 @@ pub(crate) async fn rebase(
     .bind(&metadata)
     .bind(projection_version)
     .bind(a.id)
-    .bind(head.revision)
+    .bind(revision)
     .fetch_all(&mut *conn)
     .await?;
     Ok(match rows.first() {
@@ -355,7 +439,7 @@ pub(crate) async fn rebase(
             id: candidate,
             fingerprint,
         }),
-        Some(&(other, false)) if other == head.publication_id => Rebased::Served,
+        Some(&(other, false)) if head.is_some_and(|h| other == h.publication_id) => Rebased::Served,
         _ => Rebased::Apart,
     })
 }
@@ -401,7 +485,7 @@ pub(crate) fn already_served(a: &Attempt) -> Step {
     }
 }
 
-/// nodes_generated → projection_built: the candidate over the current head, bound once.
+/// nodes_generated → projection_built: the attempt's owner-only candidate, bound once.
 pub(crate) async fn candidate_step(
     conn: &mut PgConnection,
     a: &Attempt,
@@ -409,15 +493,23 @@ pub(crate) async fn candidate_step(
     if a.candidate.is_some() {
         return Ok(None);
     }
-    // No lock: a published head's members never change, and a head that moves on before this
-    // attempt publishes is composed over again then.
+    // No lock: the candidate holds the document's own members only, and is completed over
+    // whatever head there is when it publishes.
     let head = publication::head(conn, &a.tenant, a.space, false).await?;
     let id = child_id(a.id, "projection-publication-candidate");
-    match compose(conn, a, head.as_ref(), id).await? {
+    let mut made = compose(conn, a, head.as_ref(), id, Scope::Owner).await?;
+    if let Compose::Taken = made {
+        made = compose(conn, a, head.as_ref(), id, Scope::OverHead).await?;
+    }
+    match made {
         Compose::Served => Ok(Some(already_served(a))),
         Compose::Made(c) => {
             bind(conn, a, &c, head.map_or(0, |h| h.revision)).await?;
             Ok(None)
         }
+        Compose::Taken => Err(JobError::fatal(
+            "candidate_fingerprint_taken",
+            "another publication of this space already has the candidate's fingerprint",
+        )),
     }
 }

@@ -179,6 +179,16 @@ pub(crate) async fn publish(
     publication: Uuid,
     fingerprint: &str,
 ) -> Result<(), JobError> {
+    activate(conn, a).await?;
+    reindex(conn, a, publication, fingerprint).await?;
+    chunk_change(conn, a, publication, fingerprint).await?;
+    Ok(())
+}
+
+/// Activates the attempt's candidate revision of its logical document, if it has one (the part
+/// of [`publish`] that does not name the publication). Fails the attempt when the revision no
+/// longer fits what it expected.
+pub(crate) async fn activate(conn: &mut PgConnection, a: &Attempt) -> Result<(), JobError> {
     let fence: Option<(Uuid, i32, Option<i32>, i32)> = sqlx::query_as(
         "SELECT document_id, revision, expected_active_revision, expected_document_row_version \
          FROM document_revisions WHERE tenant_id = $1 AND knowledge_space_id = $2 AND compilation_attempt_id = $3 \
@@ -201,9 +211,262 @@ pub(crate) async fn publish(
         chunks(conn, a, &f).await?;
         activate_revision(conn, a, &f).await?;
     }
-    reindex(conn, a, publication, fingerprint).await?;
-    chunk_change(conn, a, publication, fingerprint).await?;
     Ok(())
+}
+
+/// The revision activations of several attempts publishing together in one transaction (what
+/// [`activate`] does for each), in a few statements: each attempt whose candidate revision no
+/// longer fits what it expected (its logical document moved, is being deleted, or is revised
+/// by another of `attempts` too), or whose revision would have too many chunks, is left out
+/// and nothing is written for it. Returns the attempts whose revisions were activated, and
+/// those without one. `Err` when a write found other rows than the reads before it (the caller
+/// rolls all of it back).
+pub(crate) async fn activate_many(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    attempts: &[&Attempt],
+) -> Result<HashSet<Uuid>, JobError> {
+    let ids: Vec<Uuid> = attempts.iter().map(|a| a.id).collect();
+    let assets: Vec<Uuid> = attempts.iter().map(|a| a.document).collect();
+    let versions: Vec<i32> = attempts.iter().map(|a| a.version).collect();
+    let fences: Vec<(Uuid, Uuid, i32, Option<i32>, i32)> = sqlx::query_as(
+        "SELECT r.compilation_attempt_id, r.document_id, r.revision, r.expected_active_revision, \
+           r.expected_document_row_version \
+         FROM document_revisions r \
+         JOIN unnest($3::uuid[], $4::uuid[], $5::int4[]) AS x(attempt, asset, version) \
+           ON r.compilation_attempt_id = x.attempt AND r.document_asset_id = x.asset \
+          AND r.document_asset_version = x.version \
+         WHERE r.tenant_id = $1 AND r.knowledge_space_id = $2 AND r.state = 'candidate' \
+         ORDER BY r.document_id, r.revision FOR UPDATE OF r",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(&ids)
+    .bind(&assets)
+    .bind(&versions)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut by_attempt: HashMap<Uuid, RevisionFence> = HashMap::new();
+    let mut per_document: HashMap<Uuid, usize> = HashMap::new();
+    for (attempt, document, revision, expected_active, expected_row_version) in fences {
+        *per_document.entry(document).or_default() += 1;
+        by_attempt.entry(attempt).or_insert(RevisionFence {
+            document,
+            revision,
+            expected_active,
+            expected_row_version,
+        });
+    }
+    let documents: Vec<Uuid> = per_document.keys().copied().collect();
+    let current: HashMap<Uuid, (Option<i32>, i32)> = sqlx::query_as::<_, (Uuid, Option<i32>, i32)>(
+        "SELECT id, active_revision, row_version FROM logical_documents \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND id = ANY($3) AND status <> 'deleting' \
+           AND deletion_job_id IS NULL ORDER BY id FOR UPDATE",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(&documents)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(|(id, active, rv)| (id, (active, rv)))
+    .collect();
+    let fits = |f: &RevisionFence| {
+        per_document.get(&f.document) == Some(&1)
+            && current.get(&f.document) == Some(&(f.expected_active, f.expected_row_version))
+    };
+    let mut accepted: HashSet<Uuid> = attempts
+        .iter()
+        .filter(|a| by_attempt.get(&a.id).is_none_or(fits))
+        .map(|a| a.id)
+        .collect();
+    // The chunks of the accepted revisions: their generations' nodes, parent first.
+    let revised: Vec<&Attempt> = attempts
+        .iter()
+        .copied()
+        .filter(|a| accepted.contains(&a.id) && by_attempt.contains_key(&a.id))
+        .collect();
+    if revised.is_empty() {
+        return Ok(accepted);
+    }
+    let generations: Vec<Uuid> = revised.iter().map(|a| a.generation).collect();
+    type Row = (Uuid, Uuid, String, String, i32, i32, Value, Value);
+    let rows: Vec<Row> = sqlx::query_as(
+        "SELECT n.publication_generation_id, n.id, n.kind::text, n.text, n.start_offset, n.end_offset, \
+           n.source_location, n.metadata \
+         FROM knowledge_nodes n JOIN unnest($2::uuid[], $3::uuid[]) AS g(generation, asset) \
+           ON n.publication_generation_id = g.generation AND n.document_asset_id = g.asset \
+         WHERE n.knowledge_space_id = $1 ORDER BY n.publication_generation_id, n.start_offset, n.id",
+    )
+    .bind(space)
+    .bind(&generations)
+    .bind(revised.iter().map(|a| a.document).collect::<Vec<Uuid>>())
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut nodes: HashMap<Uuid, Vec<&Row>> = HashMap::new();
+    for r in &rows {
+        nodes.entry(r.0).or_default().push(r);
+    }
+    let mut chunk = ChunkRows::default();
+    let mut activated = Vec::new();
+    for a in &revised {
+        let f = &by_attempt[&a.id];
+        let of = nodes
+            .get(&a.generation)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let listed: Vec<ChunkNode> = of
+            .iter()
+            .map(|r| ChunkNode {
+                id: r.1,
+                kind: r.2.clone(),
+                metadata: r.7.clone(),
+            })
+            .collect();
+        let order = match parent_first(&listed) {
+            Ok(order) if of.len() <= MAX_CHUNKS => order,
+            _ => {
+                accepted.remove(&a.id);
+                continue;
+            }
+        };
+        for (i, parent) in order {
+            let r = of[i];
+            chunk.push(
+                f,
+                r.1,
+                parent,
+                i,
+                &r.3,
+                json!({ "endOffset": r.5, "kind": r.2,
+                "nodeMetadata": r.7, "sourceLocation": r.6, "startOffset": r.4 }),
+            );
+        }
+        activated.push(f);
+    }
+    chunk.insert(conn, tenant, space).await?;
+    let docs: Vec<Uuid> = activated.iter().map(|f| f.document).collect();
+    let revisions: Vec<i32> = activated.iter().map(|f| f.revision).collect();
+    let row_versions: Vec<i32> = activated.iter().map(|f| f.expected_row_version).collect();
+    let old: Vec<(Uuid, i32)> = activated
+        .iter()
+        .filter_map(|f| f.expected_active.map(|r| (f.document, r)))
+        .collect();
+    let superseded = sqlx::query(
+        "UPDATE document_revisions r SET state = 'superseded' FROM unnest($3::uuid[], $4::int4[]) AS x(document, revision) \
+         WHERE r.tenant_id = $1 AND r.knowledge_space_id = $2 AND r.document_id = x.document \
+           AND r.revision = x.revision AND r.state = 'active'",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(old.iter().map(|o| o.0).collect::<Vec<Uuid>>())
+    .bind(old.iter().map(|o| o.1).collect::<Vec<i32>>())
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    let made_active = sqlx::query(
+        "UPDATE document_revisions r SET state = 'active', activated_at = now() \
+         FROM unnest($3::uuid[], $4::int4[]) AS x(document, revision) \
+         WHERE r.tenant_id = $1 AND r.knowledge_space_id = $2 AND r.document_id = x.document \
+           AND r.revision = x.revision AND r.state = 'candidate'",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(&docs)
+    .bind(&revisions)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    let advanced = sqlx::query(
+        "UPDATE logical_documents l SET active_revision = x.revision, status = 'ready', \
+           row_version = l.row_version + 1, updated_at = now() \
+         FROM unnest($3::uuid[], $4::int4[], $5::int4[]) AS x(document, revision, row_version) \
+         WHERE l.tenant_id = $1 AND l.knowledge_space_id = $2 AND l.id = x.document \
+           AND l.row_version = x.row_version AND l.status <> 'deleting' AND l.deletion_job_id IS NULL",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(&docs)
+    .bind(&revisions)
+    .bind(&row_versions)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    let n = activated.len() as u64;
+    if superseded != old.len() as u64 || made_active != n || advanced != n {
+        return Err(conflict(
+            "the revisions of the attempts publishing together changed while they were activated",
+        ));
+    }
+    Ok(accepted)
+}
+
+/// Chunk rows of several revisions, for one insert.
+#[derive(Default)]
+struct ChunkRows {
+    ids: Vec<Uuid>,
+    documents: Vec<Uuid>,
+    revisions: Vec<i32>,
+    parents: Vec<Option<Uuid>>,
+    ordinals: Vec<i32>,
+    tokens: Vec<i32>,
+    texts: Vec<String>,
+    metas: Vec<Value>,
+}
+
+impl ChunkRows {
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        f: &RevisionFence,
+        id: Uuid,
+        parent: Option<Uuid>,
+        ordinal: usize,
+        text: &str,
+        meta: Value,
+    ) {
+        self.ids.push(id);
+        self.documents.push(f.document);
+        self.revisions.push(f.revision);
+        self.parents.push(parent);
+        self.ordinals
+            .push(i32::try_from(ordinal).unwrap_or(i32::MAX));
+        self.tokens.push(token_count(text));
+        self.texts.push(text.to_owned());
+        self.metas.push(meta);
+    }
+
+    async fn insert(
+        &self,
+        conn: &mut PgConnection,
+        tenant: &str,
+        space: Uuid,
+    ) -> Result<(), sqlx::Error> {
+        if self.ids.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(
+            "INSERT INTO document_revision_chunks (id, tenant_id, knowledge_space_id, document_id, document_revision, \
+               parent_chunk_id, ordinal, token_count, text, system_metadata, user_metadata, created_at) \
+             SELECT t.id, $1, $2, t.document, t.revision, t.parent, t.ordinal, t.tokens, t.text, t.meta, '{}'::jsonb, now() \
+             FROM unnest($3::uuid[], $4::uuid[], $5::int4[], $6::uuid[], $7::int4[], $8::int4[], $9::text[], $10::jsonb[]) \
+               AS t(id, document, revision, parent, ordinal, tokens, text, meta)",
+        )
+        .bind(tenant)
+        .bind(space)
+        .bind(&self.ids)
+        .bind(&self.documents)
+        .bind(&self.revisions)
+        .bind(&self.parents)
+        .bind(&self.ordinals)
+        .bind(&self.tokens)
+        .bind(&self.texts)
+        .bind(&self.metas)
+        .execute(conn)
+        .await?;
+        Ok(())
+    }
 }
 
 /// The revision's chunks: the candidate generation's nodes of the document, in offset order,

@@ -19,14 +19,16 @@
 //!   each (`to_tsvector('simple', …)` of its normalised path and text), and a `dense-vector`
 //!   projection of each where the attempt froze an embedding profile, through the
 //!   [`crate::embed`] port; all `building`.
-//! - **projection_built**: a `candidate` publication (the platform's fingerprint) whose members
-//!   are the head's other documents and this document's components, bound to the attempt.
+//! - **projection_built**: a `candidate` publication (the platform's fingerprint) of this
+//!   document's components only (owner-only: the head's other documents are added when it
+//!   publishes), bound to the attempt.
 //! - **smoke_eval_passed**: the platform's structural check of the candidate.
 //! - **published**: in one transaction, the profile fence, projections and page index `ready`,
-//!   the document `parsed`, the candidate `validating` then `published`, the old head's
-//!   publication `superseded`, the publication's profile binding, the head moved by
-//!   compare-and-swap (see [`publish`] for what happens when another publication moved it
-//!   first), then the attempt's logical-document intents applied.
+//!   the document `parsed`, the candidate (completed over the head) `validating` then
+//!   `published`, the old head's publication `superseded`, the publication's profile binding,
+//!   the head moved by compare-and-swap, then the attempt's logical-document intents applied;
+//!   the same head move publishes the space's other attempts parked at `smoke_eval_passed`
+//!   (see [`publish`]).
 //!
 //! Every step first re-checks the authority the attempt was requested under when it is a
 //! capability grant ([`crate::capability::check`], share-locking the grant and the space's
@@ -71,7 +73,7 @@ use sqlx::PgConnection;
 use super::{
     Clock, Deps, Handler, JobCtx, JobError, Kind, KindSpec, Policy, RetryPolicy, States, Step,
 };
-pub use compose::MEMBER_SNAPSHOTS_SQL;
+pub use compose::{MEMBER_SNAPSHOTS_SQL, OWNER_ONLY_KEY};
 pub use publish::SMOKE_COUNTS_SQL;
 pub use request::{
     release, request, retry, search_published, show, wait, AttemptStatus, CompileError, Hit,

@@ -175,8 +175,12 @@ pub fn fence(frozen: Option<&Frozen>, heads: &[Head]) -> Result<Tuple, String> {
     })
 }
 
-/// The space's profile heads joined to the revisions they name, locked (`FOR UPDATE`, in kind
-/// order, as the platform locks them).
+/// The space's profile heads joined to the revisions they name, locked: the heads `FOR UPDATE`
+/// in kind order, as the platform locks them; the revisions they name only `FOR SHARE`, which
+/// keeps them as they are and still lets the foreign-key checks of other attempts' writes
+/// (`FOR KEY SHARE` of the revisions their profile columns name) through. (Locked `FOR UPDATE`
+/// too, every write to another attempt of the space that checks its profile keys waited for the
+/// whole of a publish: two thirds of a bulk upload's database time.)
 pub async fn heads(
     conn: &mut PgConnection,
     tenant: &str,
@@ -199,7 +203,7 @@ pub async fn heads(
            AND r.knowledge_space_id = h.knowledge_space_id AND r.kind = h.kind AND r.id = h.profile_revision_id \
            AND r.revision = h.active_revision \
          WHERE h.tenant_id = $1 AND h.knowledge_space_id = $2 AND h.kind IN ('embedding', 'retrieval') \
-         ORDER BY h.kind FOR UPDATE",
+         ORDER BY h.kind FOR UPDATE OF h FOR SHARE OF r",
     )
     .bind(tenant)
     .bind(space)

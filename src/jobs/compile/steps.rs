@@ -63,6 +63,7 @@ pub(crate) struct Document {
 
 #[derive(sqlx::FromRow)]
 struct AttemptRow {
+    id: Uuid,
     tenant_id: String,
     knowledge_space_id: Uuid,
     document_asset_id: Uuid,
@@ -90,8 +91,33 @@ struct AttemptRow {
 /// Loads the attempt. A row that binds a mix of authorities fails closed
 /// (`DOCUMENT_COMPILATION_FAILED`), as the platform's publish fence refuses one.
 pub(crate) async fn load_attempt(conn: &mut PgConnection, id: Uuid) -> Result<Attempt, JobError> {
-    let r: AttemptRow = sqlx::query_as(
-        "SELECT tenant_id::text AS tenant_id, knowledge_space_id, document_asset_id, document_version, \
+    let r: AttemptRow = sqlx::query_as(&format!("{ATTEMPT_SQL} WHERE id = $1"))
+        .bind(id)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| JobError::fatal("attempt_missing", format!("no attempt {id}")))?;
+    attempt_of(r)
+}
+
+/// Loads several attempts in one read; those whose rows bind no valid authority or profile
+/// tuple (see [`load_attempt`]) are left out.
+pub(crate) async fn load_attempts(
+    conn: &mut PgConnection,
+    ids: &[Uuid],
+) -> Result<Vec<Attempt>, JobError> {
+    let rows: Vec<AttemptRow> = sqlx::query_as(&format!(
+        "{ATTEMPT_SQL} WHERE id = ANY($1) ORDER BY created_at, id"
+    ))
+    .bind(ids)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows
+        .into_iter()
+        .filter_map(|r| attempt_of(r).ok())
+        .collect())
+}
+
+const ATTEMPT_SQL: &str = "SELECT id, tenant_id::text AS tenant_id, knowledge_space_id, document_asset_id, document_version, \
            publication_generation_id, base_head_revision, candidate_publication_id, \
            candidate_fingerprint::text AS candidate_fingerprint, created_at, \
            requested_by_subject_id::text AS requested_by_subject_id, permission_snapshot_id, \
@@ -100,12 +126,9 @@ pub(crate) async fn load_attempt(conn: &mut PgConnection, id: Uuid) -> Result<At
            embedding_profile_revision, embedding_profile_snapshot_digest::text AS embedding_profile_snapshot_digest, \
            retrieval_profile_kind::text AS retrieval_profile_kind, retrieval_profile_revision_id, \
            retrieval_profile_revision, retrieval_profile_snapshot_digest::text AS retrieval_profile_snapshot_digest \
-         FROM document_compilation_attempts WHERE id = $1",
-    )
-    .bind(id)
-    .fetch_optional(&mut *conn)
-    .await?
-    .ok_or_else(|| JobError::fatal("attempt_missing", format!("no attempt {id}")))?;
+         FROM document_compilation_attempts";
+
+fn attempt_of(r: AttemptRow) -> Result<Attempt, JobError> {
     let authority = Authority::from_columns(
         r.capability_grant_id,
         r.requested_by_subject_id,
@@ -130,7 +153,7 @@ pub(crate) async fn load_attempt(conn: &mut PgConnection, id: Uuid) -> Result<At
     )
     .map_err(|why| JobError::fatal(profiles::SNAPSHOT_INVALID, why))?;
     Ok(Attempt {
-        id,
+        id: r.id,
         tenant: r.tenant_id,
         space: r.knowledge_space_id,
         document: r.document_asset_id,
@@ -149,44 +172,104 @@ pub(crate) async fn load_document(
     conn: &mut PgConnection,
     a: &Attempt,
 ) -> Result<Document, JobError> {
-    type Row = (i32, String, String, String, String, String, String, Value);
-    let row: Option<Row> = sqlx::query_as(
-        "SELECT d.version, d.lifecycle_state::text, s.lifecycle_state::text, d.filename, d.mime_type, \
-           d.object_key, d.sha256, d.metadata \
-         FROM document_assets d JOIN knowledge_spaces s ON s.id = d.knowledge_space_id \
-         WHERE s.tenant_id = $1 AND d.knowledge_space_id = $2 AND d.id = $3 \
-         FOR SHARE OF d",
-    )
-    .bind(&a.tenant)
-    .bind(a.space)
-    .bind(a.document)
-    .fetch_optional(&mut *conn)
+    let row: Option<DocumentRow> =
+        sqlx::query_as(&format!("{DOCUMENT_SQL} AND d.id = $3 FOR SHARE OF d"))
+            .bind(&a.tenant)
+            .bind(a.space)
+            .bind(a.document)
+            .fetch_optional(&mut *conn)
+            .await?;
+    row.map(|r| document_of(r).1).ok_or_else(|| {
+        JobError::fatal(
+            "document_missing",
+            format!(
+                "document {} is not in space {} of tenant {}",
+                a.document, a.space, a.tenant
+            ),
+        )
+    })
+}
+
+/// Several documents of one space in one read, share-locked like [`load_document`]'s: id →
+/// document (those not in the space are missing).
+pub(crate) async fn load_documents(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    ids: &[Uuid],
+) -> Result<std::collections::HashMap<Uuid, Document>, JobError> {
+    let rows: Vec<DocumentRow> = sqlx::query_as(&format!(
+        "{DOCUMENT_SQL} AND d.id = ANY($3) ORDER BY d.id FOR SHARE OF d"
+    ))
+    .bind(tenant)
+    .bind(space)
+    .bind(ids)
+    .fetch_all(&mut *conn)
     .await?;
-    let (version, doc_state, space_state, filename, mime_type, object_key, sha256, metadata) = row
-        .ok_or_else(|| {
-            JobError::fatal(
-                "document_missing",
-                format!(
-                    "document {} is not in space {} of tenant {}",
-                    a.document, a.space, a.tenant
-                ),
-            )
-        })?;
+    Ok(rows.into_iter().map(document_of).collect())
+}
+
+type DocumentRow = (
+    Uuid,
+    i32,
+    String,
+    String,
+    String,
+    String,
+    String,
+    String,
+    Value,
+);
+
+const DOCUMENT_SQL: &str =
+    "SELECT d.id, d.version, d.lifecycle_state::text, s.lifecycle_state::text, d.filename, \
+       d.mime_type, d.object_key, d.sha256, d.metadata \
+     FROM document_assets d JOIN knowledge_spaces s ON s.id = d.knowledge_space_id \
+     WHERE s.tenant_id = $1 AND d.knowledge_space_id = $2";
+
+fn document_of(r: DocumentRow) -> (Uuid, Document) {
+    let (id, version, doc_state, space_state, filename, mime_type, object_key, sha256, metadata) =
+        r;
     let permission_scope = match metadata.get("permissionScope") {
         Some(v @ Value::Array(_)) => v.clone(),
         _ => json!([]),
     };
-    Ok(Document {
-        version,
-        active: doc_state == "active",
-        space_active: space_state == "active",
-        filename,
-        mime_type,
-        object_key,
-        sha256,
-        permission_scope,
-        metadata,
-    })
+    (
+        id,
+        Document {
+            version,
+            active: doc_state == "active",
+            space_active: space_state == "active",
+            filename,
+            mime_type,
+            object_key,
+            sha256,
+            permission_scope,
+            metadata,
+        },
+    )
+}
+
+/// For each of `documents`, the highest version with an active attempt other than `except`.
+pub(crate) async fn newest_other_active_many(
+    conn: &mut PgConnection,
+    tenant: &str,
+    space: Uuid,
+    documents: &[Uuid],
+    except: &[Uuid],
+) -> Result<std::collections::HashMap<Uuid, i32>, JobError> {
+    let rows: Vec<(Uuid, i32)> = sqlx::query_as(
+        "SELECT document_asset_id, max(document_version) FROM document_compilation_attempts \
+         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND document_asset_id = ANY($3) AND active_slot = 1 \
+           AND id <> ALL($4) GROUP BY 1",
+    )
+    .bind(tenant)
+    .bind(space)
+    .bind(documents)
+    .bind(except)
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows.into_iter().collect())
 }
 
 /// The highest version of this document with another active attempt.

@@ -89,6 +89,7 @@ async fn publications(pool: &PgPool, space: Uuid) -> Result<serde_json::Value, S
         "candidates_given_up": given_up,
         "member_rows": members,
         "member_rows_per_publication": if composed > 0 { members as f64 / composed as f64 } else { 0.0 },
+        "member_rows_per_head_move": if heads > 0 { members as f64 / heads as f64 } else { 0.0 },
     }))
 }
 
@@ -146,6 +147,8 @@ pub async fn bulk(env: &BenchEnv, p: &Params) -> Result<Report, String> {
             };
             let waits_before = counter("kfs_publish_head_waits_total");
             let rebases_before = counter("kfs_publish_rebases_total");
+            let parks_before = counter("kfs_publish_parks_total");
+            let joined_before = counter("kfs_publish_joined_total");
             let started = Instant::now();
             let (attempts, committed) = request_at_once(&env.pool, &big.documents).await?;
             let (others, others_committed) = request_at_once(&env.pool, &small.documents).await?;
@@ -163,6 +166,9 @@ pub async fn bulk(env: &BenchEnv, p: &Params) -> Result<Report, String> {
             let mut d = publications(&env.pool, big.space).await?;
             d["head_lock_waits"] = json!(counter("kfs_publish_head_waits_total") - waits_before);
             d["rebases"] = json!(counter("kfs_publish_rebases_total") - rebases_before);
+            d["parks"] = json!(counter("kfs_publish_parks_total") - parks_before);
+            d["published_by_another_attempt"] =
+                json!(counter("kfs_publish_joined_total") - joined_before);
             d["second_tenant"] = json!({
                 "documents": SMALL, "succeeded": small_ok, "last_done_secs": small_secs,
             });
