@@ -33,7 +33,6 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "deletion  succeeded=1",
             "compile   succeeded=7",
             "research  completed=2",
-            "read model: head revision 7, 7 documents,",
             "ready dense-vector projections (dimension 64)",
             "deletion of source \"notes\" (succeeded):",
             "documents left in the space: 5 of 7",
@@ -48,6 +47,17 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
                 "run {run}: missing {needle:?} in\n{stdout}"
             );
         }
+        // Seven documents published, by at most seven head moves: documents ready together
+        // publish in one.
+        let revision = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("read model: head revision "))
+            .and_then(|r| r.split_once(", 7 documents,"))
+            .and_then(|(r, _)| r.parse::<i32>().ok());
+        assert!(
+            revision.is_some_and(|r| (1..=7).contains(&r)),
+            "run {run}: no read model of 7 documents by 1 to 7 head moves in\n{stdout}"
+        );
         assert!(
             !stdout.contains("holding 0 job(s)"),
             "run {run}: the kill found demo-a holding nothing\n{stdout}"
