@@ -16,9 +16,26 @@ pub struct ConnArgs {
     /// Postgres URL, e.g. postgres://postgres@127.0.0.1:5432/kfs
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     pub database_url: Option<String>,
-    /// RabbitMQ URL
+    /// RabbitMQ URL, or the URLs of a cluster's nodes separated by commas
     #[arg(long, env = "AMQP_URL", global = true, hide_env_values = true, default_value = config::DEFAULT_AMQP_URL, hide_default_value = true)]
     pub amqp_url: String,
+    /// Which listed node a process tries first: shuffled (a fleet spreads over the nodes) or listed
+    #[arg(
+        long,
+        env = "KFS_AMQP_NODE_ORDER",
+        global = true,
+        default_value = "shuffled"
+    )]
+    pub amqp_node_order: String,
+    /// PEM file of the CA that signed the amqps:// nodes' certificates (else the system's roots)
+    #[arg(long, env = "KFS_AMQP_TLS_CA", global = true)]
+    pub amqp_tls_ca: Option<String>,
+    /// PEM file of the client certificate for mutual TLS with amqps:// nodes
+    #[arg(long, env = "KFS_AMQP_TLS_CERT", global = true)]
+    pub amqp_tls_cert: Option<String>,
+    /// PEM file of the client certificate's private key
+    #[arg(long, env = "KFS_AMQP_TLS_KEY", global = true)]
+    pub amqp_tls_key: Option<String>,
     /// Prefix of every exchange and queue name; isolates deployments and tests
     #[arg(long, env = "KFS_QUEUE_PREFIX", global = true, default_value = config::DEFAULT_QUEUE_PREFIX)]
     pub queue_prefix: String,
@@ -51,7 +68,13 @@ impl ConnArgs {
     pub fn services(&self) -> Result<Services, ConfigError> {
         Ok(Services {
             database_url: self.database_url()?,
-            amqp_url: config::amqp_url(&self.amqp_url)?,
+            amqp_url: config::amqp_url(&self.amqp_url)?
+                .with_order(config::NodeOrder::parse(&self.amqp_node_order)?)
+                .with_tls(config::AmqpTls::from_files(
+                    self.amqp_tls_ca.as_deref(),
+                    self.amqp_tls_cert.as_deref(),
+                    self.amqp_tls_key.as_deref(),
+                )?),
             queue_prefix: config::queue_prefix(&self.queue_prefix)?,
             connect_timeout: self.connect_timeout()?,
         })

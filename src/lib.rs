@@ -62,5 +62,6 @@ pub mod runtime;
 pub mod status;
 pub mod store;
 pub mod telemetry;
+pub mod tls;
 pub mod tools;
 pub mod wire;

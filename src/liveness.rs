@@ -18,7 +18,7 @@ use std::time::Duration;
 use sqlx::{Connection, PgConnection};
 use tokio_util::sync::CancellationToken;
 
-use crate::config::SecretUrl;
+use crate::config::{AmqpNodes, SecretUrl};
 
 pub const LOCK_NAMESPACE: i32 = 7_038_579;
 /// The namespace of the lock that keeps a worker id to one live process.
@@ -91,7 +91,7 @@ async fn take(
     idle: Option<Duration>,
 ) -> Result<PgConnection, LivenessError> {
     // Named for the worker id, as the process's other sessions are (`kfs-worker <id> …`).
-    let name = format!("kfs-worker liveness {}", id_of(worker_id));
+    let name = session_name(id_of(worker_id), None);
     let options = crate::db::connect_options(url, &name)
         .map_err(|e| LivenessError::Db(sqlx::Error::Configuration(e.to_string().into())))?;
     let mut conn = PgConnection::connect_with(&options).await?;
@@ -115,6 +115,41 @@ async fn take(
     } else {
         Err(LivenessError::HolderInUse(worker_id.to_owned()))
     }
+}
+
+/// The `application_name` of a process's liveness session: its worker id and, once it has one,
+/// the RabbitMQ node it is on (Postgres keeps the first 63 bytes).
+pub fn session_name(worker_id: &str, node: Option<&str>) -> String {
+    match node {
+        Some(node) => format!("kfs-worker liveness {worker_id} on {node}"),
+        None => format!("kfs-worker liveness {worker_id}"),
+    }
+}
+
+/// A live process as its liveness session names it: worker id, and RabbitMQ node if any.
+pub fn parse_session_name(name: &str) -> Option<(String, Option<String>)> {
+    let rest = name.strip_prefix("kfs-worker liveness ")?;
+    Some(match rest.rsplit_once(" on ") {
+        Some((id, node)) => (id.to_owned(), Some(node.to_owned())),
+        None => (rest.to_owned(), None),
+    })
+}
+
+/// Every live process of this database with the RabbitMQ node it is on, by worker id.
+pub async fn processes(
+    conn: &mut PgConnection,
+) -> Result<Vec<(String, Option<String>)>, sqlx::Error> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT a.application_name FROM pg_stat_activity a \
+           JOIN pg_locks l ON l.pid = a.pid AND l.locktype = 'advisory' AND l.classid = $1::oid \
+            AND l.objsubid = 2 AND l.granted \
+          WHERE a.datname = current_database() AND a.application_name LIKE 'kfs-worker liveness %' \
+          ORDER BY 1",
+    )
+    .bind(ID_NAMESPACE)
+    .fetch_all(conn)
+    .await?;
+    Ok(names.iter().filter_map(|n| parse_session_name(n)).collect())
 }
 
 /// How many worker processes are alive in this database: the sessions holding a liveness
@@ -197,20 +232,27 @@ const RETAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// every lease it took would be taken over within seconds, each costing an attempt. So when the
 /// id is held by another live process ([`next`]), it cancels `shutdown` (the process stops
 /// taking work) and returns [`LivenessError::Lost`], which ends the process with that error.
+///
+/// The session's `application_name` also says which RabbitMQ node the process is on
+/// ([`session_name`]), which `kfs-worker status` shows for every live process.
 pub async fn hold(
     url: SecretUrl,
     worker_id: String,
     mut conn: PgConnection,
     shutdown: CancellationToken,
+    broker: Option<AmqpNodes>,
 ) -> Result<(), LivenessError> {
-    const NAP: &str = "SELECT pg_sleep(0.5)";
+    const NAP: &str = "SELECT set_config('application_name', $1, false), pg_sleep(0.5)";
     loop {
+        // Named anew at each round: the node may have changed since the last.
+        let node = broker.as_ref().and_then(AmqpNodes::current);
+        let name = session_name(id_of(&worker_id), node.as_deref());
         let alive = tokio::select! {
             () = shutdown.cancelled() => {
                 let _ = tokio::time::timeout(Duration::from_secs(1), conn.close()).await;
                 return Ok(());
             }
-            r = tokio::time::timeout(Duration::from_secs(5), sqlx::query(NAP).execute(&mut conn)) => match r {
+            r = tokio::time::timeout(Duration::from_secs(5), sqlx::query(NAP).bind(&name).execute(&mut conn)) => match r {
                 Ok(Ok(_)) => true,
                 // A cancelled statement (pg_cancel_backend) leaves the session and its lock.
                 Ok(Err(sqlx::Error::Database(e))) if e.code().as_deref() == Some("57014") => true,
@@ -280,6 +322,24 @@ pub async fn hold(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_session_name_says_the_worker_id_and_its_node() {
+        let cases: [(&str, Option<&str>); 3] = [
+            ("w1", Some("127.0.0.1:5701")),
+            ("w1", None),
+            ("pod on node", Some("[::1]:5672")),
+        ];
+        for (id, node) in cases {
+            let name = session_name(id, node);
+            assert_eq!(
+                parse_session_name(&name),
+                Some((id.to_owned(), node.map(str::to_owned))),
+                "{name}"
+            );
+        }
+        assert_eq!(parse_session_name("kfs-worker relay"), None);
+    }
 
     #[test]
     fn a_holder_names_its_worker_id_and_a_fresh_incarnation() {

@@ -5,8 +5,28 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // Before any thread exists: putting the values in the environment is only sound while no
+    // other thread reads it, and the flags' parser reads them from there like any setting.
+    match kfs_worker::config::secrets_from_files(|name| std::env::var(name).ok()) {
+        Ok(found) => {
+            for (name, value) in found {
+                std::env::set_var(name, value);
+            }
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("the async runtime starts")
+        .block_on(run())
+}
+
+async fn run() -> ExitCode {
     let cli = match kfs_worker::cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return kfs_worker::cli::usage_error(e),

@@ -293,6 +293,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             holder.clone(),
             lock,
             shutdown.clone(),
+            Some(s.amqp_url.clone()),
         );
         tasks.spawn(async move {
             if let Err(e) = held.await {

@@ -42,6 +42,16 @@ pub struct Status {
     pub dead_letters: Option<u32>,
     /// The jobs leased straight from Postgres (no outbox, no queue).
     pub leased: Vec<LeasedStatus>,
+    /// The live worker processes, by worker id, with the RabbitMQ node each is on.
+    pub processes: Vec<ProcessStatus>,
+}
+
+/// A live worker process.
+#[derive(Clone, Debug, Default, Serialize, PartialEq)]
+pub struct ProcessStatus {
+    pub worker_id: String,
+    /// `host:port` of its RabbitMQ node; `None` while it is on none.
+    pub node: Option<String>,
 }
 
 /// One leased kind's numbers (bootstraps, profile and page-index backfills).
@@ -87,7 +97,14 @@ async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx:
 pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> {
     let mut conn = db::acquire(pool).await?;
     let conn = &mut *conn;
-    let mut out = Status::default();
+    let mut out = Status {
+        processes: crate::liveness::processes(conn)
+            .await?
+            .into_iter()
+            .map(|(worker_id, node)| ProcessStatus { worker_id, node })
+            .collect(),
+        ..Status::default()
+    };
     for &kind in kinds {
         let spec = kind.spec();
         let state = match spec.states {
@@ -253,6 +270,14 @@ pub fn render(status: &Status) -> String {
             let _ = writeln!(s, "  at       {}", cps.join("  "));
         }
     }
+    let _ = writeln!(s, "processes: {} live", status.processes.len());
+    for p in &status.processes {
+        let node = p
+            .node
+            .as_ref()
+            .map_or("on no RabbitMQ node".to_owned(), |n| format!("on {n}"));
+        let _ = writeln!(s, "  {}  {node}", p.worker_id);
+    }
     let _ = writeln!(
         s,
         "dead letters: {}",
@@ -288,6 +313,16 @@ mod tests {
                 jobs: [("succeeded".to_owned(), 1)].into_iter().collect(),
                 checkpoints: [("published".to_owned(), 1)].into_iter().collect(),
             }],
+            processes: vec![
+                ProcessStatus {
+                    worker_id: "w1".into(),
+                    node: Some("127.0.0.1:5701".into()),
+                },
+                ProcessStatus {
+                    worker_id: "w2".into(),
+                    node: None,
+                },
+            ],
         };
         let out = render(&st);
         assert!(
@@ -304,6 +339,10 @@ mod tests {
         );
         assert!(
             out.contains("bootstrap (leased)\n  jobs     succeeded=1\n  at       published=1\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("processes: 2 live\n  w1  on 127.0.0.1:5701\n  w2  on no RabbitMQ node\n"),
             "{out}"
         );
         assert!(out.ends_with("dead letters: 2\n"), "{out}");

@@ -53,27 +53,37 @@ pub(super) async fn check(conn: &ConnArgs) -> Result<(), Failure> {
                 .fetch_one(&pool)
                 .await
                 .unwrap_or_else(|_| "unknown version".into());
+            let tls = match pool.acquire().await {
+                Ok(mut conn) => db::tls_in_use(&mut conn).await,
+                Err(_) => "TLS unknown".into(),
+            };
             println!(
-                "postgres: ok, PostgreSQL {version} at {}",
+                "postgres: ok, PostgreSQL {version} at {}, {tls}",
                 services.database_url
             );
         }
         Err(e) => problems.push(e.to_string()),
     }
 
-    match broker::connect(&services.amqp_url, "kfs-worker check", timeout).await {
-        Ok(c) => {
-            let channel = c.create_channel().await;
-            let _ = c.close(200, "check done".into()).await;
-            match channel {
-                Ok(_) => println!("rabbitmq: ok at {}", services.amqp_url),
-                Err(e) => problems.push(format!(
-                    "RabbitMQ at {} accepted the login but refused a channel: {e}",
-                    services.amqp_url.endpoint(5672)
-                )),
-            }
+    // Every node on its own: a fleet spread over the list needs all of them.
+    let nodes = &services.amqp_url;
+    let count = nodes.nodes().len();
+    let results = broker::check_each(nodes, "kfs-worker check", timeout).await;
+    for (i, (url, result)) in nodes.nodes().iter().zip(results).enumerate() {
+        let which = if count > 1 {
+            format!("node {} of {count} ", i + 1)
+        } else {
+            String::new()
+        };
+        let tls = if url.url().scheme() == "amqps" {
+            nodes.tls().describe()
+        } else {
+            "no TLS".to_owned()
+        };
+        match result {
+            Ok(()) => println!("rabbitmq: {which}ok at {url}, {tls}"),
+            Err(e) => problems.push(format!("rabbitmq {which}cannot be used: {e}")),
         }
-        Err(e) => problems.push(e.to_string()),
     }
 
     if problems.is_empty() {

@@ -65,14 +65,17 @@ pub(crate) async fn consumers(
     }
     let mut backoff = reconnect_backoff();
     while !shutdown.is_cancelled() {
+        // The node the session's connection went to, once it lost that connection.
+        let mut lost = None;
         let session = async {
-            let conn = broker::connect(
+            let broker::Connected { conn, node } = broker::connect_node(
                 &services.amqp_url,
                 &format!("kfs-worker consumer {}", engine.worker_id()),
                 services.connect_timeout,
             )
             .await
             .map_err(|e| e.to_string())?;
+            tracing::info!(node = %services.amqp_url.nodes()[node].endpoint(5672), "consumers connected to RabbitMQ");
             let conn = Arc::new(conn);
             let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
             topology
@@ -130,12 +133,20 @@ pub(crate) async fn consumers(
                 }
             }
             ready(false);
+            if !conn.status().connected() {
+                lost = Some(node);
+            }
             // A connection the broker already dropped may never answer a close.
             let _ =
                 tokio::time::timeout(Duration::from_secs(3), conn.close(200, "bye".into())).await;
             Ok::<(bool, bool), String>((shutdown.is_cancelled(), got_going))
         };
-        match session.await {
+        let ended = session.await;
+        if let Some(node) = lost {
+            // The next session starts at the next node: this one may be gone for a while.
+            services.amqp_url.lost(node);
+        }
+        match ended {
             Ok((true, _)) => return,
             Ok((false, got_going)) => {
                 if got_going {

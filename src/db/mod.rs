@@ -31,6 +31,8 @@ pub enum ConnectError {
     NoDatabase { endpoint: String, database: String },
     #[error("Postgres at {endpoint} is not accepting connections: {reason}")]
     NotAccepting { endpoint: String, reason: String },
+    #[error("TLS to Postgres at {endpoint} failed: {reason}")]
+    Tls { endpoint: String, reason: String },
     #[error("Postgres at {endpoint} failed: {reason}")]
     Other { endpoint: String, reason: String },
 }
@@ -101,6 +103,7 @@ pub fn connect_options(
                 endpoint: url.endpoint(5432),
                 reason: format!("invalid connection options ({})", describe_config_error(&e)),
             })?;
+    tls_files(url)?;
     Ok(options
         .application_name(application_name)
         // Each session keeps every statement the worker runs prepared. The kinds run about 250
@@ -110,6 +113,55 @@ pub fn connect_options(
         .statement_cache_capacity(STATEMENT_CACHE)
         .log_statements(tracing::log::LevelFilter::Trace)
         .log_slow_statements(tracing::log::LevelFilter::Warn, Duration::from_secs(2)))
+}
+
+/// The libpq TLS settings that name files, from the URL's query or else the environment.
+const TLS_FILES: [(&str, &str); 3] = [
+    ("sslrootcert", "PGSSLROOTCERT"),
+    ("sslcert", "PGSSLCERT"),
+    ("sslkey", "PGSSLKEY"),
+];
+
+/// Checks that every TLS file the settings name can be read, so that a wrong path is one
+/// clear error at start and not an I/O error at each connection (which would read as Postgres
+/// being unreachable).
+fn tls_files(url: &SecretUrl) -> Result<(), ConnectError> {
+    for (param, var) in TLS_FILES {
+        let from_url = url
+            .url()
+            .query_pairs()
+            .find(|(k, _)| k == param)
+            .map(|(_, v)| (v.into_owned(), param));
+        let Some((path, setting)) = from_url.or_else(|| std::env::var(var).ok().map(|v| (v, var)))
+        else {
+            continue;
+        };
+        if let Err(e) = std::fs::File::open(&path) {
+            return Err(ConnectError::Tls {
+                endpoint: url.endpoint(5432),
+                reason: format!("cannot read the file {setting} names ({path}): {e}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// What a connection uses: `TLS 1.3 (TLS_AES_256_GCM_SHA384)` or `no TLS`.
+pub async fn tls_in_use(conn: &mut sqlx::PgConnection) -> String {
+    let row: Option<(bool, Option<String>, Option<String>)> =
+        sqlx::query_as("SELECT ssl, version, cipher FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+            .fetch_optional(conn)
+            .await
+            .ok()
+            .flatten();
+    match row {
+        Some((true, version, cipher)) => format!(
+            "{} ({})",
+            version.unwrap_or_else(|| "TLS".into()),
+            cipher.unwrap_or_default()
+        ),
+        _ => "no TLS".into(),
+    }
 }
 
 /// Never the raw error text: sqlx configuration errors may quote the URL.
@@ -274,6 +326,17 @@ pub async fn begin(pool: &PgPool) -> Result<Transaction<'static, Postgres>, sqlx
 
 pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError {
     let endpoint = url.endpoint(5432);
+    // A failed handshake comes back as an I/O error (sqlx) or the server's refusal: either
+    // way not transient, and its cause is what the operator needs.
+    if let Some(cause) = crate::tls::cause(e) {
+        return ConnectError::Tls {
+            endpoint,
+            reason: cause.explain(
+                "sslrootcert (or PGSSLROOTCERT)",
+                "sslcert and sslkey (or PGSSLCERT and PGSSLKEY)",
+            ),
+        };
+    }
     match e {
         sqlx::Error::Io(io) => ConnectError::Unreachable {
             endpoint,
@@ -283,9 +346,15 @@ pub fn classify_connect_error(url: &SecretUrl, e: &sqlx::Error) -> ConnectError 
             endpoint,
             reason: "timed out while connecting".into(),
         },
-        sqlx::Error::Tls(_) => ConnectError::Other {
+        // The answer to the TLS request is the server's first byte: a connection closed at once
+        // (a proxy whose server is away, a server shutting down) reads as a stray one.
+        sqlx::Error::Protocol(p) if p.contains("SSLRequest") => ConnectError::Unreachable {
             endpoint,
-            reason: "the TLS handshake failed".into(),
+            reason: "the connection was closed before Postgres answered".into(),
+        },
+        sqlx::Error::Tls(e) => ConnectError::Tls {
+            endpoint,
+            reason: format!("the handshake failed: {e}"),
         },
         sqlx::Error::Database(db) => {
             let code = db.code().unwrap_or_default();
@@ -473,6 +542,45 @@ impl LockWait {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_failures_are_not_outages_and_a_connection_closed_at_the_tls_request_is() {
+        let url = crate::config::database_url(Some("postgres://kfs:hunter2@db:5432/kfs")).unwrap();
+        let cases: [(sqlx::Error, bool, &str); 4] = [
+            (
+                sqlx::Error::Protocol("unexpected response from SSLRequest: 0x00".into()),
+                true,
+                "cannot reach Postgres at db:5432",
+            ),
+            (
+                sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "invalid peer certificate: UnknownIssuer",
+                )),
+                false,
+                "TLS to Postgres at db:5432 failed: the server's certificate is not signed by a CA this client trusts (unknown CA)",
+            ),
+            (
+                sqlx::Error::Tls("server does not support TLS".into()),
+                false,
+                "does not offer TLS",
+            ),
+            (
+                sqlx::Error::Io(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionRefused,
+                    "refused",
+                )),
+                true,
+                "connection refused",
+            ),
+        ];
+        for (e, transient, text) in cases {
+            let c = classify_connect_error(&url, &e);
+            assert_eq!(c.is_transient(), transient, "{c}");
+            assert!(c.to_string().contains(text), "{c}");
+            assert!(!c.to_string().contains("hunter2"));
+        }
+    }
 
     #[test]
     fn over_capacity_table() {

@@ -91,13 +91,18 @@ async fn readyz(State(st): State<AppState>) -> impl IntoResponse {
     .await;
     let db_ok = matches!(db, Ok(Ok(_)));
     let broker_ok = st.health.broker_ready();
+    let node = st
+        .services
+        .amqp_url
+        .current()
+        .map_or_else(|| "no node".to_owned(), |n| format!("node {n}"));
     let body = format!(
         "postgres: {}\nrabbitmq: {}\n",
         if db_ok { "ok" } else { "unreachable" },
         if broker_ok {
-            "ok, topology declared"
+            format!("ok, topology declared, on {node}")
         } else {
-            "not connected, or a kind without a consumer"
+            format!("not connected, or a kind without a consumer (on {node})")
         }
     );
     let code = if db_ok && broker_ok {
@@ -117,9 +122,10 @@ async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
     {
         if let Ok(Ok(conn)) = tokio::time::timeout(
             Duration::from_secs(2),
-            lapin::Connection::connect(
-                st.services.amqp_url.expose(),
-                lapin::ConnectionProperties::default(),
+            crate::broker::connect(
+                &st.services.amqp_url,
+                "kfs-worker metrics",
+                Duration::from_secs(2),
             ),
         )
         .await

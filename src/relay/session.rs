@@ -36,14 +36,17 @@ pub(crate) async fn relay_loop(
     let kinds = relay.kinds();
     let mut backoff = reconnect_backoff();
     while !shutdown.is_cancelled() {
+        // The node the session's connection went to, once it lost that connection.
+        let mut lost = None;
         let session = async {
-            let conn = broker::connect(
+            let broker::Connected { conn, node } = broker::connect_node(
                 &services.amqp_url,
                 "kfs-worker relay",
                 services.connect_timeout,
             )
             .await
             .map_err(|e| e.to_string())?;
+            tracing::info!(node = %services.amqp_url.nodes()[node].endpoint(5672), "relay connected to RabbitMQ");
             let ch = conn.create_channel().await.map_err(|e| e.to_string())?;
             topology
                 .declare(&ch, &kinds)
@@ -250,6 +253,9 @@ pub(crate) async fn relay_loop(
             // Writers that skipped their notification while this relay watched are looked for
             // by another relay, which the watcher's last notifications wake.
             watcher.close(watches.held(), Duration::from_secs(1)).await;
+            if !conn.status().connected() {
+                lost = Some(node);
+            }
             if let Some(e) = rounds.failed() {
                 return Err(e.to_string());
             }
@@ -264,6 +270,10 @@ pub(crate) async fn relay_loop(
         };
         let ended = session.await;
         ready(false);
+        if let Some(node) = lost {
+            // The next session starts at the next node: this one may be gone for a while.
+            services.amqp_url.lost(node);
+        }
         if let Err(e) = ended {
             tracing::warn!(error = %e, "relay lost a service; retrying");
         }

@@ -28,21 +28,21 @@
 //! RabbitMQ and a 30 s Postgres outage and check the workers' CPU time while they last),
 //! `KFS_CHAOS_REPORT` (also write the report to this file).
 
+mod cluster;
 mod platform;
-mod services;
 
 use std::collections::{BTreeMap, HashSet};
 use std::fmt::Write as _;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::private::{PrivatePostgres, PrivateRabbit};
 use chrono::{DateTime, Utc};
 use kfs_worker::broker::Topology;
 use kfs_worker::jobs::probe::{self, ProbeSpec};
 use kfs_worker::jobs::Kind;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use services::{PrivatePostgres, PrivateRabbit};
 use sqlx::{Connection, PgPool};
 use uuid::Uuid;
 
@@ -191,6 +191,8 @@ struct Slot {
 
 struct Cluster {
     env: Vec<(String, String)>,
+    /// More variables for the processes of one slot (by its name), after `env`.
+    extra: BTreeMap<&'static str, Vec<(String, String)>>,
     logs: std::path::PathBuf,
     slots: Vec<Slot>,
     /// Every log file ever written, for the final analysis.
@@ -225,7 +227,11 @@ impl Cluster {
         .args(role_args)
         .stdout(std::process::Stdio::null())
         .stderr(file);
-        for (k, v) in &self.env {
+        for (k, v) in self
+            .env
+            .iter()
+            .chain(self.extra.get(name).into_iter().flatten())
+        {
             cmd.env(k, v);
         }
         if let Some(point) = &armed {
@@ -548,6 +554,7 @@ async fn chaos_run_keeps_every_promise() {
     ];
     let mut cluster = Cluster {
         env,
+        extra: BTreeMap::new(),
         logs: logs.clone(),
         slots: Vec::new(),
         all_logs: Vec::new(),
@@ -683,7 +690,7 @@ async fn chaos_run_keeps_every_promise() {
         .push(sample(&cluster, &pool, &mq, &pg_proxy, &mq_proxy, fault_start).await);
     let mut depths = (u32::MAX, u32::MAX);
     for _ in 0..60 {
-        depths = queue_depths(&mq, &topology).await;
+        depths = queue_depths(&mq.url(), &topology).await;
         if depths == (0, 0) {
             break;
         }
@@ -748,9 +755,9 @@ async fn chaos_run_keeps_every_promise() {
     let _ = std::fs::remove_dir_all(&store_dir);
 }
 
-async fn queue_depths(mq: &PrivateRabbit, topology: &Topology) -> (u32, u32) {
+async fn queue_depths(amqp_url: &str, topology: &Topology) -> (u32, u32) {
     let Ok(conn) =
-        lapin::Connection::connect(&mq.url(), lapin::ConnectionProperties::default()).await
+        lapin::Connection::connect(amqp_url, lapin::ConnectionProperties::default()).await
     else {
         return (u32::MAX, u32::MAX);
     };

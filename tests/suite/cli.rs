@@ -56,6 +56,56 @@ fn check_passes_against_the_running_services() {
 }
 
 #[test]
+fn secret_settings_are_read_from_files_and_a_bad_file_is_one_clear_line() {
+    let _services = support::isolation::shared_blocking();
+    let dir = std::env::temp_dir().join(format!("kfs-secret-files-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    // As Docker and Kubernetes mount them: the value and a line break.
+    let db = file("database-url", &format!("{}\n", support::admin_url()));
+    let amqp = file("amqp-url", &format!("{}\n", support::amqp_url()));
+    let o = kfs(
+        &["check"],
+        &[("DATABASE_URL_FILE", &db), ("AMQP_URL_FILE", &amqp)],
+    );
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "stdout: {out} stderr: {}", stderr(&o));
+    assert!(
+        out.contains("postgres: ok") && out.contains("rabbitmq: ok"),
+        "{out}"
+    );
+    assert!(!out.contains("guest:guest"), "password printed: {out}");
+
+    // A secret read from a file is used as given: a wrong password is refused, never shown.
+    let wrong = file("wrong", "amqp://guest:hunter2@127.0.0.1:5672/%2f\n");
+    let o = kfs(
+        &["check"],
+        &[("DATABASE_URL_FILE", &db), ("AMQP_URL_FILE", &wrong)],
+    );
+    assert_usage_error(&o, 1, "refused the credentials of user \"guest\"");
+
+    let missing = dir.join("missing").display().to_string();
+    let o = kfs(
+        &["check"],
+        &[("DATABASE_URL_FILE", &db), ("AMQP_URL_FILE", &missing)],
+    );
+    assert_usage_error(&o, 1, &format!("AMQP_URL_FILE: cannot read {missing}"));
+    let o = kfs(
+        &["check"],
+        &[
+            ("DATABASE_URL_FILE", &db),
+            ("DATABASE_URL", "postgres://u:hunter2@x/y"),
+        ],
+    );
+    assert_usage_error(&o, 1, "DATABASE_URL_FILE: is set, and so is DATABASE_URL");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn check_with_a_wrong_rabbitmq_password_says_so() {
     let _services = support::isolation::shared_blocking();
     let o = kfs(

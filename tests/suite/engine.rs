@@ -798,7 +798,8 @@ async fn a_liveness_blip_neither_steals_nor_fails_a_job_on_its_last_attempt() {
     // The liveness session only, then at once the jobs' messages again.
     let ended: i64 = sqlx::query_scalar(
         "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
-         WHERE datname = current_database() AND application_name = 'kfs-worker liveness blip'",
+         WHERE datname = current_database() \
+           AND (application_name = 'kfs-worker liveness blip' OR application_name LIKE 'kfs-worker liveness blip on %')",
     )
     .fetch_one(&env.pool)
     .await

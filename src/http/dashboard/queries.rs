@@ -164,9 +164,10 @@ pub async fn overview(st: &AppState) -> Result<Overview, sqlx::Error> {
     let mut status = crate::status::read(&st.pool, &st.kinds).await?;
     let amqp = tokio::time::timeout(
         Duration::from_secs(2),
-        lapin::Connection::connect(
-            st.services.amqp_url.expose(),
-            lapin::ConnectionProperties::default(),
+        crate::broker::connect(
+            &st.services.amqp_url,
+            "kfs-worker dashboard",
+            Duration::from_secs(2),
         ),
     )
     .await;

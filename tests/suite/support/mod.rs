@@ -4,6 +4,8 @@
 //! dropped; a `TestEnv` holds the shared services (`isolation`) until then.
 
 pub mod isolation;
+pub mod pki;
+pub mod private;
 pub mod proxy;
 pub mod space;
 pub mod unstructured;

@@ -278,7 +278,7 @@ fn start_worker(
             "--without-heartbeat",
             "--loglevel=WARNING",
         ])
-        .env("KFS_PEER_BROKER", env.services.amqp_url.expose())
+        .env("KFS_PEER_BROKER", env.services.amqp_url.nodes()[0].expose())
         .env("KFS_PEER_DSN", env.services.database_url.expose())
         .env("KFS_PEER_QUEUE", queue)
         .stdin(Stdio::null())

@@ -1,7 +1,8 @@
-//! Private Postgres and RabbitMQ instances that a chaos run may crash and restart at will.
-//! Invariant: each instance lives in its own temporary directory on its own ports, is only
-//! ever started, stopped or killed through its own data directory or node name, and is
-//! removed when dropped; the shared services are never touched.
+//! Private Postgres and RabbitMQ instances, for the tests that crash and restart them at will
+//! (chaos) or need them set up otherwise (TLS listeners with a test's own CA). Invariant: each
+//! instance lives in its own temporary directory on its own ports, is only ever started,
+//! stopped or killed through its own data directory or node name, and is removed when dropped;
+//! the shared services are never touched.
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
@@ -67,10 +68,22 @@ fn tmpdir(name: &str) -> PathBuf {
 pub struct PrivatePostgres {
     pub dir: PathBuf,
     pub port: u16,
+    /// More `-c` settings for the server.
+    settings: String,
 }
 
 impl PrivatePostgres {
     pub fn start() -> PrivatePostgres {
+        Self::start_with(None)
+    }
+
+    /// A cluster that speaks TLS only, with the server certificate of `pki`: any database over
+    /// TLS, and database `mtls` only with a client certificate that `pki`'s CA signed.
+    pub fn start_tls(pki: &super::pki::Pki) -> PrivatePostgres {
+        Self::start_with(Some(pki))
+    }
+
+    fn start_with(pki: Option<&super::pki::Pki>) -> PrivatePostgres {
         let dir = tmpdir("pg");
         chown(&dir, "postgres");
         let out = as_user("postgres", &format!("{PG_BIN}/initdb"))
@@ -85,8 +98,32 @@ impl PrivatePostgres {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let port = free_port(std::process::id().into(), 41000..42000, 0);
-        let pg = PrivatePostgres { dir, port };
+        let port = free_port(rand::random(), 41000..42000, 0);
+        let mut settings = String::new();
+        if let Some(pki) = pki {
+            let tls = dir.join("tls");
+            std::fs::create_dir_all(&tls).unwrap();
+            pki.install_server_files(&tls);
+            std::fs::write(
+                dir.join("data").join("pg_hba.conf"),
+                "local all all trust\n\
+                 hostssl mtls all 127.0.0.1/32 trust clientcert=verify-ca\n\
+                 hostssl mtls all ::1/128 trust clientcert=verify-ca\n\
+                 hostssl all all 127.0.0.1/32 trust\n\
+                 hostssl all all ::1/128 trust\n",
+            )
+            .unwrap();
+            chown(&dir, "postgres");
+            let t = tls.display();
+            settings = format!(
+                " -c ssl=on -c ssl_cert_file={t}/server.pem -c ssl_key_file={t}/server.key -c ssl_ca_file={t}/ca.pem"
+            );
+        }
+        let pg = PrivatePostgres {
+            dir,
+            port,
+            settings,
+        };
         pg.up();
         pg
     }
@@ -109,9 +146,10 @@ impl PrivatePostgres {
     /// Starts the server and waits until it accepts connections.
     pub fn up(&self) {
         let opts = format!(
-            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c fsync=off -c track_commit_timestamp=on",
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c max_connections=400 -c fsync=off -c track_commit_timestamp=on{}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.settings
         );
         let out = self
             .pg_ctl()
@@ -151,26 +189,54 @@ pub struct PrivateRabbit {
     pub dir: PathBuf,
     pub node: String,
     pub port: u16,
+    /// The TLS listener's port, when it has one.
+    pub tls_port: Option<u16>,
     server: Option<std::process::Child>,
 }
 
 impl PrivateRabbit {
     pub fn start() -> PrivateRabbit {
+        Self::start_with(None)
+    }
+
+    /// A node with a TLS listener too, with the server certificate of `pki`, asking clients
+    /// for a certificate that `pki`'s CA signed and, with `require_client_cert`, refusing a
+    /// client without one.
+    pub fn start_tls(pki: &super::pki::Pki, require_client_cert: bool) -> PrivateRabbit {
+        Self::start_with(Some((pki, require_client_cert)))
+    }
+
+    fn start_with(tls: Option<(&super::pki::Pki, bool)>) -> PrivateRabbit {
         let dir = tmpdir("mq");
-        let port = free_port(std::process::id().into(), 42000..43000, 20000);
+        let port = free_port(rand::random(), 42000..43000, 20000);
         std::fs::create_dir_all(dir.join("mnesia")).unwrap();
         std::fs::create_dir_all(dir.join("log")).unwrap();
         std::fs::write(dir.join("plugins"), "[].\n").unwrap();
-        std::fs::write(
-            dir.join("rabbitmq.conf"),
-            format!("listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n"),
-        )
-        .unwrap();
+        let mut conf = format!("listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n");
+        let mut tls_port = None;
+        if let Some((pki, require)) = tls {
+            let tls_dir = dir.join("tls");
+            std::fs::create_dir_all(&tls_dir).unwrap();
+            pki.install_server_files(&tls_dir);
+            let p = free_port(rand::random(), 43000..44000, 0);
+            let t = tls_dir.display();
+            conf.push_str(&format!(
+                "listeners.ssl.default = 127.0.0.1:{p}\n\
+                 ssl_options.cacertfile = {t}/ca.pem\n\
+                 ssl_options.certfile = {t}/server.pem\n\
+                 ssl_options.keyfile = {t}/server.key\n\
+                 ssl_options.verify = verify_peer\n\
+                 ssl_options.fail_if_no_peer_cert = {require}\n"
+            ));
+            tls_port = Some(p);
+        }
+        std::fs::write(dir.join("rabbitmq.conf"), conf).unwrap();
         chown(&dir, "rabbitmq");
         let mut mq = PrivateRabbit {
             node: format!("kfschaos{port}@localhost"),
             dir,
             port,
+            tls_port,
             server: None,
         };
         let log = std::fs::File::create(mq.dir.join("server.out")).unwrap();
@@ -191,7 +257,33 @@ impl PrivateRabbit {
             .expect("spawn rabbitmq-server");
         mq.server = Some(server);
         mq.await_listening(Duration::from_secs(90));
+        if let Some(p) = mq.tls_port {
+            mq.await_port(p, Duration::from_secs(30));
+        }
         mq
+    }
+
+    /// URL of the default vhost on the TLS listener, by the name its certificate has.
+    pub fn tls_url(&self) -> String {
+        format!(
+            "amqps://guest:guest@localhost:{}/%2f",
+            self.tls_port.expect("a node with a TLS listener")
+        )
+    }
+
+    fn await_port(&self, port: u16, timeout: Duration) {
+        let start = Instant::now();
+        while start.elapsed() < timeout {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!(
+            "private RabbitMQ {} did not listen on {port} within {timeout:?}; see {}",
+            self.node,
+            self.dir.join("log").display()
+        );
     }
 
     pub fn addr(&self) -> SocketAddr {
