@@ -1,5 +1,6 @@
 //! Node loss on a three-node RabbitMQ cluster (`ops/cluster`): jobs of every kind flow through
-//! two consumers and a relay, each started on another node, with `AMQP_URL` listing all three.
+//! two consumers and a relay, each started on another node, with `AMQP_URL` listing all three
+//! nodes' TLS listeners (the script's CA, a client certificate).
 //! The node leading the probe queue is killed with SIGKILL and later restarted; then the node
 //! holding the most processes (the relay counting twice) is stopped cleanly. Invariant under test: every process becomes
 //! ready on a node still up after each loss, and the run keeps every promise the chaos run
@@ -41,8 +42,12 @@ const OPS_CLUSTER: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/ops/cluster");
 /// A cluster `ops/cluster` started in a directory of its own, stopped and removed when dropped.
 struct RabbitCluster {
     dir: PathBuf,
-    /// The AMQP URL of each node, in node order (1, 2, 3).
+    /// The plain AMQP URL of each node, in node order (1, 2, 3), for the test's own calls.
     urls: Vec<String>,
+    /// The AMQPS URL of each node, which the worker processes use.
+    tls_urls: Vec<String>,
+    /// `KFS_AMQP_TLS_CA`, `_CERT` and `_KEY`: the CA the script made and a client certificate.
+    tls_env: Vec<(String, String)>,
 }
 
 impl RabbitCluster {
@@ -66,14 +71,22 @@ impl RabbitCluster {
             String::from_utf8_lossy(&out.stderr)
         );
         let env = std::fs::read_to_string(dir.join("env")).expect("the cluster's env file");
-        let list = env
-            .lines()
-            .find_map(|l| l.strip_prefix("AMQP_URL="))
-            .expect("AMQP_URL in the cluster's env file")
-            .trim_matches(|c| c == '"' || c == '\'');
+        let value = |key: &str| -> String {
+            env.lines()
+                .find_map(|l| l.strip_prefix(&format!("{key}=")))
+                .unwrap_or_else(|| panic!("{key} in the cluster's env file"))
+                .trim_matches(|c| c == '"' || c == '\'')
+                .to_owned()
+        };
+        let list = |key: &str| value(key).split(',').map(str::to_owned).collect();
         RabbitCluster {
+            urls: list("AMQP_URL"),
+            tls_urls: list("AMQPS_URL"),
+            tls_env: ["KFS_AMQP_TLS_CA", "KFS_AMQP_TLS_CERT", "KFS_AMQP_TLS_KEY"]
+                .into_iter()
+                .map(|k| (k.to_owned(), value(k)))
+                .collect(),
             dir,
-            urls: list.split(',').map(str::to_owned).collect(),
         }
     }
 
@@ -93,9 +106,9 @@ impl RabbitCluster {
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
     }
 
-    /// `host:port` of node `n` (1-based), as a process reports it.
+    /// `host:port` of node `n` (1-based) as a process on it reports it: its TLS listener.
     fn endpoint(&self, n: usize) -> String {
-        let u = url::Url::parse(&self.urls[n - 1]).unwrap();
+        let u = url::Url::parse(&self.tls_urls[n - 1]).unwrap();
         format!("{}:{}", u.host_str().unwrap(), u.port().unwrap())
     }
 
@@ -103,10 +116,11 @@ impl RabbitCluster {
         (1..=3).find(|&n| self.endpoint(n) == endpoint)
     }
 
-    /// `AMQP_URL` for a process that starts at node `first` and moves on in order.
+    /// `AMQP_URL` for a process that starts at node `first` and moves on in order: the nodes'
+    /// TLS listeners.
     fn list_from(&self, first: usize) -> String {
         (0..3)
-            .map(|k| self.urls[(first - 1 + k) % 3].clone())
+            .map(|k| self.tls_urls[(first - 1 + k) % 3].clone())
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -315,6 +329,10 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
         );
         processes.push((name.to_owned(), addr));
     }
+    // Over TLS, with the CA the script made and a client certificate: the cluster's listeners
+    // ask for one.
+    let mut env = env;
+    env.extend(mq.tls_env.iter().cloned());
     let mut cluster = Cluster {
         env,
         extra,
@@ -386,7 +404,7 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
     let _ =
         writeln!(
         report,
-        "node-loss run: seed {seed}, nodes {}, processes c1 (consumer), c2 (consumer), r1 (relay)",
+        "node-loss run: seed {seed}, nodes {} (amqps, with a client certificate), processes c1 (consumer), c2 (consumer), r1 (relay)",
         (1..=3).map(|n| mq.endpoint(n)).collect::<Vec<_>>().join(", ")
     );
     let watch = Duration::from_secs(90);
