@@ -474,38 +474,12 @@ async fn chaos_run_keeps_every_promise() {
             .await
             .unwrap(),
     );
-    {
-        let mut admin = sqlx::PgConnection::connect_with(&pg.url("postgres").parse().unwrap())
-            .await
-            .expect("connect to the private Postgres");
-        sqlx::Executor::execute(&mut admin, format!("CREATE DATABASE {DB}").as_str())
-            .await
-            .unwrap();
-    }
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&pg.url(DB))
-        .await
-        .unwrap();
-    kfs_worker::db::migrate(&pool).await.expect("migrate");
-    probe::install(&pool).await.expect("install probe kind");
-    sqlx::raw_sql(OBSERVERS)
-        .execute(&pool)
-        .await
-        .expect("observers");
-    sqlx::raw_sql(platform::OBSERVERS)
-        .execute(&pool)
-        .await
-        .expect("observers of the platform's tables");
-    let store_dir =
-        std::env::temp_dir().join(format!("kfschaos-store-{seed}-{}", Uuid::new_v4().simple()));
-    let store_url = format!("file://{}", store_dir.display());
-    let store = kfs_worker::store::Store::open(
-        &kfs_worker::config::object_store(&store_url).expect("object store URL"),
-    )
-    .expect("object store");
-    let space = platform::seed(&pool, &store).await;
+    let RunDatabase {
+        pool,
+        store_dir,
+        store_url,
+        space,
+    } = run_database(&pg, seed).await;
     let prefix = "chaos".to_owned();
     let topology = Topology::new(&prefix);
     {
@@ -525,7 +499,7 @@ async fn chaos_run_keeps_every_promise() {
     let logs =
         std::env::temp_dir().join(format!("kfschaos-logs-{seed}-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs).unwrap();
-    let env: Vec<(String, String)> = vec![
+    let mut env: Vec<(String, String)> = vec![
         (
             "DATABASE_URL".into(),
             format!("postgres://postgres@{}/{DB}", pg_proxy.addr),
@@ -537,21 +511,8 @@ async fn chaos_run_keeps_every_promise() {
         ("KFS_QUEUE_PREFIX".into(), prefix.clone()),
         ("KFS_OBJECT_STORE".into(), store_url.clone()),
         ("KFS_HTTP_ADDR".into(), "off".into()),
-        ("KFS_LOG_FORMAT".into(), "json".into()),
-        (
-            "RUST_LOG".into(),
-            "info,kfs_worker::ack=debug,sqlx=warn,lapin=error".into(),
-        ),
-        ("KFS_LEASES".into(), LEASE.into()),
-        ("KFS_SLICE_STEPS".into(), "4".into()),
-        ("KFS_RETRY_BASE".into(), "200ms".into()),
-        ("KFS_RETRY_MAX".into(), "2s".into()),
-        ("KFS_RELAY_POLL".into(), "250ms".into()),
-        ("KFS_VISIBILITY".into(), "20s".into()),
-        ("KFS_SHUTDOWN_GRACE".into(), "5s".into()),
-        ("KFS_CONNECT_TIMEOUT".into(), "2s".into()),
-        ("KFS_PREFETCH".into(), "8".into()),
     ];
+    env.extend(worker_settings());
     let mut cluster = Cluster {
         env,
         extra: BTreeMap::new(),
@@ -578,33 +539,7 @@ async fn chaos_run_keeps_every_promise() {
 
     // The workload: jobs enqueued as the platform would, through the direct pool.
     let stop_enqueue = tokio_util::sync::CancellationToken::new();
-    let enqueuer = {
-        let pool = pool.clone();
-        let stop = stop_enqueue.clone();
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-        tokio::spawn(async move {
-            let mut jobs: Vec<(Uuid, &'static str)> = Vec::new();
-            let mut in_doubt: Vec<(Uuid, &'static str)> = Vec::new();
-            while !stop.is_cancelled() {
-                let (spec, want) = workload_spec(&mut rng);
-                let id = Uuid::now_v7();
-                let made = async {
-                    let mut conn = pool.acquire().await?;
-                    probe::enqueue_as(&mut conn, id, &spec).await
-                }
-                .await;
-                // With Postgres down the platform's API fails too; the next one is tried later.
-                // A failed insert may still have committed (Postgres crashed after its commit
-                // and before its answer): it is in doubt until the table says, after recovery.
-                match made {
-                    Ok(()) => jobs.push((id, want)),
-                    Err(_) => in_doubt.push((id, want)),
-                }
-                tokio::time::sleep(Duration::from_millis(rng.random_range(20..=120))).await;
-            }
-            (jobs, in_doubt)
-        })
-    };
+    let enqueuer = enqueue_probe_jobs(pool.clone(), stop_enqueue.clone(), seed);
 
     let platform_requests = tokio::spawn(platform::drive(
         pool.clone(),
@@ -673,19 +608,7 @@ async fn chaos_run_keeps_every_promise() {
             s.stopped = false;
         }
     }
-    let drain_start = Instant::now();
-    let mut drained = false;
-    while drain_start.elapsed() < Duration::from_secs(240) {
-        supervise_unarmed(&mut cluster, &mut rec, &pool).await;
-        let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await
-            + platform::open(&pool).await;
-        if open == 0 {
-            drained = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let drain_s = drain_start.elapsed().as_secs_f64();
+    let (drained, drain_s) = drain(&mut cluster, &mut rec, &pool).await;
     rec.samples
         .push(sample(&cluster, &pool, &mq, &pg_proxy, &mq_proxy, fault_start).await);
     let mut depths = (u32::MAX, u32::MAX);
@@ -753,6 +676,131 @@ async fn chaos_run_keeps_every_promise() {
     );
     let _ = std::fs::remove_dir_all(&logs);
     let _ = std::fs::remove_dir_all(&store_dir);
+}
+
+/// A run's database and object store.
+struct RunDatabase {
+    pool: PgPool,
+    store_dir: std::path::PathBuf,
+    store_url: String,
+    space: kfs_worker::tools::platform::NotesSpace,
+}
+
+/// Creates database [`DB`] on `pg`, migrated, with the probe kind and the observers of both
+/// the probe's and the platform's tables, and the platform's space seeded in an object store
+/// of its own.
+async fn run_database(pg: &PrivatePostgres, seed: u64) -> RunDatabase {
+    {
+        let mut admin = sqlx::PgConnection::connect_with(&pg.url("postgres").parse().unwrap())
+            .await
+            .expect("connect to the private Postgres");
+        sqlx::Executor::execute(&mut admin, format!("CREATE DATABASE {DB}").as_str())
+            .await
+            .unwrap();
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&pg.url(DB))
+        .await
+        .unwrap();
+    kfs_worker::db::migrate(&pool).await.expect("migrate");
+    probe::install(&pool).await.expect("install probe kind");
+    sqlx::raw_sql(OBSERVERS)
+        .execute(&pool)
+        .await
+        .expect("observers");
+    sqlx::raw_sql(platform::OBSERVERS)
+        .execute(&pool)
+        .await
+        .expect("observers of the platform's tables");
+    let store_dir =
+        std::env::temp_dir().join(format!("kfschaos-store-{seed}-{}", Uuid::new_v4().simple()));
+    let store_url = format!("file://{}", store_dir.display());
+    let store = kfs_worker::store::Store::open(
+        &kfs_worker::config::object_store(&store_url).expect("object store URL"),
+    )
+    .expect("object store");
+    let space = platform::seed(&pool, &store).await;
+    RunDatabase {
+        pool,
+        store_dir,
+        store_url,
+        space,
+    }
+}
+
+/// The worker settings of every run, beside where the services and the store are.
+fn worker_settings() -> Vec<(String, String)> {
+    [
+        ("KFS_LOG_FORMAT", "json"),
+        (
+            "RUST_LOG",
+            "info,kfs_worker::ack=debug,sqlx=warn,lapin=error",
+        ),
+        ("KFS_LEASES", LEASE),
+        ("KFS_SLICE_STEPS", "4"),
+        ("KFS_RETRY_BASE", "200ms"),
+        ("KFS_RETRY_MAX", "2s"),
+        ("KFS_RELAY_POLL", "250ms"),
+        ("KFS_VISIBILITY", "20s"),
+        ("KFS_SHUTDOWN_GRACE", "5s"),
+        ("KFS_CONNECT_TIMEOUT", "2s"),
+        ("KFS_PREFETCH", "8"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
+/// The probe jobs enqueued, and those in doubt (see [`settle_in_doubt`]).
+type Enqueued = (Vec<(Uuid, &'static str)>, Vec<(Uuid, &'static str)>);
+
+/// Enqueues probe jobs as the platform would, through the direct pool, until `stop`.
+fn enqueue_probe_jobs(
+    pool: PgPool,
+    stop: tokio_util::sync::CancellationToken,
+    seed: u64,
+) -> tokio::task::JoinHandle<Enqueued> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+    tokio::spawn(async move {
+        let mut jobs: Vec<(Uuid, &'static str)> = Vec::new();
+        let mut in_doubt: Vec<(Uuid, &'static str)> = Vec::new();
+        while !stop.is_cancelled() {
+            let (spec, want) = workload_spec(&mut rng);
+            let id = Uuid::now_v7();
+            let made = async {
+                let mut conn = pool.acquire().await?;
+                probe::enqueue_as(&mut conn, id, &spec).await
+            }
+            .await;
+            // With Postgres down the platform's API fails too; the next one is tried later.
+            // A failed insert may still have committed (Postgres crashed after its commit
+            // and before its answer): it is in doubt until the table says, after recovery.
+            match made {
+                Ok(()) => jobs.push((id, want)),
+                Err(_) => in_doubt.push((id, want)),
+            }
+            tokio::time::sleep(Duration::from_millis(rng.random_range(20..=120))).await;
+        }
+        (jobs, in_doubt)
+    })
+}
+
+/// Waits, replacing dead processes, until every job is terminal (at most 240 s): whether they
+/// all were, and how long it took in seconds.
+async fn drain(cluster: &mut Cluster, rec: &mut Record, pool: &PgPool) -> (bool, f64) {
+    let drain_start = Instant::now();
+    while drain_start.elapsed() < Duration::from_secs(240) {
+        supervise_unarmed(cluster, rec, pool).await;
+        let open = count(pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await
+            + platform::open(pool).await;
+        if open == 0 {
+            return (true, drain_start.elapsed().as_secs_f64());
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    (false, drain_start.elapsed().as_secs_f64())
 }
 
 async fn queue_depths(amqp_url: &str, topology: &Topology) -> (u32, u32) {

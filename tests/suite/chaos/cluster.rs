@@ -23,16 +23,13 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use kfs_worker::broker::Topology;
-use kfs_worker::jobs::probe;
 use kfs_worker::jobs::Kind;
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use sqlx::Connection;
 use uuid::Uuid;
 
 use super::{
-    check_invariants, count, platform, queue_depths, settle_in_doubt, supervise_unarmed,
-    workload_spec, Cluster, Record, Role, Settings, DB, KINDS, LEASE, OBSERVERS,
+    check_invariants, drain, enqueue_probe_jobs, platform, queue_depths, run_database,
+    settle_in_doubt, supervise_unarmed, worker_settings, Cluster, Record, Role, RunDatabase,
+    Settings, DB, KINDS,
 };
 use crate::support::private::PrivatePostgres;
 use crate::support::{self, http_get};
@@ -241,38 +238,12 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
         "node loss: Postgres and a three-node cluster up ({:.1} s)",
         started.elapsed().as_secs_f64()
     );
-    {
-        let mut admin = sqlx::PgConnection::connect_with(&pg.url("postgres").parse().unwrap())
-            .await
-            .expect("connect to the private Postgres");
-        sqlx::Executor::execute(&mut admin, format!("CREATE DATABASE {DB}").as_str())
-            .await
-            .unwrap();
-    }
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&pg.url(DB))
-        .await
-        .unwrap();
-    kfs_worker::db::migrate(&pool).await.expect("migrate");
-    probe::install(&pool).await.expect("install probe kind");
-    sqlx::raw_sql(OBSERVERS)
-        .execute(&pool)
-        .await
-        .expect("observers");
-    sqlx::raw_sql(platform::OBSERVERS)
-        .execute(&pool)
-        .await
-        .expect("observers of the platform's tables");
-    let store_dir =
-        std::env::temp_dir().join(format!("kfschaos-store-{seed}-{}", Uuid::new_v4().simple()));
-    let store_url = format!("file://{}", store_dir.display());
-    let store = kfs_worker::store::Store::open(
-        &kfs_worker::config::object_store(&store_url).expect("object store URL"),
-    )
-    .expect("object store");
-    let space = platform::seed(&pool, &store).await;
+    let RunDatabase {
+        pool,
+        store_dir,
+        store_url,
+        space,
+    } = run_database(&pg, seed).await;
     let prefix = "chaosnodes".to_owned();
     let topology = Topology::new(&prefix);
     {
@@ -290,26 +261,13 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
     let logs =
         std::env::temp_dir().join(format!("kfschaos-nodes-{seed}-{}", Uuid::new_v4().simple()));
     std::fs::create_dir_all(&logs).unwrap();
-    let env: Vec<(String, String)> = vec![
+    let mut env: Vec<(String, String)> = vec![
         ("DATABASE_URL".into(), pg.url(DB)),
         ("KFS_QUEUE_PREFIX".into(), prefix.clone()),
         ("KFS_OBJECT_STORE".into(), store_url.clone()),
-        ("KFS_LOG_FORMAT".into(), "json".into()),
-        (
-            "RUST_LOG".into(),
-            "info,kfs_worker::ack=debug,sqlx=warn,lapin=error".into(),
-        ),
         ("KFS_AMQP_NODE_ORDER".into(), "listed".into()),
-        ("KFS_LEASES".into(), LEASE.into()),
-        ("KFS_SLICE_STEPS".into(), "4".into()),
-        ("KFS_RETRY_BASE".into(), "200ms".into()),
-        ("KFS_RETRY_MAX".into(), "2s".into()),
-        ("KFS_RELAY_POLL".into(), "250ms".into()),
-        ("KFS_VISIBILITY".into(), "20s".into()),
-        ("KFS_SHUTDOWN_GRACE".into(), "5s".into()),
-        ("KFS_CONNECT_TIMEOUT".into(), "2s".into()),
-        ("KFS_PREFETCH".into(), "8".into()),
     ];
+    env.extend(worker_settings());
     // Spread over the nodes: each process starts at another one.
     let plan: [(&'static str, Role, usize); 3] = [
         ("c1", Role::Consumer, 1),
@@ -331,7 +289,6 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
     }
     // Over TLS, with the CA the script made and a client certificate: the cluster's listeners
     // ask for one.
-    let mut env = env;
     env.extend(mq.tls_env.iter().cloned());
     let mut cluster = Cluster {
         env,
@@ -370,30 +327,7 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
 
     // The workload, as in the chaos run.
     let stop_enqueue = tokio_util::sync::CancellationToken::new();
-    let enqueuer = {
-        let pool = pool.clone();
-        let stop = stop_enqueue.clone();
-        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-        tokio::spawn(async move {
-            let mut jobs: Vec<(Uuid, &'static str)> = Vec::new();
-            let mut in_doubt: Vec<(Uuid, &'static str)> = Vec::new();
-            while !stop.is_cancelled() {
-                let (spec, want) = workload_spec(&mut rng);
-                let id = Uuid::now_v7();
-                let made = async {
-                    let mut conn = pool.acquire().await?;
-                    probe::enqueue_as(&mut conn, id, &spec).await
-                }
-                .await;
-                match made {
-                    Ok(()) => jobs.push((id, want)),
-                    Err(_) => in_doubt.push((id, want)),
-                }
-                tokio::time::sleep(Duration::from_millis(rng.random_range(20..=120))).await;
-            }
-            (jobs, in_doubt)
-        })
-    };
+    let enqueuer = enqueue_probe_jobs(pool.clone(), stop_enqueue.clone(), seed);
     let platform_requests = tokio::spawn(platform::drive(
         pool.clone(),
         space,
@@ -467,19 +401,7 @@ async fn losing_rabbitmq_nodes_loses_no_job_and_each_process_resumes_on_another_
     rec.jobs = jobs;
     rec.in_doubt = in_doubt;
     rec.platform = platform_requests.await.unwrap();
-    let drain_start = Instant::now();
-    let mut drained = false;
-    while drain_start.elapsed() < Duration::from_secs(240) {
-        supervise_unarmed(&mut cluster, &mut rec, &pool).await;
-        let open = count(&pool, "SELECT count(*) FROM kfs_probe_jobs WHERE run_state NOT IN ('succeeded', 'failed', 'canceled')").await
-            + platform::open(&pool).await;
-        if open == 0 {
-            drained = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let drain_s = drain_start.elapsed().as_secs_f64();
+    let (drained, drain_s) = drain(&mut cluster, &mut rec, &pool).await;
     let up = (1..=3).find(|&n| n != stopped).unwrap();
     let mut depths = (u32::MAX, u32::MAX);
     for _ in 0..60 {
