@@ -19,6 +19,8 @@
 //! - [`poller`] — the polled intake: leased kinds claimed straight from Postgres.
 //! - [`jobs`] — the registry of job kinds and one folder per kind.
 //! - [`embed`] — the embedding port: offline and OpenAI-compatible adapters.
+//! - [`model`] — the reasoning-model port of model-driven compiles, under the platform's limits
+//!   (FIFO gate, per-document budget, breaker): offline and OpenAI-compatible adapters.
 //! - [`store`] — the object store port (local directory, S3, GCS, Azure).
 //! - [`liveness`] — worker liveness for fast takeover.
 //! - [`maintenance`] — early takeover sweeps and outbox retention.
@@ -54,6 +56,7 @@ pub mod jobs;
 pub mod liveness;
 pub mod maintenance;
 pub mod metrics;
+pub mod model;
 pub mod poller;
 pub mod progress;
 pub mod publication;

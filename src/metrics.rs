@@ -121,6 +121,14 @@ pub fn register(served: &Served<'_>) {
         );
     }
     metrics::gauge!("kfs_dead_letters").set(0.0);
+    for p in crate::model::Purpose::ALL {
+        for &o in crate::model::OUTCOMES {
+            metrics::counter!("kfs_model_calls_total", "purpose" => p.as_str(), "outcome" => o)
+                .increment(0);
+        }
+        let _ = metrics::histogram!("kfs_model_call_seconds", "purpose" => p.as_str());
+    }
+    metrics::gauge!("kfs_model_calls_in_flight").set(0.0);
 }
 
 fn zero_gauges(
@@ -142,6 +150,19 @@ fn describe() {
         "Deliveries taken from the broker, by how the database decided them"
     );
     describe_counter!("kfs_slices_total", "Job slices run, by how each ended");
+    describe_counter!(
+        "kfs_model_calls_total",
+        "Reasoning-model calls, by purpose and outcome (refused ones included)"
+    );
+    describe_histogram!(
+        "kfs_model_call_seconds",
+        Unit::Seconds,
+        "How long reasoning-model calls took, gate wait included"
+    );
+    describe_gauge!(
+        "kfs_model_calls_in_flight",
+        "Reasoning-model calls in flight in the process"
+    );
     describe_counter!(
         "kfs_relay_claims_total",
         "Claims the relay ran on the outbox, per kind"
@@ -274,6 +295,22 @@ pub fn publish_joined(n: usize) {
 /// A publish whose head had moved: its candidate rebased `in_place` or `recomposed`.
 pub fn publish_rebase(how: &'static str) {
     metrics::counter!("kfs_publish_rebases_total", "how" => how).increment(1);
+}
+
+/// One reasoning-model call, by purpose and outcome (`ok`, `failed`, or refused: `budget`,
+/// `circuit_open`); a call that was made is also timed.
+pub fn model_call(purpose: &'static str, outcome: &'static str, took: Duration) {
+    metrics::counter!("kfs_model_calls_total", "purpose" => purpose, "outcome" => outcome)
+        .increment(1);
+    if matches!(outcome, "ok" | "failed") {
+        metrics::histogram!("kfs_model_call_seconds", "purpose" => purpose)
+            .record(took.as_secs_f64());
+    }
+}
+
+/// Reasoning-model calls in flight in the process (inside the gate).
+pub fn model_in_flight(n: usize) {
+    metrics::gauge!("kfs_model_calls_in_flight").set(n as f64);
 }
 
 /// A raw-parse checkpoint `written` after a parse, or `reused` instead of one.

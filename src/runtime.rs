@@ -40,6 +40,8 @@ pub struct RunOptions {
     pub admin_token: Option<crate::config::AdminToken>,
     /// The embedding port compile and research use for spaces with an embedding profile.
     pub embedder: crate::embed::EmbedderConfig,
+    /// The reasoning model and the model limits (`KFS_REASONER`, see [`crate::model::config`]).
+    pub reasoner: (crate::model::ReasonerConfig, crate::model::Limits),
     /// How PDF and office documents are parsed.
     pub parser: crate::jobs::compile::parse::route::ParserConfig,
 }
@@ -315,6 +317,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             store: crate::store::Store::open(&opts.object_store)?,
             embedder: crate::embed::build(&opts.embedder)?,
             parsers: Arc::new(jobs::compile::parse::route::Parsers::new(&opts.parser)?),
+            models: crate::model::build(&opts.reasoner.0, opts.reasoner.1)?,
         };
         let handlers: Vec<Arc<dyn Handler>> = jobs::handlers(&deps)?
             .into_iter()

@@ -228,6 +228,7 @@ impl RunArgs {
             },
             admin_token: config::AdminToken::parse(self.admin_token.as_deref())?,
             embedder: crate::embed::embedder_config(|k| std::env::var(k).ok())?,
+            reasoner: crate::model::config(|k| std::env::var(k).ok())?,
             parser: crate::jobs::compile::parse::route::parser_config(|k| std::env::var(k).ok())?,
         })
     }

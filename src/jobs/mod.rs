@@ -229,6 +229,8 @@ pub struct Deps {
     pub embedder: Arc<dyn crate::embed::Embedder>,
     /// How PDF and office documents are parsed.
     pub parsers: Arc<compile::parse::route::Parsers>,
+    /// The reasoning model and its limits, for model-driven compiles.
+    pub models: crate::model::Models,
 }
 
 impl Deps {
@@ -238,6 +240,15 @@ impl Deps {
             store,
             embedder: Arc::new(crate::embed::Offline),
             parsers: Arc::new(compile::parse::route::Parsers::local()),
+            models: crate::model::Models::none(),
+        }
+    }
+
+    /// The same with the deterministic offline reasoning model.
+    pub fn offline_models(store: crate::store::Store) -> Self {
+        Self {
+            models: crate::model::Models::offline(),
+            ..Self::offline(store)
         }
     }
 }

@@ -1097,6 +1097,7 @@ fn http_engine(fx: &Fx, base: &str, key: &str) -> kfs_worker::consumer::Engine {
         store: fx.store.clone(),
         embedder: std::sync::Arc::new(embedder),
         parsers: std::sync::Arc::new(kfs_worker::jobs::compile::parse::route::Parsers::local()),
+        models: kfs_worker::model::Models::none(),
     })
     .unwrap();
     kfs_worker::consumer::Engine::new(
@@ -1235,6 +1236,7 @@ async fn an_embedder_answering_the_wrong_dimension_fails_the_attempt_with_a_clea
         store: fx.store.clone(),
         embedder: std::sync::Arc::new(kfs_worker::embed::Unconfigured),
         parsers: std::sync::Arc::new(kfs_worker::jobs::compile::parse::route::Parsers::local()),
+        models: kfs_worker::model::Models::none(),
     })
     .unwrap();
     let engine = kfs_worker::consumer::Engine::new(

@@ -35,6 +35,7 @@ pub(crate) fn options(env: &TestEnv, worker: &str) -> RunOptions {
         http_addr: None,
         admin_token: None,
         embedder: kfs_worker::embed::EmbedderConfig::Offline,
+        reasoner: Default::default(),
         parser: Default::default(),
     }
 }

@@ -42,6 +42,7 @@ fn options(env: &TestEnv, worker: &str, addr: std::net::SocketAddr) -> RunOption
         http_addr: Some(addr),
         admin_token: None,
         embedder: kfs_worker::embed::EmbedderConfig::Offline,
+        reasoner: Default::default(),
         parser: Default::default(),
     }
 }

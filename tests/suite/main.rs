@@ -37,6 +37,7 @@ mod lead;
 mod leased;
 mod maintenance;
 mod malformed;
+mod model;
 mod nodes;
 mod outage;
 mod pageindex;

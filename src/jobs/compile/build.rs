@@ -15,7 +15,7 @@ use super::multimodal;
 use super::outline;
 use super::page_index;
 use super::paths;
-use super::steps::{load_artifact, Attempt, Document};
+use super::steps::{load_artifact, Artifact, Attempt, Document};
 use crate::canonical::{child_id, normalize_fts_text};
 use crate::embed::{Embedder, Input};
 use crate::jobs::JobError;
@@ -28,9 +28,10 @@ pub(crate) async fn outline_step(
     conn: &mut PgConnection,
     a: &Attempt,
     d: &Document,
+    summarise: Option<&super::semantic::Selection>,
 ) -> Result<(), JobError> {
     let art = load_artifact(conn, a).await?;
-    let o = outline::build(
+    let mut o = outline::build(
         a.generation,
         a.document,
         a.version,
@@ -39,6 +40,10 @@ pub(crate) async fn outline_step(
         &art.parser_version,
         &art.content_type,
     );
+    if let Some(sel) = summarise {
+        super::semantic::summarised(conn, a, sel, &art.elements, &mut o.nodes, &mut o.metadata)
+            .await?;
+    }
     sqlx::query(
         "INSERT INTO document_outlines (id, knowledge_space_id, publication_generation_id, document_asset_id, \
            parse_artifact_id, artifact_hash, outline_version, version, nodes, metadata, created_at) \
@@ -230,6 +235,22 @@ pub(crate) async fn nodes_step(
         .iter()
         .map(|n| child_id(a.generation, &format!("knowledge-node:{}", n.chunk_id)))
         .collect();
+    write_nodes(conn, embedder, a, d, &art, &ids, &drafts).await?;
+    Ok(drafts.len())
+}
+
+/// Writes the knowledge nodes `ids` (of `drafts`) of this generation, a `building` full-text
+/// projection of each, and a `building` dense projection of each where the attempt froze an
+/// embedding profile.
+pub(crate) async fn write_nodes(
+    conn: &mut PgConnection,
+    embedder: &dyn Embedder,
+    a: &Attempt,
+    d: &Document,
+    art: &Artifact,
+    ids: &[Uuid],
+    drafts: &[chunk::Draft],
+) -> Result<(), JobError> {
     let int = |n: usize| i32::try_from(n).unwrap_or(i32::MAX);
     let locations: Vec<Value> = drafts
         .iter()
@@ -256,7 +277,7 @@ pub(crate) async fn nodes_step(
     .bind(art.id)
     .bind(&d.permission_scope)
     .bind(&art.hash)
-    .bind(&ids)
+    .bind(ids)
     .bind(drafts.iter().map(|n| n.kind).collect::<Vec<_>>())
     .bind(drafts.iter().map(|n| n.text.clone()).collect::<Vec<_>>())
     .bind(drafts.iter().map(|n| int(n.start)).collect::<Vec<_>>())
@@ -309,7 +330,7 @@ pub(crate) async fn nodes_step(
     .bind(FTS_MODEL)
     .bind(pv)
     .bind(&fts_ids)
-    .bind(&ids)
+    .bind(ids)
     .bind(&fts_texts)
     .bind(&fts_meta)
     .execute(&mut *conn)
@@ -371,13 +392,13 @@ pub(crate) async fn nodes_step(
         .bind(vsid)
         .bind(pv)
         .bind(&dense_ids)
-        .bind(&ids)
+        .bind(ids)
         .bind(&vectors)
         .bind(&metas)
         .execute(&mut *conn)
         .await?;
     }
-    Ok(drafts.len())
+    Ok(())
 }
 
 #[cfg(test)]

@@ -30,6 +30,10 @@
 //!   the same head move publishes the space's other attempts parked at `smoke_eval_passed`
 //!   (see [`publish`]).
 //!
+//! A model-driven attempt (its frozen retrieval profile selects a reasoning model and the process
+//! has one) does the same walk with the platform's semantic chunking, generation receipt,
+//! outline summaries and graph: see [`semantic`].
+//!
 //! Every step first re-checks the authority the attempt was requested under when it is a
 //! capability grant ([`crate::capability::check`], share-locking the grant and the space's
 //! fence): a revoked grant or a fenced space fails the attempt closed as the platform does
@@ -63,6 +67,7 @@ pub mod paths;
 pub mod profiles;
 pub(crate) mod publish;
 pub mod request;
+pub mod semantic;
 pub(crate) mod steps;
 pub mod walk;
 
@@ -179,9 +184,20 @@ impl Handler for CompileHandler {
             Checkpoint::Queued => {
                 steps::parse_step(tx, store, &self.deps.parsers, &attempt, &doc).await?;
             }
-            Checkpoint::Parsed => build::outline_step(tx, &attempt, &doc).await?,
+            Checkpoint::Parsed => {
+                let sel = semantic::selection(tx, &self.deps.models, &attempt).await?;
+                build::outline_step(tx, &attempt, &doc, sel.as_ref()).await?;
+            }
             Checkpoint::OutlineBuilt => {
-                build::nodes_step(tx, self.deps.embedder.as_ref(), &attempt, &doc).await?;
+                let embedder = self.deps.embedder.as_ref();
+                match semantic::selection(tx, &self.deps.models, &attempt).await? {
+                    Some(sel) => {
+                        semantic::step::nodes_step(tx, embedder, &attempt, &doc, &sel).await?;
+                    }
+                    None => {
+                        build::nodes_step(tx, embedder, &attempt, &doc).await?;
+                    }
+                }
             }
             Checkpoint::NodesGenerated => {
                 if let Some(stopped) = compose::candidate_step(tx, &attempt).await? {
@@ -202,12 +218,24 @@ impl Handler for CompileHandler {
 
     /// A PDF or office document is parsed (or its raw-parse checkpoint found) before the
     /// first step, outside its transaction: a remote parse may take many minutes.
+    ///
+    /// Before `parsed → outline_built` and `outline_built → nodes_generated` of a model-driven
+    /// attempt, the model's work ([`semantic::prepare`]): only where the process has a reasoning
+    /// model.
     async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
-        steps::prepare_parse(conn, &self.deps.store, &self.deps.parsers, job).await
+        if job.checkpoint == Checkpoint::Queued.as_str() {
+            return steps::prepare_parse(conn, &self.deps.store, &self.deps.parsers, job).await;
+        }
+        semantic::prepare(conn, &self.deps.models, job)
+            .await
+            .map(|_| ())
     }
 
     fn prepares(&self, job: &JobCtx) -> bool {
         job.checkpoint == Checkpoint::Queued.as_str()
+            || (self.deps.models.reasoner().is_some()
+                && (job.checkpoint == Checkpoint::Parsed.as_str()
+                    || job.checkpoint == Checkpoint::OutlineBuilt.as_str()))
     }
 }
 

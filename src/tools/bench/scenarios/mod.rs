@@ -183,6 +183,10 @@ fn run_options(
         http_addr: None,
         admin_token: None,
         embedder: crate::embed::EmbedderConfig::Offline,
+        reasoner: (
+            crate::model::ReasonerConfig::Offline,
+            crate::model::Limits::default(),
+        ),
         parser: Default::default(),
     })
 }
