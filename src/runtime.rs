@@ -303,10 +303,12 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             }
         });
     }
+    // One set of model limits (gate, breaker) for the whole process.
+    let models = crate::model::build(&opts.reasoner.0, opts.reasoner.1)?;
     if let Some(cfg) = opts.leased.clone() {
         tasks.spawn(crate::poller::run(
             pool.clone(),
-            jobs::leased_kinds(),
+            jobs::leased_kinds_with(models.clone(), crate::embed::build(&opts.embedder)?),
             holder.clone(),
             cfg,
             shutdown.clone(),
@@ -317,7 +319,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
             store: crate::store::Store::open(&opts.object_store)?,
             embedder: crate::embed::build(&opts.embedder)?,
             parsers: Arc::new(jobs::compile::parse::route::Parsers::new(&opts.parser)?),
-            models: crate::model::build(&opts.reasoner.0, opts.reasoner.1)?,
+            models: models.clone(),
         };
         let handlers: Vec<Arc<dyn Handler>> = jobs::handlers(&deps)?
             .into_iter()

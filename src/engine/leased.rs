@@ -71,6 +71,17 @@ pub trait LeasedKind: Send + Sync + 'static {
     /// One step, inside the transaction that [`fence`] opened; its writes commit together with
     /// the checkpoint it returns, or not at all.
     async fn step(&self, tx: &mut PgConnection, job: &Lease) -> Result<Step, JobError>;
+    /// Work a step needs that may take longer than a transaction may stay open (model calls),
+    /// before the step's fence, outside any transaction, while the heartbeat extends the lease;
+    /// as [`crate::engine::kind::Handler::prepare`]. Runs only where [`LeasedKind::prepares`]
+    /// says so. Default: nothing.
+    async fn prepare(&self, _conn: &mut PgConnection, _job: &Lease) -> Result<(), JobError> {
+        Ok(())
+    }
+    /// Whether [`LeasedKind::prepare`] has work before this step (no I/O). Default: no.
+    fn prepares(&self, _job: &Lease) -> bool {
+        false
+    }
     /// What the end of a slice writes besides clearing the lease.
     fn end_write(&self, job: &Lease, end: &End) -> EndWrite;
 
@@ -511,6 +522,14 @@ impl Transitions for LeasedSlice<'_> {
 
     async fn step(&self, tx: &mut PgConnection, job: &JobCtx) -> Result<Step, JobError> {
         self.kind.step(tx, &self.lease(job)).await
+    }
+
+    fn prepares(&self, job: &JobCtx) -> bool {
+        self.kind.prepares(&self.lease(job))
+    }
+
+    async fn prepare(&self, conn: &mut PgConnection, job: &JobCtx) -> Result<(), JobError> {
+        self.kind.prepare(conn, &self.lease(job)).await
     }
 
     async fn advance(

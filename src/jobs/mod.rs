@@ -18,6 +18,7 @@ pub mod operate;
 pub mod pageindex;
 pub mod probe;
 pub mod research;
+pub mod semantic;
 
 use std::cmp::Ordering;
 use std::sync::{Arc, RwLock};
@@ -212,12 +213,25 @@ impl Ord for Kind {
     }
 }
 
-/// The leased kinds this process runs.
+/// The leased kinds, as status, metrics and the dashboard know them (no model, no embedder).
 pub fn leased_kinds() -> Vec<Arc<dyn crate::engine::leased::LeasedKind>> {
+    leased_kinds_with(
+        crate::model::Models::none(),
+        Arc::new(crate::embed::Unconfigured),
+    )
+}
+
+/// The leased kinds this process runs, with its reasoning model and embedder: one line per
+/// kind.
+pub fn leased_kinds_with(
+    models: crate::model::Models,
+    embedder: Arc<dyn crate::embed::Embedder>,
+) -> Vec<Arc<dyn crate::engine::leased::LeasedKind>> {
     vec![
         Arc::new(crate::jobs::bootstrap::BootstrapKind::default()),
         Arc::new(crate::jobs::backfill::BackfillKind::default()),
         Arc::new(crate::jobs::pageindex::PageIndexKind::default()),
+        Arc::new(crate::jobs::semantic::SemanticKind::new(models, embedder)),
     ]
 }
 

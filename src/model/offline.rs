@@ -277,12 +277,12 @@ fn summary(input: &Value) -> Result<Value, String> {
     Ok(json!({ "summary": s }))
 }
 
-/// `{"entities":[{name, type, confidence}]}`: the text's capitalised runs, at most 50.
+/// `{"entities":[{text, type, confidence}]}`: the text's capitalised runs, at most 50.
 fn entities(input: &Value) -> Result<Value, String> {
     let text = text_of(input, "text")?;
     let list: Vec<Value> = capitalised_runs(text, LIST_LIMIT)
         .into_iter()
-        .map(|(name, words)| json!({"name": name, "type": kind(words), "confidence": 0.8}))
+        .map(|(name, words)| json!({"text": name, "type": kind(words), "confidence": 0.8}))
         .collect();
     Ok(json!({ "entities": list }))
 }
@@ -502,8 +502,8 @@ mod tests {
         assert_eq!(
             e,
             json!({"entities": [
-                {"name": "Acme Corp", "type": "organization", "confidence": 0.8},
-                {"name": "Bob", "type": "term", "confidence": 0.8}]})
+                {"text": "Acme Corp", "type": "organization", "confidence": 0.8},
+                {"text": "Bob", "type": "term", "confidence": 0.8}]})
         );
         let r = ask(
             Purpose::Relation,

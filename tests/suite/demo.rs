@@ -31,7 +31,10 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "== Summary",
             "all jobs succeeded",
             "deletion  succeeded=1",
-            "compile   succeeded=7",
+            "compile   succeeded=8",
+            "model-driven space (kfs-demo-reasoner, the offline reasoning model): ",
+            "  a section summary: ",
+            "  entities: ",
             "research  completed=2",
             "ready dense-vector projections (dimension 64)",
             "deletion of source \"notes\" (succeeded):",
@@ -79,15 +82,16 @@ async fn the_demo_runs_to_its_summary_with_every_job_succeeded_and_can_run_again
             "{stdout}"
         );
     }
-    // The second run reset the first: one space, five documents, and their bytes only.
+    // The second run reset the first: the two spaces, the five documents left in the first
+    // and the one of the model-driven space, and their bytes only.
     let spaces: i64 =
         sqlx::query_scalar("SELECT count(*) FROM knowledge_spaces WHERE tenant_id = 'kfs-demo'")
             .fetch_one(&env.pool)
             .await
             .unwrap();
-    assert_eq!(spaces, 1);
+    assert_eq!(spaces, 2);
     let files = walk(&store);
-    assert_eq!(files, 5, "object files left: {files}");
+    assert_eq!(files, 6, "object files left: {files}");
     let _ = std::fs::remove_dir_all(&store);
     let _ = std::fs::remove_dir_all(&logs);
     env.cleanup().await;

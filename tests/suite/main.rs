@@ -46,6 +46,7 @@ mod publication;
 mod relay;
 mod research;
 mod schema;
+mod semantic;
 mod session;
 mod statistics;
 mod status;

@@ -17,7 +17,7 @@ use crate::command::{ConnArgs, Failure};
 use crate::config;
 use crate::jobs::{compile, deletion, research, Kind};
 use crate::{db, status, store::Store};
-use summary::{print_summary, read_model, wait_deletion, wait_research};
+use summary::{print_summary, read_model, read_semantic, wait_deletion, wait_research};
 use workers::{both_consuming, http_addr, kill_mid_run, Worker};
 
 pub const TENANT: &str = "kfs-demo";
@@ -79,7 +79,7 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
     p.say("resetting the demo's own data (tenant kfs-demo)");
     seed::reset(&pool, &store).await.map_err(fail("reset"))?;
 
-    p.say("creating a knowledge space with two sources and seven documents (Markdown, HTML, text, a PDF, a Word file)");
+    p.say("creating a knowledge space with two sources and seven documents (Markdown, HTML, text, a PDF, a Word file), and a second one whose retrieval profile names a reasoning model (the offline model)");
     let seed = seed::seed(&pool, &store).await.map_err(fail("seed"))?;
 
     let (http_a, http_b) = (http_addr(9464), http_addr(9465));
@@ -126,6 +126,16 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
             grant: None,
         };
         let id = compile::request::request(&mut c, *doc, opts)
+            .await
+            .map_err(|e| fail("compile request")(e.to_string()))?;
+        attempts.push((name.clone(), id));
+    }
+    for (name, doc) in &seed.reasoning_documents {
+        let mut c = pool
+            .acquire()
+            .await
+            .map_err(|e| fail("db")(e.to_string()))?;
+        let id = compile::request::request(&mut c, *doc, Default::default())
             .await
             .map_err(|e| fail("compile request")(e.to_string()))?;
         attempts.push((name.clone(), id));
@@ -192,6 +202,9 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
     let model = read_model(&pool, seed.space)
         .await
         .map_err(fail("read model"))?;
+    let semantic = read_semantic(&pool, seed.reasoning)
+        .await
+        .map_err(fail("read model"))?;
 
     p.say("deleting the source \"notes\" with its documents");
     let deletion = {
@@ -235,6 +248,7 @@ pub async fn run(conn: &ConnArgs, args: &DemoArgs) -> Result<(), Failure> {
         &before,
         &after,
         &model,
+        &semantic,
         &research_results,
         &removed,
         &kill,

@@ -1,5 +1,6 @@
 //! The demo's own data: a space of the `kfs-demo` tenant with two sources and the seven
-//! documents (a PDF and a Word document among them) shipped in the binary. Invariant: it writes and removes rows and object keys of the demo's
+//! documents (a PDF and a Word document among them) shipped in the binary, and a second space
+//! whose retrieval profile names a reasoning model, with one of them. Invariant: it writes and removes rows and object keys of the demo's
 //! tenant only, and the seed commits as one transaction.
 
 use bytes::Bytes;
@@ -65,7 +66,21 @@ pub(super) struct Seed {
     pub(super) notes: Uuid,
     pub(super) snapshot: Uuid,
     pub(super) documents: Vec<(String, Uuid)>,
+    /// A second space whose retrieval profile names a reasoning model (the workers run the
+    /// offline one), and its document: compiled model-driven.
+    pub(super) reasoning: Uuid,
+    pub(super) reasoning_documents: Vec<(String, Uuid)>,
 }
+
+/// The model-driven space's document: named teams, people and systems for its graph.
+const REASONING_DOCUMENT: (&str, &str, &[u8]) = (
+    "incident-review.md",
+    "text/markdown",
+    include_bytes!("../../../examples/demo/incident-review.md"),
+);
+
+/// The reasoning model the second space's retrieval profile selects.
+pub(super) const REASONING_MODEL: &str = "kfs-demo-reasoner";
 
 pub(super) async fn seed(pool: &PgPool, store: &Store) -> Result<Seed, String> {
     let mut tx = pool.begin().await.map_err(|e| e.to_string())?;
@@ -125,12 +140,48 @@ pub(super) async fn seed(pool: &PgPool, store: &Store) -> Result<Seed, String> {
         .map_err(|e| e.to_string())?;
         documents.push((name.to_owned(), id));
     }
+    let reasoning = platform::create_space(
+        &mut tx,
+        TENANT,
+        "handbook-models",
+        "Worker handbook, model-driven",
+        SUBJECT,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    platform::activate_embedding_profile(
+        &mut tx,
+        TENANT,
+        reasoning,
+        "kfs-demo-embedding",
+        "offline",
+        EMBEDDING_DIMENSION,
+    )
+    .await
+    .map_err(|e| e.to_string())?;
+    platform::activate_retrieval_profile(&mut tx, TENANT, reasoning, REASONING_MODEL, "offline")
+        .await
+        .map_err(|e| e.to_string())?;
+    let (name, mime, bytes) = REASONING_DOCUMENT;
+    let id = platform::add_document(
+        &mut tx,
+        store,
+        reasoning,
+        None,
+        name,
+        mime,
+        Bytes::from_static(bytes),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     tx.commit().await.map_err(|e| e.to_string())?;
     Ok(Seed {
         space,
         notes,
         snapshot,
         documents,
+        reasoning,
+        reasoning_documents: vec![(format!("{name} (model-driven)"), id)],
     })
 }
 

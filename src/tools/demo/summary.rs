@@ -53,6 +53,78 @@ pub(super) struct ReadModel {
     dimension: Option<i32>,
 }
 
+/// What the model-driven space's compile left: its semantic nodes and receipt, outline
+/// summaries and graph, with a sample of each.
+pub(super) struct Semantic {
+    nodes: i64,
+    receipts: i64,
+    summaries: i64,
+    entities: i64,
+    relations: i64,
+    projections: i64,
+    summary: Option<String>,
+    sample_entities: Vec<String>,
+}
+
+/// Reads the model-driven space's generation rows of its head's documents.
+pub(super) async fn read_semantic(pool: &PgPool, space: Uuid) -> Result<Semantic, String> {
+    let count = |sql: &'static str| async move {
+        sqlx::query_scalar::<_, i64>(sql)
+            .bind(space)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let nodes = count(
+        "SELECT count(*) FROM knowledge_nodes WHERE knowledge_space_id = $1 \
+           AND metadata -> 'semanticChunking' ->> 'strategy' = 'llm-semantic-v1'",
+    )
+    .await?;
+    let receipts = count(
+        "SELECT count(*) FROM knowledge_node_generation_receipts WHERE knowledge_space_id = $1",
+    )
+    .await?;
+    let summaries = count(
+        "SELECT count(*) FROM document_outline_summary_checkpoints WHERE knowledge_space_id = $1",
+    )
+    .await?;
+    let entities =
+        count("SELECT count(*) FROM graph_entities WHERE knowledge_space_id = $1").await?;
+    let relations =
+        count("SELECT count(*) FROM graph_relations WHERE knowledge_space_id = $1").await?;
+    let projections = count(
+        "SELECT (SELECT count(*) FROM graph_entity_semantic_projections WHERE knowledge_space_id = $1) \
+           + (SELECT count(*) FROM graph_relation_semantic_projections WHERE knowledge_space_id = $1)",
+    )
+    .await?;
+    let summary: Option<String> = sqlx::query_scalar(
+        "SELECT n.summary FROM page_index_nodes n JOIN page_index_manifests m ON m.id = n.manifest_id \
+         WHERE m.knowledge_space_id = $1 AND n.summary IS NOT NULL ORDER BY n.level, n.start_offset, n.id LIMIT 1",
+    )
+    .bind(space)
+    .fetch_optional(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    let sample_entities: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM graph_entities WHERE knowledge_space_id = $1 \
+         ORDER BY jsonb_array_length(source_node_ids) DESC, name LIMIT 5",
+    )
+    .bind(space)
+    .fetch_all(pool)
+    .await
+    .map_err(|e| e.to_string())?;
+    Ok(Semantic {
+        nodes,
+        receipts,
+        summaries,
+        entities,
+        relations,
+        projections,
+        summary,
+        sample_entities,
+    })
+}
+
 /// Reads the read model the way the platform's retrieval does: through the head's publication
 /// and its members.
 pub(super) async fn read_model(pool: &PgPool, space: Uuid) -> Result<ReadModel, String> {
@@ -118,9 +190,10 @@ pub(super) async fn wait_deletion(
             .await
             .map_err(|e| e.to_string())?;
             let documents_left: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM document_assets d JOIN knowledge_spaces s ON s.id = d.knowledge_space_id \
-                 WHERE s.tenant_id = $1",
+                "SELECT count(*) FROM document_assets d JOIN deletion_jobs j \
+                   ON j.knowledge_space_id = d.knowledge_space_id WHERE j.id = $1 AND j.tenant_id = $2",
             )
+            .bind(job)
             .bind(TENANT)
             .fetch_one(pool)
             .await
@@ -140,6 +213,7 @@ pub(super) fn print_summary(
     before: &status::Status,
     after: &status::Status,
     model: &ReadModel,
+    semantic: &Semantic,
     research: &[(String, serde_json::Value)],
     removed: &Removed,
     kill: &Kill,
@@ -187,6 +261,26 @@ pub(super) fn print_summary(
         model.dense,
         model.dimension.map(|d| format!(" (dimension {d})")).unwrap_or_default()
     );
+    println!(
+        "model-driven space ({}, the offline reasoning model): {} semantic nodes with {} generation \
+         receipt(s), {} outline summaries, {} graph entities and {} relations with {} semantic projections",
+        super::seed::REASONING_MODEL,
+        semantic.nodes,
+        semantic.receipts,
+        semantic.summaries,
+        semantic.entities,
+        semantic.relations,
+        semantic.projections
+    );
+    if let Some(s) = &semantic.summary {
+        println!(
+            "  a section summary: {}",
+            s.chars().take(160).collect::<String>()
+        );
+    }
+    if !semantic.sample_entities.is_empty() {
+        println!("  entities: {}", semantic.sample_entities.join(", "));
+    }
     println!("research answers:");
     for (q, r) in research {
         println!("  Q: {q}");

@@ -47,6 +47,7 @@ impl Worker {
             .env("KFS_HTTP_ADDR", http)
             .env("KFS_RELAY_POLL", "250ms")
             .env("KFS_EMBEDDER", "offline")
+            .env("KFS_REASONER", "offline")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

@@ -139,7 +139,7 @@ pub(crate) async fn nodes_step(
     })
 }
 
-async fn write_graph(
+pub(crate) async fn write_graph(
     conn: &mut PgConnection,
     a: &Attempt,
     entities: &[graph::EntityRow],
@@ -201,7 +201,7 @@ async fn write_graph(
 
 /// The semantic projections of graph owners in `table`: each distinct text embedded once, in
 /// batches of [`graph::EMBED_BATCH`].
-async fn project(
+pub(crate) async fn project(
     conn: &mut PgConnection,
     embedder: &dyn Embedder,
     profile: &crate::embed::Profile,

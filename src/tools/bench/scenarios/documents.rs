@@ -147,6 +147,137 @@ async fn pdftotext(dir: &Path) -> Result<(u64, f64), String> {
     .await
 }
 
+/// The reasoning model the model-driven run's space selects.
+const REASONER: &str = "kfs-bench-reasoner";
+
+/// The model answers a model-driven compile checkpointed.
+#[derive(Clone, Copy, Debug, Default)]
+struct Calls {
+    windows: u64,
+    summaries: u64,
+    /// The most answers one document needed.
+    most: u64,
+}
+
+/// The corpus, `COPIES` times over, committed at once into a new space (whose retrieval
+/// profile selects `reasoner`, if given) and compiled by the worker: the pages of the documents
+/// whose attempts succeeded, the seconds from the commit to the last end, and the model answers.
+async fn compile_corpus(
+    env: &BenchEnv,
+    p: &Params,
+    store: &Store,
+    store_url: &str,
+    pages_each: &[u64],
+    reasoner: Option<&str>,
+) -> Result<(u64, f64, Calls), String> {
+    let opts = run_options(env, vec![Kind::Compile], p, store_url)?;
+    let queue = env.topology.queue(Kind::Compile);
+    let (space, docs) = {
+        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
+        let slug = if reasoner.is_some() {
+            "pdfs-models"
+        } else {
+            "pdfs"
+        };
+        let space = platform::create_space(&mut tx, TENANT, slug, "PDF corpus", SUBJECT)
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(model) = reasoner {
+            platform::activate_retrieval_profile(&mut tx, TENANT, space, model, "offline")
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let mut docs = Vec::new();
+        for copy in 0..COPIES {
+            for (i, (name, bytes)) in CORPUS.iter().enumerate() {
+                let id = platform::add_document(
+                    &mut tx,
+                    store,
+                    space,
+                    None,
+                    &format!("{copy}-{name}"),
+                    "application/pdf",
+                    Bytes::from_static(bytes),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+                docs.push((id, pages_each[i]));
+            }
+        }
+        tx.commit().await.map_err(|e| e.to_string())?;
+        (space, docs)
+    };
+    let label = if reasoner.is_some() {
+        "compile PDFs, model-driven"
+    } else {
+        "compile PDFs"
+    };
+    with_runtime(opts, async {
+        env.wait_consumers(&queue, 1, Duration::from_secs(60)).await?;
+        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
+        let mut attempts = Vec::with_capacity(docs.len());
+        for (d, _) in &docs {
+            attempts.push(
+                compile::request::request(&mut tx, *d, compile::request::RequestOptions::default())
+                    .await
+                    .map_err(|e| format!("compile request: {e}"))?,
+            );
+        }
+        tx.commit().await.map_err(|e| e.to_string())?;
+        let started = Instant::now();
+        let n = attempts.len() as u64;
+        let progress = Progress::new(label, n, p.interactive);
+        let count = "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
+               count(*) FILTER (WHERE run_state IN ('succeeded', 'failed', 'canceled', 'superseded')) \
+             FROM document_compilation_attempts WHERE id = ANY($1)";
+        let finished = wait_for(n, &progress, Duration::from_millis(20), || async {
+            let (_, fin): (i64, i64) = sqlx::query_as(count)
+                .bind(&attempts)
+                .fetch_one(&env.pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(fin as u64)
+        })
+        .await?;
+        let secs = started.elapsed().as_secs_f64();
+        progress.finish(finished);
+        let succeeded: Vec<bool> = sqlx::query_scalar(
+            "SELECT a.run_state = 'succeeded' FROM unnest($1::uuid[]) WITH ORDINALITY AS i(id, n) \
+             JOIN document_compilation_attempts a ON a.id = i.id ORDER BY i.n",
+        )
+        .bind(&attempts)
+        .fetch_all(&env.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        // Pages of the documents whose attempts succeeded.
+        let done: u64 = succeeded
+            .iter()
+            .zip(&docs)
+            .filter(|(ok, _)| **ok)
+            .map(|(_, (_, pages))| pages)
+            .sum();
+        let (windows, summaries, most): (i64, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM document_semantic_window_checkpoints WHERE knowledge_space_id = $1), \
+               (SELECT count(*) FROM document_outline_summary_checkpoints WHERE knowledge_space_id = $1), \
+               (SELECT coalesce(max(n), 0) FROM (SELECT count(*) AS n FROM ( \
+                  SELECT document_asset_id FROM document_semantic_window_checkpoints WHERE knowledge_space_id = $1 \
+                  UNION ALL SELECT document_asset_id FROM document_outline_summary_checkpoints \
+                  WHERE knowledge_space_id = $1) a GROUP BY document_asset_id) b)",
+        )
+        .bind(space)
+        .fetch_one(&env.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        let calls = Calls {
+            windows: u64::try_from(windows).unwrap_or(0),
+            summaries: u64::try_from(summaries).unwrap_or(0),
+            most: u64::try_from(most).unwrap_or(0),
+        };
+        Ok((done, secs, calls))
+    })
+    .await
+}
+
 /// The documents scenario.
 pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     let dir = std::env::temp_dir().join(format!("kfs-bench-{}", env.tag));
@@ -185,87 +316,22 @@ pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
     };
 
     // The worker: the corpus, twice over, committed at once into one space and compiled
-    // through the local parser, from that commit to the last attempt that succeeded.
+    // through the local parser, from that commit to the last attempt that succeeded; then the
+    // same into a space whose retrieval profile names a reasoning model (the offline model), so
+    // the model-driven walk is measured beside the deterministic one in the same run.
     let store_url = format!("file://{}", dir.join("store").display());
     std::fs::create_dir_all(dir.join("store")).map_err(|e| format!("object store: {e}"))?;
     let store = Store::open(&config::object_store(&store_url).map_err(|e| e.to_string())?)
         .map_err(|e| e.to_string())?;
-    let opts = run_options(env, vec![Kind::Compile], p, &store_url)?;
-    let queue = env.topology.queue(Kind::Compile);
-    let docs = {
-        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
-        let space = platform::create_space(&mut tx, TENANT, "pdfs", "PDF corpus", SUBJECT)
-            .await
-            .map_err(|e| e.to_string())?;
-        let mut docs = Vec::new();
-        for copy in 0..COPIES {
-            for (i, (name, bytes)) in CORPUS.iter().enumerate() {
-                let id = platform::add_document(
-                    &mut tx,
-                    &store,
-                    space,
-                    None,
-                    &format!("{copy}-{name}"),
-                    "application/pdf",
-                    Bytes::from_static(bytes),
-                )
-                .await
-                .map_err(|e| e.to_string())?;
-                docs.push((id, pages_each[i]));
-            }
+    let plain = compile_corpus(env, p, &store, &store_url, &pages_each, None).await;
+    let models = match plain {
+        Ok(_) => {
+            Some(compile_corpus(env, p, &store, &store_url, &pages_each, Some(REASONER)).await)
         }
-        tx.commit().await.map_err(|e| e.to_string())?;
-        docs
+        Err(_) => None,
     };
-    let compiled = with_runtime(opts, async {
-        env.wait_consumers(&queue, 1, Duration::from_secs(60)).await?;
-        let mut tx = env.pool.begin().await.map_err(|e| e.to_string())?;
-        let mut attempts = Vec::with_capacity(docs.len());
-        for (d, _) in &docs {
-            attempts.push(
-                compile::request::request(&mut tx, *d, compile::request::RequestOptions::default())
-                    .await
-                    .map_err(|e| format!("compile request: {e}"))?,
-            );
-        }
-        tx.commit().await.map_err(|e| e.to_string())?;
-        let started = Instant::now();
-        let n = attempts.len() as u64;
-        let progress = Progress::new("compile PDFs", n, p.interactive);
-        let count = "SELECT count(*) FILTER (WHERE run_state = 'succeeded'), \
-               count(*) FILTER (WHERE run_state IN ('succeeded', 'failed', 'canceled', 'superseded')) \
-             FROM document_compilation_attempts WHERE id = ANY($1)";
-        let finished = wait_for(n, &progress, Duration::from_millis(20), || async {
-            let (_, fin): (i64, i64) = sqlx::query_as(count)
-                .bind(&attempts)
-                .fetch_one(&env.pool)
-                .await
-                .map_err(|e| e.to_string())?;
-            Ok(fin as u64)
-        })
-        .await?;
-        let secs = started.elapsed().as_secs_f64();
-        progress.finish(finished);
-        let succeeded: Vec<bool> = sqlx::query_scalar(
-            "SELECT a.run_state = 'succeeded' FROM unnest($1::uuid[]) WITH ORDINALITY AS i(id, n) \
-             JOIN document_compilation_attempts a ON a.id = i.id ORDER BY i.n",
-        )
-        .bind(&attempts)
-        .fetch_all(&env.pool)
-        .await
-        .map_err(|e| e.to_string())?;
-        // Pages of the documents whose attempts succeeded.
-        let done: u64 = succeeded
-            .iter()
-            .zip(&docs)
-            .filter(|(ok, _)| **ok)
-            .map(|(_, (_, pages))| pages)
-            .sum();
-        Ok((done, secs))
-    })
-    .await;
     let _ = std::fs::remove_dir_all(&dir);
-    let (done, secs) = compiled?;
+    let (done, secs, _) = plain?;
     let total = corpus_pages * COPIES as u64;
     runs.push(Run::new(
         "compile (local parser)",
@@ -274,6 +340,15 @@ pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         secs,
         "pages/s",
     ));
+    let (done, secs, calls) = models.expect("run after the plain compile")?;
+    runs.push(Run::new(
+        "compile, model-driven (offline model)",
+        total,
+        done,
+        secs,
+        "pages/s",
+    ));
+    let documents = (CORPUS.len() * COPIES) as f64;
     Ok(Report::of_runs(
         "documents",
         "pages/s",
@@ -285,6 +360,13 @@ pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
             "compile_copies": COPIES,
             "cores": std::thread::available_parallelism().map_or(1, usize::from),
             "pdftotext": peer_note.unwrap_or_else(|| "ran".into()),
+            "model_calls_per_document": {
+                "windows": calls.windows as f64 / documents,
+                "summaries": calls.summaries as f64 / documents,
+                "most_in_one_document": calls.most,
+                "budget_requests_per_document": crate::model::Limits::default().document_requests,
+                "gate": crate::model::Limits::default().concurrency,
+            },
         }),
     ))
 }
