@@ -139,8 +139,17 @@ async fn every_scenario_reports_all_its_work_done() {
         [
             "local PDF parser",
             "pdftotext (poppler)",
-            "compile (local parser)"
+            "compile (local parser)",
+            "compile, model-driven (offline model)"
         ],
+        "{documents}"
+    );
+    // The model-driven run asked for windows and summaries, within the per-document budget.
+    let calls = &documents["settings"]["model_calls_per_document"];
+    assert!(num(calls, "windows") >= 1.0, "{documents}");
+    assert!(num(calls, "summaries") >= 1.0, "{documents}");
+    assert!(
+        num(calls, "most_in_one_document") <= num(calls, "budget_requests_per_document"),
         "{documents}"
     );
     for run in documents["runs"].as_array().unwrap() {

@@ -349,6 +349,9 @@ pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
         "pages/s",
     ));
     let documents = (CORPUS.len() * COPIES) as f64;
+    let limits = crate::model::config(|k| std::env::var(k).ok())
+        .map_err(|e| e.to_string())?
+        .1;
     Ok(Report::of_runs(
         "documents",
         "pages/s",
@@ -364,8 +367,8 @@ pub async fn documents(env: &BenchEnv, p: &Params) -> Result<Report, String> {
                 "windows": calls.windows as f64 / documents,
                 "summaries": calls.summaries as f64 / documents,
                 "most_in_one_document": calls.most,
-                "budget_requests_per_document": crate::model::Limits::default().document_requests,
-                "gate": crate::model::Limits::default().concurrency,
+                "budget_requests_per_document": limits.document_requests,
+                "gate": limits.concurrency,
             },
         }),
     ))

@@ -183,9 +183,13 @@ fn run_options(
         http_addr: None,
         admin_token: None,
         embedder: crate::embed::EmbedderConfig::Offline,
+        // The offline reasoning model under the model limits the environment sets (the gate,
+        // the per-document budget), so a run can show what they bound.
         reasoner: (
             crate::model::ReasonerConfig::Offline,
-            crate::model::Limits::default(),
+            crate::model::config(|k| std::env::var(k).ok())
+                .map_err(|e| e.to_string())?
+                .1,
         ),
         parser: Default::default(),
     })
