@@ -336,25 +336,7 @@ pub fn embedder_config(
         "" | "none" => Ok(EmbedderConfig::Unconfigured),
         "offline" => Ok(EmbedderConfig::Offline),
         "openai" => {
-            let (var, raw) = match get("KFS_EMBEDDING_BASE_URL") {
-                Some(v) => ("KFS_EMBEDDING_BASE_URL", v),
-                None => (
-                    "KFS_OPENAI_BASE_URL",
-                    get("KFS_OPENAI_BASE_URL").unwrap_or_else(|| {
-                        crate::jobs::research::generator::DEFAULT_OPENAI_BASE_URL.into()
-                    }),
-                ),
-            };
-            // Never echo the text: a malformed URL may still carry a password.
-            let base_url = url::Url::parse(raw.trim())
-                .ok()
-                .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
-                .ok_or_else(|| {
-                    ConfigError::new(
-                        var,
-                        "must be an http or https URL with a host, e.g. https://api.openai.com/v1",
-                    )
-                })?;
+            let base_url = openai_base_url(&get, "KFS_EMBEDDING_BASE_URL")?;
             let api_key = get("KFS_EMBEDDING_API_KEY")
                 .or_else(|| get("KFS_OPENAI_API_KEY"))
                 .map(|k| ApiKey::new(k.trim()));
@@ -385,6 +367,33 @@ pub fn embedder_config(
             "must be offline or openai (or unset for none)",
         )),
     }
+}
+
+/// The base URL of an OpenAI-compatible service: `own` (the adapter's setting), else
+/// `KFS_OPENAI_BASE_URL`, else the OpenAI API. A bad value is refused by its variable's name,
+/// never echoed (a malformed URL may still carry a password).
+pub fn openai_base_url(
+    get: &dyn Fn(&str) -> Option<String>,
+    own: &'static str,
+) -> Result<url::Url, ConfigError> {
+    let (var, raw) = match get(own) {
+        Some(v) => (own, v),
+        None => (
+            "KFS_OPENAI_BASE_URL",
+            get("KFS_OPENAI_BASE_URL").unwrap_or_else(|| {
+                crate::jobs::research::generator::DEFAULT_OPENAI_BASE_URL.into()
+            }),
+        ),
+    };
+    url::Url::parse(raw.trim())
+        .ok()
+        .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
+        .ok_or_else(|| {
+            ConfigError::new(
+                var,
+                "must be an http or https URL with a host, e.g. https://api.openai.com/v1",
+            )
+        })
 }
 
 /// The embedder a configuration names.

@@ -26,25 +26,7 @@ pub struct OpenAiChatConfig {
 /// `KFS_REASONING_API_KEY` (else `KFS_OPENAI_API_KEY`) and `KFS_REASONING_MODEL` (else the
 /// profile's model).
 pub fn config(get: &dyn Fn(&str) -> Option<String>) -> Result<OpenAiChatConfig, ConfigError> {
-    let (var, raw) = match get("KFS_REASONING_BASE_URL") {
-        Some(v) => ("KFS_REASONING_BASE_URL", v),
-        None => (
-            "KFS_OPENAI_BASE_URL",
-            get("KFS_OPENAI_BASE_URL").unwrap_or_else(|| {
-                crate::jobs::research::generator::DEFAULT_OPENAI_BASE_URL.into()
-            }),
-        ),
-    };
-    // Never echo the text: a malformed URL may still carry a password.
-    let base_url = url::Url::parse(raw.trim())
-        .ok()
-        .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some())
-        .ok_or_else(|| {
-            ConfigError::new(
-                var,
-                "must be an http or https URL with a host, e.g. https://api.openai.com/v1",
-            )
-        })?;
+    let base_url = crate::embed::openai_base_url(get, "KFS_REASONING_BASE_URL")?;
     Ok(OpenAiChatConfig {
         base_url,
         api_key: get("KFS_REASONING_API_KEY")

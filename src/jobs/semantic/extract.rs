@@ -16,23 +16,7 @@ pub const ENTITY_PROMPT_VERSION: &str = "entity-extraction-v1";
 pub const RELATION_PROMPT_VERSION: &str = "relation-extraction-v1";
 pub const MAX_PER_NODE: usize = 50;
 pub const MAX_OUTPUT_TOKENS: u32 = 1500;
-pub const ENTITY_TYPES: [&str; 7] = [
-    "date",
-    "metric",
-    "organization",
-    "person",
-    "policy",
-    "product",
-    "term",
-];
-pub const RELATION_TYPES: [&str; 6] = [
-    "mentions",
-    "defines",
-    "references",
-    "depends_on",
-    "supersedes",
-    "contradicts",
-];
+pub use crate::jobs::compile::semantic::plan::{ENTITY_TYPES, RELATION_TYPES};
 
 /// A node as the extraction stages see it.
 #[derive(Clone, Debug, PartialEq)]

@@ -87,15 +87,16 @@ pub(crate) async fn selection(
         .filter(|s| !is_extractive(s)))
 }
 
-/// A window's checkpoint: the model's fingerprint and its answer.
-type Checkpoints = HashMap<(String, String), (String, String)>;
+/// A window's checkpoint by window id and input fingerprint: the model's fingerprint, its answer
+/// and its completion record.
+type Checkpoints = HashMap<(String, String), (String, String, Value)>;
 
 async fn window_checkpoints(
     conn: &mut PgConnection,
     a: &Attempt,
 ) -> Result<Checkpoints, sqlx::Error> {
-    let rows: Vec<(String, String, String, String)> = sqlx::query_as(
-        "SELECT window_id::text, input_fingerprint::text, model_fingerprint::text, response_text \
+    let rows: Vec<(String, String, String, String, Value)> = sqlx::query_as(
+        "SELECT window_id::text, input_fingerprint::text, model_fingerprint::text, response_text, completion \
          FROM document_semantic_window_checkpoints \
          WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_generation_id = $3",
     )
@@ -106,7 +107,7 @@ async fn window_checkpoints(
     .await?;
     Ok(rows
         .into_iter()
-        .map(|(w, i, m, r)| ((w, i), (m, r)))
+        .map(|(w, i, m, r, c)| ((w, i), (m, r, c)))
         .collect())
 }
 
@@ -228,7 +229,7 @@ async fn windows(
     for w in &p.windows {
         let input = plan::input_fingerprint(&p.units, w);
         match stored.get(&(w.id.clone(), input.clone())) {
-            Some((m, _)) if *m != model_fp => {
+            Some((m, _, _)) if *m != model_fp => {
                 return Err(JobError::fatal(
                     super::profiles::COMPILATION_FAILED,
                     "Semantic window checkpoint model fingerprint changed",
@@ -395,21 +396,10 @@ pub(crate) async fn chunks(
 ) -> Result<Vec<(usize, answer::Chunk, Value)>, JobError> {
     let stored = window_checkpoints(conn, a).await?;
     let model_fp = plan::model_fingerprint(&sel.to_json());
-    let completions: HashMap<String, Value> = sqlx::query_as::<_, (String, Value)>(
-        "SELECT window_id::text, completion FROM document_semantic_window_checkpoints \
-         WHERE tenant_id = $1 AND knowledge_space_id = $2 AND publication_generation_id = $3",
-    )
-    .bind(&a.tenant)
-    .bind(a.space)
-    .bind(a.generation)
-    .fetch_all(&mut *conn)
-    .await?
-    .into_iter()
-    .collect();
     let mut out = Vec::new();
     for (i, w) in p.windows.iter().enumerate() {
         let input = plan::input_fingerprint(&p.units, w);
-        let Some((m, text)) = stored.get(&(w.id.clone(), input)) else {
+        let Some((m, text, completion)) = stored.get(&(w.id.clone(), input)) else {
             return Err(missing_checkpoint("semantic window", &w.id));
         };
         if *m != model_fp {
@@ -418,7 +408,6 @@ pub(crate) async fn chunks(
                 "Semantic window checkpoint model fingerprint changed",
             ));
         }
-        let completion = completions.get(&w.id).cloned().unwrap_or_else(|| json!({}));
         for c in answer::parse(text, &p.canonical, &p.units, w).map_err(|e| {
             JobError::fatal(
                 super::profiles::COMPILATION_FAILED,
