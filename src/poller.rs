@@ -14,6 +14,49 @@ use tokio_util::sync::CancellationToken;
 use crate::engine::leased::{run_slice, LeasedKind};
 use crate::engine::slice::Budget;
 
+/// A kind whose work is not a row of a job table — an evaluation due for a published attempt, a
+/// repair queued inside an evaluation row — so it claims in its own way, with the same
+/// discipline: a claim is exclusive, every write is fenced by it, and a holder that died loses
+/// it at once. Its loop ticks while there is work and sleeps the poll interval otherwise.
+#[async_trait::async_trait]
+pub trait PolledKind: Send + Sync + 'static {
+    fn name(&self) -> &'static str;
+    /// One round for `holder` (this process's liveness holder): claims what is due and runs it
+    /// to its end. Returns how much it ran.
+    async fn tick(&self, pool: &PgPool, holder: &str) -> Result<usize, sqlx::Error>;
+}
+
+/// Runs `kinds` until shutdown, each in a loop of its own.
+pub async fn run_polled(
+    pool: PgPool,
+    kinds: Vec<Arc<dyn PolledKind>>,
+    holder: String,
+    poll: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut loops = JoinSet::new();
+    for kind in kinds {
+        let (pool, holder, shutdown) = (pool.clone(), holder.clone(), shutdown.clone());
+        loops.spawn(async move {
+            while !shutdown.is_cancelled() {
+                // A round runs to its end: its claims end with their own writes.
+                match kind.tick(&pool, &holder).await {
+                    Ok(n) if n > 0 => continue,
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(kind = kind.name(), error = %e, "polled kind failed a round")
+                    }
+                }
+                tokio::select! {
+                    () = shutdown.cancelled() => break,
+                    () = tokio::time::sleep(poll) => {}
+                }
+            }
+        });
+    }
+    while loops.join_next().await.is_some() {}
+}
+
 /// How the leased runner behaves.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LeasedConfig {

@@ -305,6 +305,15 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     }
     // One set of model limits (gate, breaker) for the whole process.
     let models = crate::model::build(&opts.reasoner.0, opts.reasoner.1)?;
+    if let (Some(cfg), Some(_)) = (opts.leased.clone(), models.reasoner()) {
+        tasks.spawn(crate::poller::run_polled(
+            pool.clone(),
+            jobs::polled_kinds(models.clone()),
+            holder.clone(),
+            cfg.poll,
+            shutdown.clone(),
+        ));
+    }
     if let Some(cfg) = opts.leased.clone() {
         tasks.spawn(crate::poller::run(
             pool.clone(),

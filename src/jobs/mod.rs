@@ -14,9 +14,11 @@ pub mod backfill;
 pub mod bootstrap;
 pub mod compile;
 pub mod deletion;
+pub mod findability;
 pub mod operate;
 pub mod pageindex;
 pub mod probe;
+pub mod repair;
 pub mod research;
 pub mod semantic;
 
@@ -232,6 +234,17 @@ pub fn leased_kinds_with(
         Arc::new(crate::jobs::backfill::BackfillKind::default()),
         Arc::new(crate::jobs::pageindex::PageIndexKind::default()),
         Arc::new(crate::jobs::semantic::SemanticKind::new(models, embedder)),
+    ]
+}
+
+/// The kinds that follow a model-driven publish, polled with their own claims because their
+/// rows are not job rows (see [`crate::poller::PolledKind`]): one line per kind.
+pub fn polled_kinds(models: crate::model::Models) -> Vec<Arc<dyn crate::poller::PolledKind>> {
+    vec![
+        Arc::new(crate::jobs::findability::FindabilityKind::new(
+            models.clone(),
+        )),
+        Arc::new(crate::jobs::repair::RepairKind::new(models)),
     ]
 }
 

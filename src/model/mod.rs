@@ -33,14 +33,17 @@ pub enum Purpose {
     Entity,
     /// The relations between a node's entities.
     Relation,
+    /// One level of a page-index tree search: which visible sections to open or expand.
+    Navigate,
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 4] = [
+    pub const ALL: [Purpose; 5] = [
         Purpose::Chunk,
         Purpose::Summary,
         Purpose::Entity,
         Purpose::Relation,
+        Purpose::Navigate,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -49,6 +52,7 @@ impl Purpose {
             Purpose::Summary => "summary",
             Purpose::Entity => "entity",
             Purpose::Relation => "relation",
+            Purpose::Navigate => "navigate",
         }
     }
 }

@@ -48,6 +48,7 @@ impl Reasoner for Offline {
             Purpose::Summary => summary(input),
             Purpose::Entity => entities(input),
             Purpose::Relation => relations(input),
+            Purpose::Navigate => navigate(input),
         }
         .map_err(|why| {
             ModelError::Rejected(format!(
@@ -303,6 +304,68 @@ fn relations(input: &Value) -> Result<Value, String> {
         .map(|p| json!({"subject": p[0], "object": p[1], "type": "mentions", "confidence": 0.7}))
         .collect();
     Ok(json!({ "relations": list }))
+}
+
+/// The lower-cased words of three or more letters or digits in `s`.
+fn words(s: &str) -> std::collections::BTreeSet<String> {
+    s.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| w.chars().count() >= 3)
+        .map(str::to_lowercase)
+        .collect()
+}
+
+/// `{"decisions":[{action, nodeId, score, reason}]}`: every visible candidate that shares a word
+/// with the query, scored by the share of the query's words its title, path and summary hold;
+/// one with children is expanded, a leaf opened; at most 8, best first. No shared word: no
+/// decision (the search abstains).
+fn navigate(input: &Value) -> Result<Value, String> {
+    let query = words(text_of(input, "query")?);
+    if query.is_empty() {
+        return Ok(json!({ "decisions": [] }));
+    }
+    let candidates = input
+        .get("candidates")
+        .and_then(Value::as_array)
+        .ok_or("candidates is not an array")?;
+    let mut scored = Vec::new();
+    for c in candidates {
+        let id = c
+            .get("nodeId")
+            .and_then(Value::as_str)
+            .ok_or("a candidate has no nodeId")?;
+        let mut text = String::new();
+        for key in ["title", "summary"] {
+            text.push_str(c.get(key).and_then(Value::as_str).unwrap_or(""));
+            text.push(' ');
+        }
+        for p in c
+            .get("path")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            text.push_str(p.as_str().unwrap_or(""));
+            text.push(' ');
+        }
+        let shared: Vec<String> = query.intersection(&words(&text)).cloned().collect();
+        if shared.is_empty() {
+            continue;
+        }
+        let score = shared.len() as f64 / query.len() as f64;
+        let expand = c.get("childCount").and_then(Value::as_u64).unwrap_or(0) > 0;
+        scored.push((score, id.to_owned(), expand, shared));
+    }
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    let decisions: Vec<Value> = scored
+        .into_iter()
+        .take(8)
+        .map(|(score, id, expand, shared)| {
+            json!({ "action": if expand { "expand" } else { "open" }, "nodeId": id,
+                    "score": (score * 1e6).round() / 1e6,
+                    "reason": format!("shares {}", shared.join(", ")) })
+        })
+        .collect();
+    Ok(json!({ "decisions": decisions }))
 }
 
 #[cfg(test)]

@@ -32,6 +32,7 @@ mod deploy;
 mod documents;
 mod engine;
 mod fairness;
+mod findability;
 mod http;
 mod lead;
 mod leased;

@@ -179,7 +179,14 @@ pub(crate) async fn prepare(
     let art = steps::load_artifact(conn, &a).await?;
     let budget = Mutex::new(models.budget());
     let mut done = windows(conn, models, &budget, &a, &art, &sel).await?;
-    let more = outline_summaries(conn, models, &budget, &a, &art, &sel).await?;
+    let more = outline_summaries(
+        conn,
+        models,
+        &budget,
+        (&a, &art, &sel),
+        "compile-after-model-checkpoint",
+    )
+    .await?;
     done.calls += more.calls;
     done.reused += more.reused;
     Ok(done)
@@ -275,13 +282,47 @@ async fn windows(
     Ok(out)
 }
 
+/// A summary repair (`page-index.repair`) of a published model-driven attempt, outside any
+/// transaction: every outline summary of its generation is made again as the compile made it —
+/// one whose checkpoint exists is reused, a missing one is asked for and checkpointed. Nothing
+/// is published. An attempt whose capability grant was revoked, or whose profile names no
+/// reasoning model this process has, is refused.
+pub(crate) async fn resummarise(
+    conn: &mut PgConnection,
+    models: &Models,
+    attempt: uuid::Uuid,
+) -> Result<Prepared, JobError> {
+    let a = steps::load_attempt(conn, attempt).await?;
+    if let Some(grant) = a.authority.grant() {
+        let verdict = crate::capability::check(conn, &a.tenant, a.space, grant).await?;
+        if let Err(why) = verdict.into_result() {
+            return Err(JobError::fatal("CAPABILITY_REVOKED", why));
+        }
+    }
+    let Some(sel) = selection(conn, models, &a).await? else {
+        return Err(JobError::fatal(
+            "PAGE_INDEX_SUMMARY_REPAIR_UNAVAILABLE",
+            "PageIndex summary component repair requires the reasoning model of the attempt's profile",
+        ));
+    };
+    let art = steps::load_artifact(conn, &a).await?;
+    let budget = Mutex::new(models.budget());
+    outline_summaries(
+        conn,
+        models,
+        &budget,
+        (&a, &art, &sel),
+        "repair-after-model-checkpoint",
+    )
+    .await
+}
+
 async fn outline_summaries(
     conn: &mut PgConnection,
     models: &Models,
     budget: &Mutex<crate::model::Budget>,
-    a: &Attempt,
-    art: &Artifact,
-    sel: &Selection,
+    (a, art, sel): (&Attempt, &Artifact, &Selection),
+    crash_point: &'static str,
 ) -> Result<Prepared, JobError> {
     let o = super::outline::build(
         a.generation,
@@ -344,7 +385,7 @@ async fn outline_summaries(
             .bind(&meta)
             .execute(&mut *conn)
             .await?;
-            crate::crash::point("compile-after-model-checkpoint");
+            crate::crash::point(crash_point);
             done.insert(s.id.clone(), summary);
         }
     }
