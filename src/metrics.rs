@@ -120,6 +120,9 @@ pub fn register(served: &Served<'_>) {
             lk.checkpoints(),
         );
     }
+    for pk in crate::jobs::polled_kinds(crate::model::Models::none()) {
+        zero_gauges("kfs_jobs", pk.name(), "state", pk.states());
+    }
     metrics::gauge!("kfs_dead_letters").set(0.0);
     for p in crate::model::Purpose::ALL {
         for &o in crate::model::OUTCOMES {
@@ -392,9 +395,15 @@ pub fn record_status(status: &crate::status::Status) {
         }
     }
     let leased = crate::jobs::leased_kinds();
+    let polled = crate::jobs::polled_kinds(crate::model::Models::none());
     for k in &status.leased {
         let lk = leased.iter().find(|l| l.name() == k.kind);
-        for (state, n) in with_zeros(&k.jobs, lk.map_or(&[][..], |l| l.states())) {
+        let states = match (lk, polled.iter().find(|p| p.name() == k.kind)) {
+            (Some(l), _) => l.states(),
+            (None, Some(p)) => p.states(),
+            (None, None) => &[][..],
+        };
+        for (state, n) in with_zeros(&k.jobs, states) {
             metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state).set(n as f64);
         }
         for (cp, n) in with_zeros(&k.checkpoints, lk.map_or(&[][..], |l| l.checkpoints())) {

@@ -21,6 +21,10 @@ use crate::engine::slice::Budget;
 #[async_trait::async_trait]
 pub trait PolledKind: Send + Sync + 'static {
     fn name(&self) -> &'static str;
+    /// Every state its rows can be in: the label values of its `kfs_jobs` gauge.
+    fn states(&self) -> &'static [&'static str];
+    /// `SELECT state, count(*)` over its rows, for status and metrics.
+    fn counts_sql(&self) -> &'static str;
     /// One round for `holder` (this process's liveness holder): claims what is due and runs it
     /// to its end. Returns how much it ran.
     async fn tick(&self, pool: &PgPool, holder: &str) -> Result<usize, sqlx::Error>;

@@ -89,6 +89,16 @@ async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx:
             checkpoints: checkpoints.into_iter().collect(),
         });
     }
+    for kind in crate::jobs::polled_kinds(crate::model::Models::none()) {
+        let jobs: Vec<(String, i64)> = sqlx::query_as(kind.counts_sql())
+            .fetch_all(&mut *conn)
+            .await?;
+        out.push(LeasedStatus {
+            kind: kind.name().to_owned(),
+            jobs: jobs.into_iter().collect(),
+            checkpoints: BTreeMap::new(),
+        });
+    }
     Ok(out)
 }
 

@@ -216,6 +216,18 @@ async fn golden_questions_found_by_the_layered_search_pass_and_route_layered() {
             .await
             .unwrap();
     assert_eq!(r.outline_id, outline);
+    // Status counts the evaluations by verdict.
+    let st = kfs_worker::status::read(fx.pool(), &[]).await.unwrap();
+    let find = st
+        .leased
+        .iter()
+        .find(|l| l.kind == "findability")
+        .expect("findability in status");
+    assert!(
+        find.jobs.get("passed").copied().unwrap_or(0) >= 1,
+        "{find:?}"
+    );
+    assert!(kfs_worker::status::render(&st).contains("findability (leased)"));
     fx.cleanup().await;
 }
 

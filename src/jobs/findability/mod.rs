@@ -525,6 +525,14 @@ impl crate::poller::PolledKind for FindabilityKind {
         "findability"
     }
 
+    fn states(&self) -> &'static [&'static str] {
+        &["failed", "not-evaluated", "passed"]
+    }
+
+    fn counts_sql(&self) -> &'static str {
+        "SELECT status::text, count(*) FROM page_index_findability_evaluations GROUP BY 1"
+    }
+
     async fn tick(&self, pool: &PgPool, _holder: &str) -> Result<usize, sqlx::Error> {
         Ok(self.sweep(pool).await?.len())
     }

@@ -251,6 +251,15 @@ impl crate::poller::PolledKind for RepairKind {
         "repair"
     }
 
+    fn states(&self) -> &'static [&'static str] {
+        &["queued", "leased", "dispatched", "failed"]
+    }
+
+    fn counts_sql(&self) -> &'static str {
+        "SELECT summary_repair_state::text, count(*) FROM page_index_findability_evaluations \
+         WHERE summary_repair_state <> 'not-requested' GROUP BY 1"
+    }
+
     async fn tick(&self, pool: &PgPool, holder: &str) -> Result<usize, sqlx::Error> {
         Ok(self.run_due(pool, holder).await?.len())
     }
