@@ -1632,6 +1632,85 @@ async fn a_document_deletion_erases_every_version_its_derived_rows_and_its_graph
     fx.cleanup().await;
 }
 
+/// Counts of a document's rows in the tables a model-driven compile and its follow-on kinds add.
+async fn model_rows(pool: &PgPool, space: Uuid, doc: Uuid) -> BTreeMap<&'static str, i64> {
+    let mut out = BTreeMap::new();
+    for (table, sql) in [
+        ("window checkpoints", "SELECT count(*) FROM document_semantic_window_checkpoints WHERE document_asset_id = $2"),
+        ("summary checkpoints", "SELECT count(*) FROM document_outline_summary_checkpoints WHERE document_asset_id = $2"),
+        ("receipts", "SELECT count(*) FROM knowledge_node_generation_receipts WHERE document_asset_id = $2"),
+        ("evaluations", "SELECT count(*) FROM page_index_findability_evaluations WHERE document_asset_id = $2"),
+        ("graph entities", "SELECT count(*) FROM graph_entities WHERE knowledge_space_id = $1"),
+        ("graph relations", "SELECT count(*) FROM graph_relations WHERE knowledge_space_id = $1"),
+        ("entity projections", "SELECT count(*) FROM graph_entity_semantic_projections WHERE knowledge_space_id = $1"),
+        ("relation projections", "SELECT count(*) FROM graph_relation_semantic_projections WHERE knowledge_space_id = $1"),
+    ] {
+        let n: i64 = sqlx::query_scalar(sql)
+            .bind(space)
+            .bind(doc)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        out.insert(table, n);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_model_driven_document_deletion_erases_its_checkpoints_receipts_graph_and_evaluation() {
+    let fx = SpaceFx::new("tenant-md", "main", "Model docs").await;
+    let pool = fx.pool();
+    let mut c = conn(pool).await;
+    platform::activate_retrieval_profile(&mut c, "tenant-md", fx.space, "kfs-reasoner", "offline")
+        .await
+        .unwrap();
+    platform::activate_embedding_profile(&mut c, "tenant-md", fx.space, "e", "openai", 16)
+        .await
+        .unwrap();
+    drop(c);
+    let s = seed(&fx, "tenant-md", "main", "Model docs", 0, 0).await;
+    let doc = fx
+        .add(
+            "harbour.md",
+            "text/markdown",
+            b"# Harbour\n\nThe Harbour Authority hired Captain Morgan. Captain Morgan briefed the Pilot \
+Service on the Tide Table.\n\n## Fees\n\nThe Harbour Authority sets Berth Fees with the Port Council.\n",
+        )
+        .await;
+    let attempt = fx.request(doc, false).await.unwrap();
+    let st = fx
+        .drive(
+            &fx.engine_with("w-md", 64, Deps::offline_models(fx.store.clone())),
+            attempt,
+        )
+        .await;
+    assert_eq!(st.run_state, "succeeded", "{st:?}");
+    // Its findability evaluation (this process's, or a worker's that got there first).
+    let _ =
+        kfs_worker::jobs::findability::FindabilityKind::new(kfs_worker::model::Models::offline())
+            .evaluate(pool, attempt)
+            .await;
+    let before = model_rows(pool, s.id, doc).await;
+    for (table, n) in &before {
+        assert!(*n > 0, "the model-driven document has {table}: {before:?}");
+    }
+    let cat = catalog(pool).await;
+    let needles = needles_of(&fx, &s, doc).await;
+    let job = request(
+        pool,
+        &target_request(&s, Target::Document { id: doc }, "md"),
+    )
+    .await
+    .unwrap();
+    let driver = Driver::new(&fx, Arc::new(handler(&fx)), Budget::default()).await;
+    assert_eq!(driver.finish(job, true).await.0, "succeeded");
+    assert_finished_clean(pool, job).await;
+    assert_documents_gone(&fx, &cat, &s, &[doc], &needles).await;
+    let after = model_rows(pool, s.id, doc).await;
+    assert!(after.values().all(|n| *n == 0), "left: {after:?}");
+    fx.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_document_deletion_without_a_seeded_raw_object_item_still_erases_the_raw_object() {
     let fx = SpaceFx::new("tenant-t", "main", "Docs").await;

@@ -242,6 +242,13 @@ pub(super) fn document_tail() -> Vec<(&'static str, String, bool)> {
             format!("{} AND {}", in_space("t"), of_td("t")),
             false,
         ),
+        // No FK ties an evaluation (and the repair queued in it) to its document; it goes with
+        // the document all the same, so nothing names the document afterwards.
+        (
+            "page_index_findability_evaluations",
+            format!("{} AND {}", scoped("t"), of_td("t")),
+            false,
+        ),
         (
             "document_multimodal_manifests",
             format!("{} AND {}", in_space("t"), of_td("t")),
