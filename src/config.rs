@@ -643,6 +643,29 @@ pub struct Services {
     pub connect_timeout: Duration,
 }
 
+/// An API key of a model provider. Only its length can be printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey(String);
+
+impl ApiKey {
+    pub fn new(key: impl Into<String>) -> Self {
+        Self(key.into())
+    }
+
+    pub(crate) fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ApiKey(*** {} chars)", self.0.len())
+    }
+}
+
+/// Where the OpenAI-compatible adapters send requests unless told otherwise.
+pub const DEFAULT_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
+
 #[cfg(test)]
 mod tests {
     use super::*;

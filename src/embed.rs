@@ -16,8 +16,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::config::ApiKey;
 use crate::config::{self, ConfigError};
-use crate::jobs::research::generator::ApiKey;
 
 /// The embedding profile a space's active profile head names (`knowledge_space_profile_revisions`
 /// of kind `embedding`).
@@ -380,9 +380,8 @@ pub fn openai_base_url(
         Some(v) => (own, v),
         None => (
             "KFS_OPENAI_BASE_URL",
-            get("KFS_OPENAI_BASE_URL").unwrap_or_else(|| {
-                crate::jobs::research::generator::DEFAULT_OPENAI_BASE_URL.into()
-            }),
+            get("KFS_OPENAI_BASE_URL")
+                .unwrap_or_else(|| crate::config::DEFAULT_OPENAI_BASE_URL.into()),
         ),
     };
     url::Url::parse(raw.trim())

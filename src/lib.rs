@@ -67,4 +67,5 @@ pub mod store;
 pub mod telemetry;
 pub mod tls;
 pub mod tools;
-pub mod wire;
+/// The wire format lives in the engine; kept at this path for the tools and tests.
+pub use engine::wire;

@@ -28,6 +28,21 @@ pub const ID_NAMESPACE: i32 = 7_038_585;
 /// round trip.
 pub const IDLE: Duration = Duration::from_secs(5);
 
+/// The leases of earlier incarnations of `holder`'s worker id (see [`holder`]):
+/// `worker_id` is the bare id (as versions without incarnations wrote it) or exactly the holder
+/// format, the id, `#` and 8 hex digits of another incarnation. `$1` is the holder, `$2` its
+/// worker id. Only that exact format matches: a worker id may itself contain `#`, and the
+/// holders of `pod#7` (`pod#7#<8 hex>`) are not incarnations of `pod`.
+///
+/// The outbox kinds need no release of these at start: their holders are dead to
+/// `kfs_worker_alive`, so the deliveries the broker hands back are claimed at once, and the
+/// sweep publishes again only what no delivery brings back within its grace. Making their
+/// outbox rows due at start published a second copy of each at the back of the queue and left
+/// the redelivered one stale, behind the whole backlog.
+pub const EARLIER_INCARNATIONS: &str = "(j.worker_id = $2 \
+     OR (j.worker_id = $2 || '#' || right(j.worker_id, 8) AND right(j.worker_id, 8) ~ '^[0-9A-Fa-f]{8}$')) \
+     AND j.worker_id <> $1";
+
 /// A fresh holder name for a process running under `worker_id`: the id and an incarnation, so
 /// that leases of a process that died are not taken for those of its restarted successor.
 pub fn holder(worker_id: &str) -> String {

@@ -124,20 +124,9 @@ pub fn running(kind: Kind) -> &'static str {
     }
 }
 
-/// The leases of earlier incarnations of `holder`'s worker id (see [`crate::liveness::holder`]):
-/// `worker_id` is the bare id (as versions without incarnations wrote it) or exactly the holder
-/// format, the id, `#` and 8 hex digits of another incarnation. `$1` is the holder, `$2` its
-/// worker id. Only that exact format matches: a worker id may itself contain `#`, and the
-/// holders of `pod#7` (`pod#7#<8 hex>`) are not incarnations of `pod`.
-///
-/// The outbox kinds need no release of these at start: their holders are dead to
-/// `kfs_worker_alive`, so the deliveries the broker hands back are claimed at once, and the
-/// sweep publishes again only what no delivery brings back within its grace. Making their
-/// outbox rows due at start published a second copy of each at the back of the queue and left
-/// the redelivered one stale, behind the whole backlog.
-pub const EARLIER_INCARNATIONS: &str = "(j.worker_id = $2 \
-     OR (j.worker_id = $2 || '#' || right(j.worker_id, 8) AND right(j.worker_id, 8) ~ '^[0-9A-Fa-f]{8}$')) \
-     AND j.worker_id <> $1";
+/// The leases of earlier incarnations of a worker id: kept by [`crate::liveness`], the lowest
+/// room that needs it.
+pub use crate::liveness::EARLIER_INCARNATIONS;
 
 /// Deletes up to `batch` finished outbox rows older than `older_than`. Dead rows stay: they are
 /// the record of a failure and the handle of a manual retry.

@@ -3,6 +3,7 @@
 //! a process can export exists from [`register`] on, at zero, with each of its known label
 //! values, and a point-in-time gauge whose state emptied reads zero, not its last value.
 
+use std::collections::BTreeMap;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -34,7 +35,7 @@ pub fn install() -> PrometheusHandle {
         .clone()
 }
 
-/// How a delivery was decided: a claim's outcome ([`crate::engine::lease::Claim::outcome`]),
+/// How a delivery was decided: a claim's outcome (`Claim::outcome` in the engine),
 /// or `poison` for one that could not be decoded.
 pub const DELIVERY_OUTCOMES: &[&str] = &[
     "claimed",
@@ -45,7 +46,7 @@ pub const DELIVERY_OUTCOMES: &[&str] = &[
     "poison",
 ];
 
-/// How a slice ended ([`crate::engine::lease::End::name`], and a lost lease).
+/// How a slice ended (`End::name` in the engine, and a lost lease).
 pub const SLICE_ENDS: &[&str] = &[
     "succeeded",
     "failed",
@@ -59,18 +60,34 @@ pub const SLICE_ENDS: &[&str] = &[
 /// What became of the relay's messages.
 pub const RELAY_RESULTS: &[&str] = &["confirmed", "released", "dead"];
 
-/// What the process serves, for [`register`].
-pub struct Served<'a> {
-    /// The outbox kinds it relays or consumes.
-    pub kinds: &'a [crate::jobs::Kind],
-    /// Whether it runs the leased kinds (it reports their gauges either way).
-    pub leased: bool,
+/// What the process serves, for [`register`], as plain label values: the registry of kinds
+/// (`crate::jobs::served`) fills it in, so this module knows no kind.
+#[derive(Clone, Debug, Default)]
+pub struct Served {
+    /// The outbox kinds it relays or consumes, with their job states.
+    pub kinds: Vec<(&'static str, &'static [&'static str])>,
+    /// Every outbox status.
+    pub outbox_statuses: &'static [&'static str],
+    /// The leased kinds, with their states and checkpoints (their gauges are reported either
+    /// way).
+    pub leased: Vec<(
+        &'static str,
+        &'static [&'static str],
+        &'static [&'static str],
+    )>,
+    /// Whether it runs the leased kinds.
+    pub runs_leased: bool,
+    /// The polled kinds, with their states (gauges only).
+    pub polled: Vec<(&'static str, &'static [&'static str])>,
+    /// What model calls are for, and how they end.
+    pub model_purposes: Vec<&'static str>,
+    pub model_outcomes: &'static [&'static str],
 }
 
 /// Describes every metric and creates each series this process can export at zero, with every
 /// known label value, so that a fresh worker exports them all (Prometheus' `rate()` and alerts
 /// on absent series need them before the first event). Idempotent.
-pub fn register(served: &Served<'_>) {
+pub fn register(served: &Served) {
     describe();
     let counters =
         |name: &'static str, kind: &'static str, label: &'static str, values: &[&'static str]| {
@@ -87,49 +104,36 @@ pub fn register(served: &Served<'_>) {
         let _ = metrics::histogram!("kfs_attempt_number", "kind" => kind);
         let _ = metrics::histogram!("kfs_takeover_seconds", "kind" => kind);
     };
-    for &k in served.kinds {
-        let kind = k.name();
+    for &(kind, job_states) in &served.kinds {
         per_kind(kind);
         counters("kfs_deliveries_total", kind, "outcome", DELIVERY_OUTCOMES);
         counters("kfs_relay_messages_total", kind, "result", RELAY_RESULTS);
         let _ = metrics::histogram!("kfs_relay_publish_seconds", "kind" => kind);
         let _ = metrics::histogram!("kfs_relay_confirm_seconds", "kind" => kind);
-        zero_gauges("kfs_jobs", kind, "state", k.spec().job_states());
-        zero_gauges(
-            "kfs_outbox_rows",
-            kind,
-            "status",
-            crate::engine::kind::OUTBOX_STATUSES,
-        );
+        zero_gauges("kfs_jobs", kind, "state", job_states);
+        zero_gauges("kfs_outbox_rows", kind, "status", served.outbox_statuses);
         metrics::gauge!("kfs_relay_lag_seconds", "kind" => kind).set(0.0);
         metrics::gauge!("kfs_queue_messages", "kind" => kind).set(0.0);
         metrics::gauge!("kfs_backlog", "kind" => kind).set(0.0);
         metrics::gauge!("kfs_backlog_tenants", "kind" => kind).set(0.0);
         metrics::gauge!("kfs_backlog_top_tenant", "kind" => kind).set(0.0);
     }
-    for lk in crate::jobs::leased_kinds() {
-        let kind = lk.name();
-        if served.leased {
+    for &(kind, states, checkpoints) in &served.leased {
+        if served.runs_leased {
             per_kind(kind);
         }
-        zero_gauges("kfs_jobs", kind, "state", lk.states());
-        zero_gauges(
-            "kfs_leased_checkpoints",
-            kind,
-            "checkpoint",
-            lk.checkpoints(),
-        );
+        zero_gauges("kfs_jobs", kind, "state", states);
+        zero_gauges("kfs_leased_checkpoints", kind, "checkpoint", checkpoints);
     }
-    for pk in crate::jobs::polled_kinds(crate::model::Models::none()) {
-        zero_gauges("kfs_jobs", pk.name(), "state", pk.states());
+    for &(kind, states) in &served.polled {
+        zero_gauges("kfs_jobs", kind, "state", states);
     }
     metrics::gauge!("kfs_dead_letters").set(0.0);
-    for p in crate::model::Purpose::ALL {
-        for &o in crate::model::OUTCOMES {
-            metrics::counter!("kfs_model_calls_total", "purpose" => p.as_str(), "outcome" => o)
-                .increment(0);
+    for &p in &served.model_purposes {
+        for &o in served.model_outcomes {
+            metrics::counter!("kfs_model_calls_total", "purpose" => p, "outcome" => o).increment(0);
         }
-        let _ = metrics::histogram!("kfs_model_call_seconds", "purpose" => p.as_str());
+        let _ = metrics::histogram!("kfs_model_call_seconds", "purpose" => p);
     }
     metrics::gauge!("kfs_model_calls_in_flight").set(0.0);
 }
@@ -370,60 +374,70 @@ pub fn confirm_latency(kind: &'static str, took: Duration) {
     metrics::histogram!("kfs_relay_confirm_seconds", "kind" => kind).record(took.as_secs_f64());
 }
 
-/// Point-in-time numbers read from the database at scrape time. A known state that no row has
-/// any more is set to zero: the read returns only the states that have rows.
-pub fn record_status(status: &crate::status::Status) {
-    for k in &status.kinds {
-        let known =
-            crate::jobs::Kind::named(&k.kind).map_or(&[][..], |kind| kind.spec().job_states());
-        for (state, n) in with_zeros(&k.jobs, known) {
-            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state).set(n as f64);
-        }
-        for (st, n) in with_zeros(&k.outbox, crate::engine::kind::OUTBOX_STATUSES) {
-            metrics::gauge!("kfs_outbox_rows", "kind" => k.kind.clone(), "status" => st)
-                .set(n as f64);
-        }
-        metrics::gauge!("kfs_relay_lag_seconds", "kind" => k.kind.clone())
-            .set(k.oldest_due_seconds.unwrap_or(0.0));
-        metrics::gauge!("kfs_backlog", "kind" => k.kind.clone()).set(k.backlog as f64);
-        metrics::gauge!("kfs_backlog_tenants", "kind" => k.kind.clone())
-            .set(k.backlog_tenants as f64);
-        metrics::gauge!("kfs_backlog_top_tenant", "kind" => k.kind.clone())
-            .set(k.top_tenants.first().map_or(0.0, |t| t.1 as f64));
-        if let Some(q) = k.queued_messages {
-            metrics::gauge!("kfs_queue_messages", "kind" => k.kind.clone()).set(f64::from(q));
-        }
+/// Point-in-time numbers of one outbox kind, read from the database at scrape time.
+#[derive(Clone, Copy, Debug)]
+pub struct KindNumbers<'a> {
+    pub kind: &'a str,
+    /// Jobs by state, and every state the kind has (a known state without rows reads zero).
+    pub jobs: &'a BTreeMap<String, i64>,
+    pub job_states: &'a [&'a str],
+    /// Outbox rows by status, and every status.
+    pub outbox: &'a BTreeMap<String, i64>,
+    pub outbox_statuses: &'a [&'a str],
+    pub oldest_due_seconds: Option<f64>,
+    pub backlog: i64,
+    pub backlog_tenants: i64,
+    pub top_tenant: Option<i64>,
+    pub queued_messages: Option<u32>,
+}
+
+/// Records one outbox kind's point-in-time numbers.
+pub fn record_kind(k: &KindNumbers<'_>) {
+    let kind = k.kind.to_owned();
+    for (state, n) in with_zeros(k.jobs, k.job_states) {
+        metrics::gauge!("kfs_jobs", "kind" => kind.clone(), "state" => state).set(n as f64);
     }
-    let leased = crate::jobs::leased_kinds();
-    let polled = crate::jobs::polled_kinds(crate::model::Models::none());
-    for k in &status.leased {
-        let lk = leased.iter().find(|l| l.name() == k.kind);
-        let states = match (lk, polled.iter().find(|p| p.name() == k.kind)) {
-            (Some(l), _) => l.states(),
-            (None, Some(p)) => p.states(),
-            (None, None) => &[][..],
-        };
-        for (state, n) in with_zeros(&k.jobs, states) {
-            metrics::gauge!("kfs_jobs", "kind" => k.kind.clone(), "state" => state).set(n as f64);
-        }
-        for (cp, n) in with_zeros(&k.checkpoints, lk.map_or(&[][..], |l| l.checkpoints())) {
-            metrics::gauge!("kfs_leased_checkpoints", "kind" => k.kind.clone(), "checkpoint" => cp)
-                .set(n as f64);
-        }
+    for (st, n) in with_zeros(k.outbox, k.outbox_statuses) {
+        metrics::gauge!("kfs_outbox_rows", "kind" => kind.clone(), "status" => st).set(n as f64);
     }
-    if let Some(d) = status.dead_letters {
-        metrics::gauge!("kfs_dead_letters").set(f64::from(d));
+    metrics::gauge!("kfs_relay_lag_seconds", "kind" => kind.clone())
+        .set(k.oldest_due_seconds.unwrap_or(0.0));
+    metrics::gauge!("kfs_backlog", "kind" => kind.clone()).set(k.backlog as f64);
+    metrics::gauge!("kfs_backlog_tenants", "kind" => kind.clone()).set(k.backlog_tenants as f64);
+    metrics::gauge!("kfs_backlog_top_tenant", "kind" => kind.clone())
+        .set(k.top_tenant.unwrap_or(0) as f64);
+    if let Some(q) = k.queued_messages {
+        metrics::gauge!("kfs_queue_messages", "kind" => kind).set(f64::from(q));
     }
+}
+
+/// Records a leased (or polled) kind's jobs by state and by checkpoint, every known value
+/// without rows at zero.
+pub fn record_leased(
+    kind: &str,
+    jobs: &BTreeMap<String, i64>,
+    states: &[&str],
+    checkpoints: &BTreeMap<String, i64>,
+    known_checkpoints: &[&str],
+) {
+    for (state, n) in with_zeros(jobs, states) {
+        metrics::gauge!("kfs_jobs", "kind" => kind.to_owned(), "state" => state).set(n as f64);
+    }
+    for (cp, n) in with_zeros(checkpoints, known_checkpoints) {
+        metrics::gauge!("kfs_leased_checkpoints", "kind" => kind.to_owned(), "checkpoint" => cp)
+            .set(n as f64);
+    }
+}
+
+/// Records the messages in the dead-letter queue.
+pub fn record_dead_letters(n: u32) {
+    metrics::gauge!("kfs_dead_letters").set(f64::from(n));
 }
 
 /// `counts` with every `known` label value that has no count, at zero: a gauge whose state
 /// emptied must read zero, not the last count it had.
-fn with_zeros(
-    counts: &std::collections::BTreeMap<String, i64>,
-    known: &[&str],
-) -> Vec<(String, i64)> {
-    let mut out: std::collections::BTreeMap<String, i64> =
-        known.iter().map(|s| ((*s).to_owned(), 0)).collect();
+fn with_zeros(counts: &BTreeMap<String, i64>, known: &[&str]) -> Vec<(String, i64)> {
+    let mut out: BTreeMap<String, i64> = known.iter().map(|s| ((*s).to_owned(), 0)).collect();
     out.extend(counts.iter().map(|(s, n)| (s.clone(), *n)));
     out.into_iter().collect()
 }

@@ -190,10 +190,7 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
     let mut tasks = JoinSet::new();
     let health = Arc::new(crate::http::Health::new(opts.relay, opts.consumer));
     crate::metrics::install();
-    crate::metrics::register(&crate::metrics::Served {
-        kinds: &opts.kinds,
-        leased: opts.leased.is_some(),
-    });
+    crate::metrics::register(&jobs::served(&opts.kinds, opts.leased.is_some()));
     if let Some(addr) = opts.http_addr {
         let listener = crate::http::bind(addr).await?;
         let bound = listener.local_addr()?;
@@ -273,7 +270,11 @@ pub async fn run(opts: RunOptions, shutdown: CancellationToken) -> anyhow::Resul
         } else {
             0
         };
-    match db::capacity(&pool, lock.is_some()).await {
+    // The live workers hold a liveness lock; this one is counted whether or not it holds one.
+    let workers = crate::liveness::count_live(&pool)
+        .await
+        .map(|n| n + i64::from(lock.is_none()));
+    match async { db::capacity(&pool, workers?).await }.await {
         Ok(cap) => {
             if let Some(warning) = db::over_capacity(per_worker, cap) {
                 tracing::warn!(

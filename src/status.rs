@@ -102,6 +102,41 @@ async fn read_leased(conn: &mut PgConnection) -> Result<Vec<LeasedStatus>, sqlx:
     Ok(out)
 }
 
+/// Records what a status read found as the point-in-time gauges of `/metrics`, with every state
+/// the registry knows for each kind (one without rows reads zero).
+pub fn record_metrics(status: &Status) {
+    for k in &status.kinds {
+        let known = Kind::named(&k.kind).map_or(&[][..], |kind| kind.spec().job_states());
+        crate::metrics::record_kind(&crate::metrics::KindNumbers {
+            kind: &k.kind,
+            jobs: &k.jobs,
+            job_states: known,
+            outbox: &k.outbox,
+            outbox_statuses: crate::engine::kind::OUTBOX_STATUSES,
+            oldest_due_seconds: k.oldest_due_seconds,
+            backlog: k.backlog,
+            backlog_tenants: k.backlog_tenants,
+            top_tenant: k.top_tenants.first().map(|t| t.1),
+            queued_messages: k.queued_messages,
+        });
+    }
+    let leased = crate::jobs::leased_kinds();
+    let polled = crate::jobs::polled_kinds(crate::model::Models::none());
+    for k in &status.leased {
+        let lk = leased.iter().find(|l| l.name() == k.kind);
+        let states = match (lk, polled.iter().find(|p| p.name() == k.kind)) {
+            (Some(l), _) => l.states(),
+            (None, Some(p)) => p.states(),
+            (None, None) => &[][..],
+        };
+        let checkpoints = lk.map_or(&[][..], |l| l.checkpoints());
+        crate::metrics::record_leased(&k.kind, &k.jobs, states, &k.checkpoints, checkpoints);
+    }
+    if let Some(d) = status.dead_letters {
+        crate::metrics::record_dead_letters(d);
+    }
+}
+
 /// Reads the numbers of `kinds` from Postgres, on one connection taken by [`db::acquire`], so
 /// that `/metrics` still answers while the worker's pool is at Postgres' connection limit.
 pub async fn read(pool: &PgPool, kinds: &[Kind]) -> Result<Status, sqlx::Error> {

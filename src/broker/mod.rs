@@ -230,6 +230,13 @@ fn classify(url: &SecretUrl, e: &lapin::Error) -> ConnectError {
     }
 }
 
+/// What the broker needs of a job kind: its queue's name under a prefix and the routing key its
+/// messages carry. The job kinds implement it (`crate::jobs`); the broker knows none of them.
+pub trait Routed: Copy {
+    fn queue_name(&self, prefix: &str) -> String;
+    fn routing_key(&self) -> &'static str;
+}
+
 /// Exchange, queues and dead-letter queue names under one prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -251,16 +258,16 @@ impl Topology {
         format!("{}.jobs.dead", self.prefix)
     }
 
-    pub fn queue(&self, kind: crate::jobs::Kind) -> String {
-        kind.spec().queue_name(&self.prefix)
+    pub fn queue<K: Routed>(&self, kind: K) -> String {
+        kind.queue_name(&self.prefix)
     }
 
     /// Declares the exchange, the dead-letter queue and the queues of `kinds`, and binds them.
     /// Idempotent: the same arguments every time, so a redeclare never conflicts.
-    pub async fn declare(
+    pub async fn declare<K: Routed>(
         &self,
         channel: &lapin::Channel,
-        kinds: &[crate::jobs::Kind],
+        kinds: &[K],
     ) -> Result<(), lapin::Error> {
         use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
         use lapin::types::{AMQPValue, FieldTable};
@@ -318,7 +325,7 @@ impl Topology {
                 .queue_bind(
                     queue.as_str().into(),
                     self.exchange().as_str().into(),
-                    kind.event_type().into(),
+                    kind.routing_key().into(),
                     QueueBindOptions::default(),
                     FieldTable::default(),
                 )
@@ -328,10 +335,10 @@ impl Topology {
     }
 
     /// Deletes everything [`Self::declare`] made; for tests and benchmarks.
-    pub async fn delete(
+    pub async fn delete<K: Routed>(
         &self,
         channel: &lapin::Channel,
-        kinds: &[crate::jobs::Kind],
+        kinds: &[K],
     ) -> Result<(), lapin::Error> {
         use lapin::options::{ExchangeDeleteOptions, QueueDeleteOptions};
         for &kind in kinds {

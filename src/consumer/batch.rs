@@ -16,8 +16,8 @@ use uuid::Uuid;
 use super::{Engine, Handled};
 use crate::crash;
 use crate::engine::lease::{self, DeliveryRef};
+use crate::engine::wire;
 use crate::jobs::Kind;
-use crate::wire;
 
 impl Engine {
     /// Handles deliveries of `kind` that arrived together, from their AMQP properties and

@@ -25,9 +25,9 @@ use tracing::Instrument;
 
 use crate::crash;
 use crate::engine::backoff::{nap, retry_pause};
+use crate::engine::wire;
 use crate::engine::{lease, slice};
 use crate::jobs::{Handler, Kind, Policy};
-use crate::wire;
 use lease::{Claim, DeliveryRef, Statements};
 use slice::Budget;
 

@@ -449,8 +449,8 @@ pub struct Capacity {
     pub workers: i64,
 }
 
-/// Reads [`Capacity`]. `counted`: whether this process already holds its liveness lock.
-pub async fn capacity(pool: &PgPool, counted: bool) -> Result<Capacity, sqlx::Error> {
+/// Reads [`Capacity`], given the live worker processes the caller counted (this one included).
+pub async fn capacity(pool: &PgPool, workers: i64) -> Result<Capacity, sqlx::Error> {
     let (usable, others): (i64, i64) = sqlx::query_as(
         "SELECT current_setting('max_connections')::bigint \
                 - current_setting('superuser_reserved_connections')::bigint, \
@@ -459,11 +459,10 @@ pub async fn capacity(pool: &PgPool, counted: bool) -> Result<Capacity, sqlx::Er
     )
     .fetch_one(pool)
     .await?;
-    let workers = crate::liveness::count_live(pool).await?;
     Ok(Capacity {
         usable,
         others,
-        workers: workers + i64::from(!counted),
+        workers,
     })
 }
 

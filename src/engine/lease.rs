@@ -23,7 +23,7 @@ pub use fenced::{advance, end, fence, heartbeat, idle_timeout, resync};
 use std::time::Duration;
 
 use super::kind::{Clock, JobCtx, KindSpec, States};
-pub use crate::wire::DeliveryRef;
+pub use crate::engine::wire::DeliveryRef;
 
 /// The prepared statement texts of one kind, rendered once.
 #[derive(Debug)]
@@ -49,9 +49,9 @@ pub struct Statements {
     spec: &'static KindSpec,
 }
 
-/// The columns an end or a release clears, in every table shape.
-pub const LEASE_CLEAR: &str =
-    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
+/// The columns an end or a release clears, in every table shape (kept where settling, the lowest
+/// user, needs it).
+pub use super::settle::LEASE_CLEAR;
 
 impl Statements {
     pub fn new(spec: &'static KindSpec) -> Self {

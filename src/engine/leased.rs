@@ -104,7 +104,7 @@ pub trait LeasedKind: Send + Sync + 'static {
         self::end(conn, self, job, end).await
     }
     /// Ends the leases of earlier incarnations of `worker_id`'s id (a dead predecessor's, see
-    /// [`crate::maintenance::EARLIER_INCARNATIONS`]), so that a restart under the same id takes
+    /// [`crate::liveness::EARLIER_INCARNATIONS`]), so that a restart under the same id takes
     /// its jobs back at once.
     async fn release_own(
         &self,
@@ -298,7 +298,7 @@ pub async fn release_own(
     let done = sqlx::query(&format!(
         "UPDATE {table} SET run_state = 'queued', {LEASE_CLEAR}, row_version = row_version + 1, updated_at = now() \
          WHERE {} AND run_state = 'running'",
-        crate::maintenance::EARLIER_INCARNATIONS.replace("j.", "")
+        crate::liveness::EARLIER_INCARNATIONS.replace("j.", "")
     ))
     .bind(worker_id)
     .bind(crate::liveness::id_of(worker_id))

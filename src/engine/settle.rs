@@ -12,7 +12,10 @@ use sqlx::PgConnection;
 use uuid::Uuid;
 
 use super::kind::{Handler, JobCtx, KindSpec, States};
-use super::lease::LEASE_CLEAR;
+
+/// The columns an end or a release clears, in every table shape.
+pub const LEASE_CLEAR: &str =
+    "worker_id = NULL, lease_token = NULL, lease_expires_at = NULL, heartbeat_at = NULL";
 
 /// The code a job fails with when its outbox row can never be delivered.
 pub const UNDELIVERABLE: &str = "undeliverable";
@@ -140,7 +143,7 @@ pub async fn settle(
     if held == Some(true) {
         return Ok(Settled::Left("a live worker holds the job"));
     }
-    let unusable = crate::wire::unusable_row(
+    let unusable = crate::engine::wire::unusable_row(
         st.spec,
         outbox_id,
         job_id,

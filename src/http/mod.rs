@@ -133,7 +133,7 @@ async fn metrics(State(st): State<AppState>) -> impl IntoResponse {
             crate::status::add_queue_depths(&mut status, &conn, &st.topology, &st.kinds).await;
             let _ = conn.close(200, "metrics".into()).await;
         }
-        crate::metrics::record_status(&status);
+        crate::status::record_metrics(&status);
     }
     (
         [("content-type", "text/plain; version=0.0.4")],

@@ -215,6 +215,56 @@ impl Ord for Kind {
     }
 }
 
+/// The metric series a process serving `kinds` (and the leased kinds, when `leased`) exports,
+/// as plain label values for [`crate::metrics::register`].
+pub fn served(kinds: &[Kind], leased: bool) -> crate::metrics::Served {
+    crate::metrics::Served {
+        kinds: kinds
+            .iter()
+            .map(|k| (k.name(), k.spec().job_states()))
+            .collect(),
+        outbox_statuses: crate::engine::kind::OUTBOX_STATUSES,
+        leased: leased_kinds()
+            .iter()
+            .map(|l| (l.name(), l.states(), l.checkpoints()))
+            .collect(),
+        runs_leased: leased,
+        polled: polled_kinds(crate::model::Models::none())
+            .iter()
+            .map(|p| (p.name(), p.states()))
+            .collect(),
+        model_purposes: crate::model::Purpose::ALL
+            .iter()
+            .map(|p| p.as_str())
+            .collect(),
+        model_outcomes: crate::model::OUTCOMES,
+    }
+}
+
+/// The job error a step fails with when a model call does not answer: an unavailable model is
+/// retried; a refusal or a spent budget is not. A spent budget is recorded as the platform's
+/// compile records it: [`crate::model::BUDGET_EXCEEDED`], with the budget's message.
+impl From<crate::model::ModelError> for JobError {
+    fn from(e: crate::model::ModelError) -> Self {
+        use crate::model::ModelError;
+        match e {
+            ModelError::Unavailable(m) => JobError::retryable("model_unavailable", m),
+            ModelError::Rejected(m) => JobError::fatal("model_rejected", m),
+            ModelError::Budget(m) => JobError::fatal(crate::model::BUDGET_EXCEEDED, m),
+        }
+    }
+}
+
+impl crate::broker::Routed for Kind {
+    fn queue_name(&self, prefix: &str) -> String {
+        self.spec().queue_name(prefix)
+    }
+
+    fn routing_key(&self) -> &'static str {
+        self.event_type()
+    }
+}
+
 /// The leased kinds, as status, metrics and the dashboard know them (no model, no embedder).
 pub fn leased_kinds() -> Vec<Arc<dyn crate::engine::leased::LeasedKind>> {
     leased_kinds_with(
@@ -238,8 +288,10 @@ pub fn leased_kinds_with(
 }
 
 /// The kinds that follow a model-driven publish, polled with their own claims because their
-/// rows are not job rows (see [`crate::poller::PolledKind`]): one line per kind.
-pub fn polled_kinds(models: crate::model::Models) -> Vec<Arc<dyn crate::poller::PolledKind>> {
+/// rows are not job rows (see [`crate::engine::polled::PolledKind`]): one line per kind.
+pub fn polled_kinds(
+    models: crate::model::Models,
+) -> Vec<Arc<dyn crate::engine::polled::PolledKind>> {
     vec![
         Arc::new(crate::jobs::findability::FindabilityKind::new(
             models.clone(),
@@ -319,6 +371,29 @@ mod tests {
         assert!(Kind::parse_list(",").is_err());
         assert_eq!(Kind::from_event_type("research.task"), Some(Kind::Research));
         assert_eq!(Kind::from_event_type("x"), None);
+    }
+
+    #[test]
+    fn a_model_error_becomes_the_platforms_job_error() {
+        use crate::model::ModelError;
+        let table = [
+            (
+                ModelError::Unavailable("u".into()),
+                "model_unavailable",
+                false,
+            ),
+            (ModelError::Rejected("r".into()), "model_rejected", true),
+            (
+                ModelError::Budget("b".into()),
+                "DOCUMENT_COMPILATION_FAILED",
+                true,
+            ),
+        ];
+        for (e, code, fatal) in table {
+            let j = JobError::from(e);
+            assert_eq!(j.code(), code);
+            assert_eq!(matches!(j, JobError::Fatal { .. }), fatal, "{code}");
+        }
     }
 
     #[test]

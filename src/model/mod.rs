@@ -105,19 +105,6 @@ pub enum ModelError {
     Budget(String),
 }
 
-impl ModelError {
-    /// The job error a compile step fails with: an unavailable model is retried; a refusal or a
-    /// spent budget is not. A spent budget is recorded as the platform's compile records it:
-    /// [`BUDGET_EXCEEDED`], with the budget's message.
-    pub fn into_job_error(self) -> crate::jobs::JobError {
-        match self {
-            ModelError::Unavailable(m) => crate::jobs::JobError::retryable("model_unavailable", m),
-            ModelError::Rejected(m) => crate::jobs::JobError::fatal("model_rejected", m),
-            ModelError::Budget(m) => crate::jobs::JobError::fatal(BUDGET_EXCEEDED, m),
-        }
-    }
-}
-
 /// The failure code of a compile whose document spent its model budget. The platform's budget
 /// error carries `DOCUMENT_MODEL_BUDGET_EXCEEDED`, but it is no compilation processing error, so
 /// its compile worker's classifier records the attempt as `DOCUMENT_COMPILATION_FAILED` (not
@@ -503,9 +490,6 @@ mod tests {
         models.call(&budget, "m", &prompt("x")).await.unwrap();
         let e = models.call(&budget, "m", &prompt("x")).await.unwrap_err();
         assert!(matches!(e, ModelError::Budget(_)), "{e:?}");
-        let j = e.clone().into_job_error();
-        assert_eq!(j.code(), "DOCUMENT_COMPILATION_FAILED");
-        assert!(matches!(j, crate::jobs::JobError::Fatal { .. }));
         assert_eq!(flaky.calls.load(Ordering::SeqCst), 2);
         // Another document has its own budget.
         let other = Mutex::new(models.budget());

@@ -9,8 +9,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::{Completion, ModelError, Prompt, Reasoner};
+use crate::config::ApiKey;
 use crate::config::{self, ConfigError};
-use crate::jobs::research::generator::ApiKey;
 
 /// Settings of the adapter.
 #[derive(Clone, Debug, PartialEq)]

@@ -38,8 +38,8 @@ use uuid::Uuid;
 
 use crate::broker::Topology;
 use crate::crash;
+use crate::engine::wire::{valid_traceparent, OutboundMessage};
 use crate::jobs::{Kind, RetryPolicy};
-use crate::wire::{valid_traceparent, OutboundMessage};
 use statements::Statements;
 
 /// Sessions a relay takes out of the shared pool for good ([`crate::db::own_session`]): its
@@ -369,14 +369,14 @@ impl Relay {
                 continue;
             }
             let mut msg = message(kind, row);
-            if msg.body.len() > crate::wire::MAX_BODY {
+            if msg.body.len() > crate::engine::wire::MAX_BODY {
                 // No consumer would accept it: it can never be delivered.
                 failed.push(Failed::dead(
                     i,
                     format!(
                         "undeliverable: a payload of {} bytes is over the limit of {}",
                         msg.body.len(),
-                        crate::wire::MAX_BODY
+                        crate::engine::wire::MAX_BODY
                     ),
                 ));
                 continue;

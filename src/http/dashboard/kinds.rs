@@ -8,7 +8,7 @@ use axum::http::StatusCode;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::actions::{field, ActError, ActionForm, Authorized};
+use super::gate::{field, ActError, ActionForm, Authorized};
 use crate::jobs::operate::{ActionArgs, ActionError, Input};
 use crate::jobs::Kind;
 

@@ -11,6 +11,7 @@
 //! database).
 
 mod actions;
+mod gate;
 mod kinds;
 mod queries;
 mod render;
@@ -23,14 +24,14 @@ use axum::{Form, Json, Router};
 use serde_json::Value;
 use uuid::Uuid;
 
-pub use actions::ActionForm;
+pub use gate::ActionForm;
 pub use kinds::{checkpoint_order, job_actions, kind_actions};
 pub use queries::{job_detail, overview, JobDetail, JobRow, KindOverview, Overview, Section};
 pub use render::{esc, render_dlq, render_failures, render_kinds, render_recent};
 
 use super::AppState;
 use crate::jobs::Kind;
-use actions::Outcome;
+use gate::Outcome;
 
 const CSS: &str = include_str!("dashboard.css");
 const JS: &str = include_str!("dashboard.js");
@@ -168,7 +169,7 @@ async fn job_action(
     } else {
         "/".to_owned()
     };
-    let auth = match actions::authorize(&st, &headers, &form, &back) {
+    let auth = match gate::authorize(&st, &headers, &form, &back) {
         Ok(auth) => auth,
         Err(refusal) => return respond(refusal, &headers),
     };
@@ -192,11 +193,11 @@ async fn dlq_requeue(
     headers: HeaderMap,
     Form(form): Form<ActionForm>,
 ) -> Response {
-    let auth = match actions::authorize(&st, &headers, &form, "/#dead-letters") {
+    let auth = match gate::authorize(&st, &headers, &form, "/#dead-letters") {
         Ok(auth) => auth,
         Err(refusal) => return respond(refusal, &headers),
     };
-    let Some(id) = actions::field(&form.id) else {
+    let Some(id) = gate::field(&form.id) else {
         let message = "requeue needs the message id";
         return respond(
             Outcome::new(StatusCode::BAD_REQUEST, message, "/#dead-letters"),

@@ -4,42 +4,12 @@
 //! (1-based), and the canonical text every later offset counts in is the trimmed non-empty
 //! element texts joined by one `\n`, offsets in UTF-8 bytes.
 
-use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use uuid::Uuid;
 
 use super::parse::{BlockKind, Format, Parsed};
 
-/// One element of a parse artifact (`parse_artifacts.elements[i]`).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Element {
-    pub id: String,
-    #[serde(rename = "type")]
-    pub kind: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub text: Option<String>,
-    #[serde(rename = "sectionPath", default)]
-    pub section_path: Vec<String>,
-    #[serde(
-        rename = "pageNumber",
-        default,
-        skip_serializing_if = "Option::is_none"
-    )]
-    pub page_number: Option<i32>,
-    #[serde(default)]
-    pub metadata: Value,
-}
-
-impl Element {
-    /// The element's text without surrounding Unicode whitespace ("" when it has none).
-    pub fn trimmed(&self) -> &str {
-        self.text.as_deref().map_or("", str::trim)
-    }
-
-    pub fn is_heading(&self) -> bool {
-        matches!(self.kind.as_str(), "heading" | "title")
-    }
-}
+pub use super::element::{content_type_of, Element};
 
 /// An element for unit tests: id `a:element-<n>`, no page, no metadata.
 #[cfg(test)]
@@ -61,19 +31,6 @@ pub fn parser_of(format: Format) -> (&'static str, &'static str) {
         Format::Markdown | Format::Text => ("native-markdown", "native-markdown@1"),
         Format::Html => ("native-html", "native-html@1"),
         _ => ("unstructured", super::parse::route::PARSER_VERSION),
-    }
-}
-
-/// `parse_artifacts.content_type`: `mixed` when any element is code, an image, a list or a
-/// table, else `text`.
-pub fn content_type_of(elements: &[Element]) -> &'static str {
-    if elements
-        .iter()
-        .any(|e| matches!(e.kind.as_str(), "code" | "image" | "list" | "table"))
-    {
-        "mixed"
-    } else {
-        "text"
     }
 }
 

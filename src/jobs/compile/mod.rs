@@ -56,6 +56,8 @@ pub mod checkpoint;
 pub mod chunk;
 pub mod cli;
 pub(crate) mod compose;
+pub mod element;
+pub(crate) mod frozen;
 pub mod intents;
 pub mod media;
 pub mod multimodal;
@@ -175,9 +177,9 @@ impl Handler for CompileHandler {
         }
         if cp == Checkpoint::Queued {
             intents::refuse_disabled(tx, &attempt).await?;
-            profiles::ensure_ready(tx, &mut attempt).await?;
+            frozen::ensure_ready(tx, &mut attempt).await?;
         } else {
-            attempt.embedding = profiles::frozen_embedding(tx, &attempt).await?;
+            attempt.embedding = frozen::frozen_embedding(tx, &attempt).await?;
         }
         let store = &self.deps.store;
         match cp {

@@ -8,7 +8,7 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::request::{Ask, RequestError, Target, MAX_EXECUTION_ATTEMPTS};
+use super::ask::{Ask, RequestError, Target, MAX_EXECUTION_ATTEMPTS};
 
 /// Writes the fences of job `job_id` on the request's target (at `target_revision`).
 pub(super) async fn fence(

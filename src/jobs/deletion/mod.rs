@@ -33,6 +33,7 @@
 //!   `primary`, `residue` — `deleting_primary_data` and completion; `sql` — shared predicates.
 //! - [`cli`] — `kfs-worker delete ...`.
 
+mod ask;
 mod authority;
 mod authz;
 pub mod cli;

@@ -10,10 +10,10 @@
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
+use super::ask::{active_grant, insert_outbox, Asker, RequestError};
 use super::authz::{
     check_channel, check_text, is_unique_violation, sha256_hex, valid_snapshot, Access,
 };
-use super::request::{active_grant, insert_outbox, Asker, RequestError};
 
 /// Who may retry a failed job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

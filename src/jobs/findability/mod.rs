@@ -520,7 +520,7 @@ async fn persist(
 }
 
 #[async_trait::async_trait]
-impl crate::poller::PolledKind for FindabilityKind {
+impl crate::engine::polled::PolledKind for FindabilityKind {
     fn name(&self) -> &'static str {
         "findability"
     }

@@ -246,7 +246,7 @@ impl RepairKind {
 }
 
 #[async_trait::async_trait]
-impl crate::poller::PolledKind for RepairKind {
+impl crate::engine::polled::PolledKind for RepairKind {
     fn name(&self) -> &'static str {
         "repair"
     }

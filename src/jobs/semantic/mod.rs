@@ -28,7 +28,7 @@ use crate::engine::leased::{
 };
 use crate::jobs::compile::semantic::graph::{self, GraphNode};
 use crate::jobs::{JobError, Policy, RetryPolicy, Step};
-use crate::model::{ModelError, Models};
+use crate::model::Models;
 
 pub const TABLE: &str = "document_semantic_enrichment_jobs";
 pub const SUPERSEDED: &str = "SEMANTIC_GENERATION_SUPERSEDED";
@@ -317,7 +317,7 @@ impl SemanticKind {
                         .models
                         .call(&budget, &model, &extract::entity_prompt(n))
                         .await
-                        .map_err(ModelError::into_job_error)?;
+                        .map_err(JobError::from)?;
                     calls += 1;
                     let r = extract::entity_result(&c.text, &model, &now_text())
                         .map_err(|e| JobError::retryable("model_bad_answer", e))?;
@@ -339,7 +339,7 @@ impl SemanticKind {
                     .models
                     .call(&budget, &model, &extract::relation_prompt(n, &entities))
                     .await
-                    .map_err(ModelError::into_job_error)?;
+                    .map_err(JobError::from)?;
                 calls += 1;
                 extract::relation_result(&c.text, &model, &now_text())
                     .map_err(|e| JobError::retryable("model_bad_answer", e))?
@@ -449,7 +449,7 @@ impl SemanticKind {
             crate::jobs::compile::semantic::step::write_graph(tx, &attempt, &entities, &relations)
                 .await?;
             if let Some((profile, _)) =
-                crate::jobs::compile::profiles::frozen_embedding(tx, &attempt).await?
+                crate::jobs::compile::frozen::frozen_embedding(tx, &attempt).await?
             {
                 let texts: HashMap<Uuid, &str> = nodes
                     .iter()

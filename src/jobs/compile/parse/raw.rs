@@ -177,7 +177,7 @@ fn collapse(s: &str) -> String {
 pub fn to_elements(
     artifact_id: uuid::Uuid,
     raw: &[RawElement],
-) -> Vec<super::super::artifact::Element> {
+) -> Vec<super::super::element::Element> {
     use serde_json::{json, Map, Value};
     let mut out = Vec::with_capacity(raw.len());
     let mut path: Vec<String> = Vec::new();
@@ -228,7 +228,7 @@ pub fn to_elements(
             metadata.insert("title".into(), json!(text));
         }
         let n = out.len() + 1;
-        out.push(super::super::artifact::Element {
+        out.push(super::super::element::Element {
             id: format!("{artifact_id}:element-{n}"),
             kind: kind.to_owned(),
             text: (!text.is_empty()).then_some(text),

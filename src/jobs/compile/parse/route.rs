@@ -156,7 +156,7 @@ pub struct Source<'a> {
 pub struct Artifact {
     pub id: Uuid,
     pub hash: String,
-    pub elements: Vec<super::super::artifact::Element>,
+    pub elements: Vec<super::super::element::Element>,
     pub metadata: Value,
 }
 
@@ -165,7 +165,7 @@ impl Artifact {
     pub fn to_json(&self, asset: Uuid, version: i32) -> Value {
         json!({
             "artifactHash": self.hash,
-            "contentType": super::super::artifact::content_type_of(&self.elements),
+            "contentType": super::super::element::content_type_of(&self.elements),
             "createdAt": chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
             "documentAssetId": asset,
             "elements": self.elements,

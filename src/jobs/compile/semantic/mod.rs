@@ -32,7 +32,7 @@ use sqlx::PgConnection;
 
 use super::steps::{self, Artifact, Attempt};
 use crate::jobs::JobError;
-use crate::model::{Completion, ModelError, Models};
+use crate::model::{Completion, Models};
 
 /// Semantic windows asked for at once per document.
 pub const WINDOW_CONCURRENCY: usize = 4;
@@ -206,7 +206,7 @@ async fn ask_window(
         let c = models
             .call(budget, &sel.model, &prompt)
             .await
-            .map_err(ModelError::into_job_error)?;
+            .map_err(JobError::from)?;
         match answer::parse(&c.text, &p.canonical, &p.units, w) {
             Ok(_) => return Ok((c, tries + 1)),
             Err(e) if e.retryable() && tries < OUTPUT_RETRIES => tries += 1,
@@ -360,7 +360,7 @@ async fn outline_summaries(
         }
         let mut asked = futures_util::stream::iter(calls).buffered(summaries::CONCURRENCY);
         while let Some((s, input, r)) = asked.next().await {
-            let c = r.map_err(ModelError::into_job_error)?;
+            let c = r.map_err(JobError::from)?;
             out.calls += 1;
             let summary = summaries::parse(&c.text)
                 .map_err(|e| JobError::fatal(super::profiles::COMPILATION_FAILED, e))?;

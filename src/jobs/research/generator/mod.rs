@@ -256,7 +256,7 @@ pub enum GeneratorConfig {
     OpenAi(OpenAiConfig),
 }
 
-pub const DEFAULT_OPENAI_BASE_URL: &str = "https://api.openai.com/v1";
+pub use crate::config::DEFAULT_OPENAI_BASE_URL;
 
 fn price(var: &'static str, raw: Option<String>) -> Result<f64, ConfigError> {
     let Some(raw) = raw.filter(|r| !r.trim().is_empty()) else {

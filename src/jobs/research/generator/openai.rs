@@ -20,25 +20,7 @@ use crate::jobs::JobError;
 /// The longest answer asked for unless `KFS_OPENAI_MAX_OUTPUT_TOKENS` says otherwise.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u32 = 1024;
 
-/// An API key. Only its length can be printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct ApiKey(String);
-
-impl ApiKey {
-    pub fn new(key: impl Into<String>) -> Self {
-        Self(key.into())
-    }
-
-    pub(crate) fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for ApiKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "ApiKey(*** {} chars)", self.0.len())
-    }
-}
+pub use crate::config::ApiKey;
 
 /// Settings of the OpenAI-compatible generator.
 #[derive(Clone, Debug, PartialEq)]

@@ -10,12 +10,12 @@ use serde_json::json;
 use uuid::Uuid;
 
 use super::{enqueue_probes, probe_relay, publish_confirmed, Params};
+use crate::engine::wire::OutboundMessage;
 use crate::jobs::Kind;
 use crate::relay::Relay;
 use crate::tools::bench::env::BenchEnv;
 use crate::tools::bench::machine::CpuMeter;
 use crate::tools::bench::report::{cpu_ceiling, Progress, Report, Run};
-use crate::wire::OutboundMessage;
 
 /// Confirmed publishes of `n` messages shaped like the relay's, `batch` at a time.
 async fn raw_publishes(
